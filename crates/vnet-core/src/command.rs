@@ -1,0 +1,400 @@
+//! The control language: one command a line, keywords case-insensitive,
+//! `#` starts a comment. A request is a list of lines; it is parsed whole
+//! and any error names its line, so nothing is applied from a bad request.
+//!
+//! ```text
+//! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>]
+//! INTERFACE DEL <tap-name | guest-MAC>
+//! INTERFACE LIST
+//! LINK ADD <remote-ip> [<port>] [udp] [name <name>]
+//! LINK DEL <link-idx | name>
+//! LINK LIST
+//! ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
+//! ROUTE DEL <route-idx | the rule as added>
+//! ROUTE LIST
+//! STATS [interfaces | links | routes | global]
+//! SHOW
+//! HELP
+//! ```
+
+use crate::mac::Mac;
+use crate::rule::{canonical_link_name, RuleSpec};
+use std::net::IpAddr;
+
+/// Largest MTU a Linux TAP device takes (65535 minus its own headroom).
+pub const MAX_MTU: u32 = 65521;
+/// Smallest MTU Linux allows an Ethernet device that carries IPv4.
+pub const MIN_MTU: u32 = 68;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum LinkProto {
+    Udp,
+    Tcp,
+}
+
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum IfaceRef {
+    Name(String),
+    Mac(Mac),
+}
+
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum LinkRef {
+    Index(u32),
+    Name(String),
+}
+
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum RouteRef {
+    Index(u32),
+    Rule(RuleSpec),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum StatsScope {
+    All,
+    Interfaces,
+    Links,
+    Routes,
+    Global,
+}
+
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Command {
+    IfaceAdd { name: String, mac: Mac, mtu: Option<u32> },
+    IfaceDel(IfaceRef),
+    IfaceList,
+    LinkAdd { ip: IpAddr, port: Option<u16>, proto: LinkProto, name: Option<String> },
+    LinkDel(LinkRef),
+    LinkList,
+    RouteAdd(RuleSpec),
+    RouteDel(RouteRef),
+    RouteList,
+    Stats(StatsScope),
+    Show,
+    Help,
+}
+
+impl Command {
+    /// Whether the command changes state (and so takes part in a request's
+    /// all-or-nothing application) rather than only reporting it.
+    pub fn mutates(&self) -> bool {
+        matches!(
+            self,
+            Command::IfaceAdd { .. }
+                | Command::IfaceDel(_)
+                | Command::LinkAdd { .. }
+                | Command::LinkDel(_)
+                | Command::RouteAdd(_)
+                | Command::RouteDel(_)
+        )
+    }
+}
+
+pub const HELP: &str = "\
+INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>]   create a TAP for a guest
+INTERFACE DEL <tap-name | guest-MAC>
+INTERFACE LIST
+LINK ADD <remote-ip> [<port>] [udp] [name <name>]    a UDP link to another vnetd
+LINK DEL <link-idx | name>
+LINK LIST
+ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
+    MAC: an address, any, none (dst only: default route) or not-<MAC>
+    dst-TYPE: interface <guest-MAC> | edge <link-name>
+    src-TYPE: any | interface [<guest-MAC>] | edge [<link-name>]
+ROUTE DEL <route-idx | the rule as added>
+ROUTE LIST
+STATS [interfaces | links | routes | global]
+SHOW                                                 everything above, at once
+BEGIN ... COMMIT                                     several lines, all or nothing";
+
+/// A parse error: which line (1-based, within the request) and why.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct LineError {
+    pub line: usize,
+    pub text: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for LineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "line {}: {}: {}", self.line, self.reason, self.text.trim())
+    }
+}
+
+/// Parses a whole request. Blank lines and comments are skipped but counted,
+/// so line numbers match the file the request came from.
+pub fn parse_request(text: &str) -> Result<Vec<(usize, Command)>, LineError> {
+    let mut out = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        match parse_line(raw) {
+            Ok(Some(cmd)) => out.push((i + 1, cmd)),
+            Ok(None) => {}
+            Err(reason) => return Err(LineError { line: i + 1, text: raw.to_string(), reason }),
+        }
+    }
+    Ok(out)
+}
+
+/// Parses one line; `Ok(None)` for a blank line or a comment.
+pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
+    let line = raw.split('#').next().unwrap_or("");
+    let toks: Vec<&str> = line.split_whitespace().collect();
+    let Some(first) = toks.first() else { return Ok(None) };
+    let word = |i: usize| toks.get(i).map(|t| t.to_ascii_lowercase());
+    let verb = word(1);
+    let args = toks.get(2..).unwrap_or(&[]);
+    let no_args = |cmd: Command| {
+        if args.is_empty() {
+            Ok(Some(cmd))
+        } else {
+            Err(format!("unexpected '{}' after the command", args.join(" ")))
+        }
+    };
+    match first.to_ascii_lowercase().as_str() {
+        "interface" | "iface" => match verb.as_deref() {
+            Some("add") => parse_iface_add(args).map(Some),
+            Some("del") | Some("delete") => Ok(Some(Command::IfaceDel(parse_iface_ref(one_arg(args, "an interface name or MAC")?)?))),
+            Some("list") => no_args(Command::IfaceList),
+            _ => Err(bad_verb("INTERFACE", toks.get(1))),
+        },
+        "link" => match verb.as_deref() {
+            Some("add") => parse_link_add(args).map(Some),
+            Some("del") | Some("delete") => {
+                let a = one_arg(args, "a link index or name")?;
+                Ok(Some(Command::LinkDel(match a.parse::<u32>() {
+                    Ok(i) => LinkRef::Index(i),
+                    Err(_) => LinkRef::Name(canonical_link_name(a)?),
+                })))
+            }
+            Some("list") => no_args(Command::LinkList),
+            _ => Err(bad_verb("LINK", toks.get(1))),
+        },
+        "route" => match verb.as_deref() {
+            Some("add") => Ok(Some(Command::RouteAdd(RuleSpec::parse(args)?))),
+            Some("del") | Some("delete") => match args {
+                [] => Err("ROUTE DEL needs a route index or the rule".into()),
+                [one] => match one.parse::<u32>() {
+                    Ok(i) => Ok(Some(Command::RouteDel(RouteRef::Index(i)))),
+                    Err(_) => Err(format!("'{one}' is not a route index")),
+                },
+                rule => Ok(Some(Command::RouteDel(RouteRef::Rule(RuleSpec::parse(rule)?)))),
+            },
+            Some("list") => no_args(Command::RouteList),
+            _ => Err(bad_verb("ROUTE", toks.get(1))),
+        },
+        "stats" => {
+            let scope = match toks.get(1..).unwrap_or(&[]) {
+                [] => StatsScope::All,
+                [s] => match s.to_ascii_lowercase().as_str() {
+                    "interfaces" | "interface" | "iface" => StatsScope::Interfaces,
+                    "links" | "link" => StatsScope::Links,
+                    "routes" | "route" => StatsScope::Routes,
+                    "global" => StatsScope::Global,
+                    _ => return Err(format!("'{s}' is not a stats scope (want interfaces, links, routes or global)")),
+                },
+                more => return Err(format!("unexpected '{}' after STATS", more.join(" "))),
+            };
+            Ok(Some(Command::Stats(scope)))
+        }
+        "show" if toks.len() == 1 => Ok(Some(Command::Show)),
+        "help" if toks.len() == 1 => Ok(Some(Command::Help)),
+        "begin" | "commit" | "abort" => Err(format!("{first} is only allowed as a line of its own, outside a request")),
+        _ => Err(format!("unknown command '{}' (try HELP)", toks.join(" "))),
+    }
+}
+
+fn bad_verb(noun: &str, got: Option<&&str>) -> String {
+    match got {
+        Some(v) => format!("'{v}' is not a {noun} verb (want ADD, DEL or LIST)"),
+        None => format!("{noun} needs a verb (ADD, DEL or LIST)"),
+    }
+}
+
+fn one_arg<'a>(args: &[&'a str], what: &str) -> Result<&'a str, String> {
+    match args {
+        [one] => Ok(one),
+        [] => Err(format!("missing {what}")),
+        more => Err(format!("want only {what}, got '{}'", more.join(" "))),
+    }
+}
+
+fn parse_iface_ref(tok: &str) -> Result<IfaceRef, String> {
+    if let Ok(mac) = tok.parse::<Mac>() {
+        return Ok(IfaceRef::Mac(mac));
+    }
+    check_ifname(tok)?;
+    Ok(IfaceRef::Name(tok.to_string()))
+}
+
+/// Linux interface names: 1 to 15 bytes, no '/', ':' or whitespace.
+pub fn check_ifname(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 15
+        && name != "."
+        && name != ".."
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("'{name}' is not a device name (1-15 of A-Z a-z 0-9 _ . -)"))
+    }
+}
+
+fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
+    let [name, mac, rest @ ..] = args else {
+        return Err("INTERFACE ADD needs <tap-name> <guest-MAC> [mtu <bytes>]".into());
+    };
+    check_ifname(name)?;
+    let mac: Mac = mac.parse()?;
+    if mac.is_multicast() {
+        return Err(format!("guest MAC {mac} is a multicast address"));
+    }
+    let mtu = match rest {
+        [] => None,
+        [kw, v] if kw.eq_ignore_ascii_case("mtu") => {
+            let m: u32 = v.parse().map_err(|_| format!("'{v}' is not an MTU"))?;
+            if !(MIN_MTU..=MAX_MTU).contains(&m) {
+                return Err(format!("MTU {m} is out of range {MIN_MTU}..{MAX_MTU}"));
+            }
+            Some(m)
+        }
+        _ => return Err(format!("unexpected '{}' (want: mtu <bytes>)", rest.join(" "))),
+    };
+    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu })
+}
+
+fn parse_link_add(args: &[&str]) -> Result<Command, String> {
+    let Some((ip_tok, mut rest)) = args.split_first() else {
+        return Err("LINK ADD needs <remote-ip> [<port>] [udp] [name <name>]".into());
+    };
+    let ip: IpAddr = ip_tok.parse().map_err(|_| format!("'{ip_tok}' is not an IP address"))?;
+    let mut port = None;
+    if let Some((p, r)) = rest.split_first() {
+        if p.chars().all(|c| c.is_ascii_digit()) {
+            let n: u16 = p.parse().map_err(|_| format!("'{p}' is not a port"))?;
+            if n == 0 {
+                return Err("port 0 is not a port".into());
+            }
+            port = Some(n);
+            rest = r;
+        }
+    }
+    let mut proto = LinkProto::Udp;
+    let mut name = None;
+    while let Some((kw, r)) = rest.split_first() {
+        match kw.to_ascii_lowercase().as_str() {
+            "udp" => proto = LinkProto::Udp,
+            "tcp" => proto = LinkProto::Tcp,
+            "name" => {
+                let Some((n, r2)) = r.split_first() else { return Err("name needs a value".into()) };
+                name = Some(canonical_link_name(n)?);
+                rest = r2;
+                continue;
+            }
+            other => return Err(format!("unexpected '{other}' (want a port, udp, tcp or name <name>)")),
+        }
+        rest = r;
+    }
+    Ok(Command::LinkAdd { ip, port, proto, name })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rule::{DstSpec, MacQual, SrcSpec};
+
+    fn one(s: &str) -> Command {
+        parse_line(s).unwrap().unwrap()
+    }
+
+    #[test]
+    fn parses_every_command() {
+        assert_eq!(
+            one("interface add vg1 02:00:00:00:00:01 mtu 9000"),
+            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000) }
+        );
+        assert_eq!(one("IFACE DEL vg1"), Command::IfaceDel(IfaceRef::Name("vg1".into())));
+        assert_eq!(one("iface del 02:00:00:00:00:01"), Command::IfaceDel(IfaceRef::Mac("02:00:00:00:00:01".parse().unwrap())));
+        assert_eq!(one("Interface List"), Command::IfaceList);
+        assert_eq!(
+            one("LINK ADD 10.0.0.2 9000 udp"),
+            Command::LinkAdd { ip: "10.0.0.2".parse().unwrap(), port: Some(9000), proto: LinkProto::Udp, name: None }
+        );
+        assert_eq!(
+            one("link add fd00::2 name peer-b"),
+            Command::LinkAdd { ip: "fd00::2".parse().unwrap(), port: None, proto: LinkProto::Udp, name: Some("peer-b".into()) }
+        );
+        assert_eq!(one("LINK DEL 3"), Command::LinkDel(LinkRef::Index(3)));
+        assert_eq!(one("LINK DEL 10.0.0.2"), Command::LinkDel(LinkRef::Name("10.0.0.2".into())));
+        assert_eq!(one("link list"), Command::LinkList);
+        let Command::RouteAdd(r) = one("ROUTE ADD any 02:00:00:00:00:02 edge 10.0.0.2 interface") else { panic!() };
+        assert_eq!(r.src_mac, MacQual::Any);
+        assert_eq!(r.dst, DstSpec::Edge("10.0.0.2".into()));
+        assert_eq!(r.src, SrcSpec::Interface(None));
+        assert_eq!(one("ROUTE DEL 7"), Command::RouteDel(RouteRef::Index(7)));
+        assert!(matches!(one("route del any any edge x any"), Command::RouteDel(RouteRef::Rule(_))));
+        assert_eq!(one("STATS"), Command::Stats(StatsScope::All));
+        assert_eq!(one("stats links"), Command::Stats(StatsScope::Links));
+        assert_eq!(one("show"), Command::Show);
+        assert_eq!(one("help"), Command::Help);
+    }
+
+    #[test]
+    fn comments_and_blank_lines_are_skipped_but_counted() {
+        let req = "# a config\n\nlink add 10.0.0.2   # peer\n   \nroute list\n";
+        let cmds = parse_request(req).unwrap();
+        assert_eq!(cmds.len(), 2);
+        assert_eq!(cmds[0].0, 3);
+        assert_eq!(cmds[1].0, 5);
+    }
+
+    #[test]
+    fn a_bad_line_fails_the_request_with_its_number() {
+        let req = "link add 10.0.0.2\nroute add any any edge 10.0.0.2 any\nroute add any bogus edge 10.0.0.2 any\nlink list\n";
+        let e = parse_request(req).unwrap_err();
+        assert_eq!(e.line, 3);
+        assert!(e.reason.contains("bogus"), "{e}");
+        assert!(e.to_string().starts_with("line 3: "), "{e}");
+    }
+
+    #[test]
+    fn rejects_malformed_commands_with_reasons() {
+        let cases = [
+            ("frobnicate", "unknown command"),
+            ("link", "needs a verb"),
+            ("link twiddle", "not a LINK verb"),
+            ("link add", "needs <remote-ip>"),
+            ("link add 10.0.0.300", "not an IP address"),
+            ("link add 10.0.0.2 70000", "not a port"),
+            ("link add 10.0.0.2 0", "port 0"),
+            ("link add 10.0.0.2 9000 sctp", "unexpected 'sctp'"),
+            ("link add 10.0.0.2 name", "needs a value"),
+            ("link del", "missing"),
+            ("link list now", "unexpected"),
+            ("interface add vg1", "needs <tap-name>"),
+            ("interface add this-name-is-too-long 02:00:00:00:00:01", "not a device name"),
+            ("interface add vg/1 02:00:00:00:00:01", "not a device name"),
+            ("interface add vg1 01:00:00:00:00:01", "multicast"),
+            ("interface add vg1 02:00:00:00:00:01 mtu 70000", "out of range"),
+            ("interface add vg1 02:00:00:00:00:01 mtu 67", "out of range"),
+            ("interface add vg1 02:00:00:00:00:01 mtu", "unexpected"),
+            ("route add any any", "too short"),
+            ("route del", "needs a route index"),
+            ("route del x", "not a route index"),
+            ("stats everything", "not a stats scope"),
+            ("begin", "only allowed"),
+        ];
+        for (s, want) in cases {
+            let e = parse_line(s).unwrap_err();
+            assert!(e.contains(want), "{s}: {e}");
+        }
+    }
+
+    #[test]
+    fn mutating_commands_are_known() {
+        assert!(one("route add any any edge x any").mutates());
+        assert!(!one("route list").mutates());
+        assert!(!one("stats").mutates());
+    }
+}

@@ -1,0 +1,19 @@
+//! VNET core: the pure logic of the overlay, with no I/O.
+//!
+//! - [`mac`]: MAC addresses and frame headers.
+//! - [`rule`]: route rules as users write them (the VNET/P grammar).
+//! - [`table`]: the resolved rule table and the matcher (priorities, fan-out,
+//!   split horizon).
+//! - [`cache`]: the per-thread route cache in front of the table.
+//! - [`command`]: the control language.
+
+pub mod cache;
+pub mod command;
+pub mod mac;
+pub mod rule;
+pub mod table;
+
+pub use cache::RouteCache;
+pub use mac::Mac;
+pub use rule::{DstSpec, MacQual, RuleSpec, SrcSpec};
+pub use table::{Hit, Port, RouteTable, Rule, SrcMatch};
