@@ -1,1 +1,154 @@
-fn main(){}
+//! vnetd: one per host. Creates the guests' virtual NICs, routes their
+//! Ethernet frames by MAC through the rule table, and carries them to other
+//! hosts' vnetd over UDP links. Configured with the control language from a
+//! file at start and over TCP / a Unix socket while it runs.
+
+mod control;
+mod dispatch;
+mod link;
+mod nic;
+mod stats;
+mod topology;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use control::{server, Control};
+use dispatch::Datapath;
+use link::UdpEndpoint;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use topology::Settings;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "VNET overlay daemon: one per host")]
+struct Args {
+    /// Control-language file applied (all or nothing) at start.
+    #[arg(short, long)]
+    config: Option<PathBuf>,
+    /// Address the UDP link endpoint binds to.
+    #[arg(long, default_value = "0.0.0.0")]
+    udp_bind: IpAddr,
+    /// UDP port for links (ours, and the default remote port of a link).
+    #[arg(long, default_value_t = 9000)]
+    udp_port: u16,
+    /// Control TCP address, or "none". Only loopback addresses are allowed.
+    #[arg(long, default_value = "127.0.0.1:9001")]
+    control_tcp: String,
+    /// Control Unix socket path, or "none".
+    #[arg(long, default_value = "/run/vnetd.sock")]
+    control_unix: String,
+    /// MTU of interfaces added without one.
+    #[arg(long, default_value_t = 1500)]
+    default_mtu: u32,
+    /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
+    #[arg(long, default_value = "info")]
+    log_level: String,
+}
+
+fn main() {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&args.log_level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    if let Err(e) = run(args) {
+        eprintln!("vnetd: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    if !(vnet_core::command::MIN_MTU..=vnet_core::command::MAX_MTU).contains(&args.default_mtu) {
+        bail!("--default-mtu {} is out of range", args.default_mtu);
+    }
+    let control_tcp = match args.control_tcp.as_str() {
+        "none" => None,
+        s => {
+            let a: SocketAddr = s.parse().with_context(|| format!("--control-tcp '{s}' is not ADDR:PORT"))?;
+            if !a.ip().is_loopback() {
+                bail!("--control-tcp {a} is not a loopback address; the control port has no authentication, so it only listens on loopback");
+            }
+            Some(a)
+        }
+    };
+    let control_unix = (args.control_unix != "none").then(|| PathBuf::from(&args.control_unix));
+    let config = match &args.config {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?),
+        None => None,
+    };
+
+    // Bind everything first, so a busy port is reported before anything runs.
+    let udp = UdpEndpoint::bind(SocketAddr::new(args.udp_bind, args.udp_port))?;
+    let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
+    let unix_listener = control_unix.as_deref().map(server::bind_unix).transpose()?;
+
+    let settings = Settings {
+        default_link_port: args.udp_port,
+        default_mtu: args.default_mtu,
+        udp_is_ipv4: args.udp_bind.is_ipv4(),
+    };
+    let udp_addr = udp.local_addr();
+    let dp = Arc::new(Datapath::new(udp)?);
+    let dispatcher = {
+        let dp = dp.clone();
+        std::thread::Builder::new().name("dispatcher".into()).spawn(move || {
+            let r = dispatch::run(dp);
+            if let Err(e) = &r {
+                // Without a dispatcher nothing is forwarded: stop the daemon.
+                tracing::error!("dispatcher failed: {e:#}");
+                let _ = signal_hook::low_level::raise(SIGTERM);
+            }
+            r
+        })?
+    };
+    let ctl = Arc::new(Control::new(dp.clone(), settings));
+
+    let cleanup = |dp: &Datapath| {
+        dp.shutdown();
+        if let Some(p) = &control_unix {
+            let _ = std::fs::remove_file(p);
+        }
+    };
+    if let (Some(text), Some(path)) = (&config, &args.config) {
+        match ctl.execute(text) {
+            Ok(lines) => tracing::info!("config {}: {} changes applied", path.display(), lines.len()),
+            Err(e) => {
+                cleanup(&dp);
+                bail!("config {}: {e}", path.display());
+            }
+        }
+    }
+    if let Some(l) = tcp_listener {
+        server::spawn_tcp(ctl.clone(), l);
+    }
+    if let (Some(l), Some(p)) = (unix_listener, &control_unix) {
+        server::spawn_unix(ctl.clone(), l, p.clone());
+    }
+    tracing::info!(
+        "vnetd ready: udp {udp_addr}, control tcp {}, unix {}",
+        control_tcp.map_or("none".into(), |a| a.to_string()),
+        control_unix.as_ref().map_or("none".into(), |p| p.display().to_string())
+    );
+
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    let mut dispatcher = Some(dispatcher);
+    for sig in signals.forever() {
+        tracing::info!("signal {sig}: shutting down");
+        break;
+    }
+    cleanup(&dp);
+    if let Some(h) = dispatcher.take() {
+        match h.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => bail!("dispatcher failed: {e:#}"),
+            Err(_) => bail!("dispatcher panicked"),
+        }
+    }
+    tracing::info!(
+        "stopped; drops: no_route={} unknown_sender={}",
+        ctl.total_drops(stats::Drop::NoRoute),
+        ctl.total_drops(stats::Drop::UnknownSender)
+    );
+    Ok(())
+}

@@ -1,0 +1,128 @@
+//! The control plane: executes control-language requests against the
+//! topology, all or nothing, and renders state and counters as text.
+//!
+//! Output lines are `kind key=value ...`, readable by people and by scripts.
+
+pub mod server;
+
+use crate::dispatch::Datapath;
+use crate::stats::Drop;
+use crate::topology::{Settings, Topology};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+use vnet_core::command::{parse_request, Command, StatsScope, HELP};
+
+pub struct Control {
+    topo: Mutex<(Topology, u64)>,
+    dp: Arc<Datapath>,
+    settings: Settings,
+}
+
+impl Control {
+    pub fn new(dp: Arc<Datapath>, settings: Settings) -> Control {
+        Control { topo: Mutex::new((Topology::default(), 0)), dp, settings }
+    }
+
+    /// Executes a request (one or more lines). On success returns the output
+    /// lines; on failure returns `line N: reason: text` and nothing changed.
+    pub fn execute(&self, request: &str) -> Result<Vec<String>, String> {
+        let cmds = parse_request(request).map_err(|e| e.to_string())?;
+        let mut guard = self.topo.lock().unwrap_or_else(|p| p.into_inner());
+        let (current, generation) = &mut *guard;
+        let mut work = current.clone();
+        let mut out = Vec::new();
+        let mut changed = false;
+        for (line, cmd) in &cmds {
+            if cmd.mutates() {
+                let msg = work.apply(cmd, &self.settings).map_err(|reason| {
+                    let text = request.lines().nth(line - 1).unwrap_or("").trim();
+                    format!("line {line}: {reason}: {text}")
+                })?;
+                out.push(msg);
+                changed = true;
+            } else {
+                self.report(cmd, &work, &mut out);
+            }
+        }
+        if changed {
+            *generation += 1;
+            self.dp.publish(work.snapshot(*generation));
+            *current = work;
+        }
+        Ok(out)
+    }
+
+    fn report(&self, cmd: &Command, t: &Topology, out: &mut Vec<String>) {
+        match cmd {
+            Command::IfaceList => list_ifaces(t, out),
+            Command::LinkList => list_links(t, out),
+            Command::RouteList => list_routes(t, out),
+            Command::Stats(scope) => self.stats(*scope, t, out),
+            Command::Show => {
+                let udp = self.dp.udp.local_addr();
+                out.push(format!(
+                    "vnetd version={} udp={udp} default_mtu={} default_link_port={}",
+                    env!("CARGO_PKG_VERSION"),
+                    self.settings.default_mtu,
+                    self.settings.default_link_port
+                ));
+                list_ifaces(t, out);
+                list_links(t, out);
+                list_routes(t, out);
+            }
+            Command::Help => out.extend(HELP.lines().map(String::from)),
+            _ => {}
+        }
+    }
+
+    fn stats(&self, scope: StatsScope, t: &Topology, out: &mut Vec<String>) {
+        let all = scope == StatsScope::All;
+        if all || scope == StatsScope::Global {
+            out.push(format!("global {}", self.dp.global.render()));
+        }
+        if all || scope == StatsScope::Interfaces {
+            for i in t.ifaces.values() {
+                out.push(format!("interface {} name={} {}", i.idx, i.name, i.stats.render()));
+            }
+        }
+        if all || scope == StatsScope::Links {
+            for l in t.links.values() {
+                out.push(format!("link {} name={} {}", l.idx, l.name, l.stats.render()));
+            }
+        }
+        if all || scope == StatsScope::Routes {
+            for r in t.routes.values() {
+                out.push(format!(
+                    "route {} frames={} bytes={} rule={}",
+                    r.idx,
+                    r.stats.out_frames.load(Relaxed),
+                    r.stats.out_bytes.load(Relaxed),
+                    r.spec
+                ));
+            }
+        }
+    }
+
+    /// Drops of one reason over the whole daemon (for the log at exit).
+    pub fn total_drops(&self, why: Drop) -> u64 {
+        self.dp.global.drops(why)
+    }
+}
+
+fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
+    for i in t.ifaces.values() {
+        out.push(format!("interface {} name={} mac={} mtu={}", i.idx, i.name, i.mac, i.mtu));
+    }
+}
+
+fn list_links(t: &Topology, out: &mut Vec<String>) {
+    for l in t.links.values() {
+        out.push(format!("link {} name={} proto=udp remote={}", l.idx, l.name, l.remote));
+    }
+}
+
+fn list_routes(t: &Topology, out: &mut Vec<String>) {
+    for r in t.routes.values() {
+        out.push(format!("route {} {}", r.idx, r.spec));
+    }
+}
