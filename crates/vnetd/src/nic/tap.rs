@@ -58,8 +58,7 @@ impl Tap {
             .write(true)
             .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
             .open("/dev/net/tun")
-            .map_err(explain_tun_error)
-            .context("cannot open /dev/net/tun")?;
+            .map_err(|e| anyhow::anyhow!("cannot create TAP {name}: cannot open /dev/net/tun: {}", explain_tun_error(e)))?;
         let mut req = IfReqFlags { name: ifname_bytes(name), flags: IFF_TAP | IFF_NO_PI, _pad: [0; 22] };
         // SAFETY: TUNSETIFF reads and writes an ifreq, which `req` is laid out as.
         if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, &mut req) } < 0 {

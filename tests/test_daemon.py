@@ -1,0 +1,119 @@
+"""vnetd as a program: start-up errors, clean shutdown, the control channels."""
+
+import signal
+import socket
+import subprocess
+import time
+
+from netlab import VNETCTL, VNETD, Lab, run
+
+CONFIG = "INTERFACE ADD g1 02:00:00:00:00:01\nLINK ADD 198.18.0.2\nROUTE ADD any any edge 198.18.0.2 interface\n"
+
+
+def links(lab, ns):
+    return lab.x(ns, "ip", "-o", "link").stdout
+
+
+def start_fails(lab, ns, *args, timeout=10):
+    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *args, check=False, timeout=timeout)
+    assert p.returncode == 1, p
+    lines = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def test_sigterm_and_sigint_shut_down_cleanly(lab):
+    h = lab.add_host(1)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        d = lab.start_vnetd(h, CONFIG)
+        assert "g1" in links(lab, h)
+        assert d.stop(sig) == 0
+        assert "shutting down" in d.log_text()
+        assert "g1" not in links(lab, h), "the TAP goes with the daemon"
+        assert not d.sock.exists(), "the control socket is removed"
+
+
+def test_udp_port_in_use_is_one_clear_line(lab):
+    h = lab.add_host(1)
+    lab.start_vnetd(h, CONFIG)
+    line = start_fails(lab, h, "--control-tcp", "127.0.0.1:9101")
+    assert "cannot bind UDP 0.0.0.0:9000" in line and "in use" in line
+
+
+def test_control_port_in_use_is_one_clear_line(lab):
+    h = lab.add_host(1)
+    lab.start_vnetd(h, CONFIG)
+    line = start_fails(lab, h, "--udp-port", "9100")
+    assert "cannot bind control TCP 127.0.0.1:9001" in line
+
+
+def test_bad_config_line_is_one_clear_line_and_nothing_is_left(lab):
+    h = lab.add_host(1)
+    cfg = lab.tmp / "bad.conf"
+    cfg.write_text("INTERFACE ADD g1 02:00:00:00:00:01\n\nROUTE ADD any any edge nowhere any\n")
+    line = start_fails(lab, h, "--config", cfg)
+    assert f"config {cfg}: line 3: no link named nowhere" in line
+    assert "g1" not in links(lab, h)
+    cfg.write_text("LINK ADD 198.18.0.2\nLINK ADD 198.18.0.2 9000 carrier-pigeon\n")
+    assert "line 2: unexpected 'carrier-pigeon'" in start_fails(lab, h, "--config", cfg)
+
+
+def test_no_permission_for_tap_is_one_clear_line(lab):
+    h = lab.add_host(1)
+    cfg = lab.tmp / "tap.conf"
+    cfg.write_text("INTERFACE ADD g1 02:00:00:00:00:01\n")
+    lab.tmp.chmod(0o755)  # readable by the unprivileged user
+    p = lab.x(h, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+              VNETD, "--config", cfg, "--udp-port", "9200", "--control-tcp", "none", "--control-unix", "none",
+              check=False)
+    assert p.returncode == 1
+    msg = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
+    assert len(msg) == 1 and "cannot create TAP g1" in msg[0] and "CAP_NET_ADMIN" in msg[0], p.stderr
+
+
+def test_control_over_tcp_and_unix_socket(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    via_unix = d.ctl("LINK", "LIST").stdout
+    via_tcp = lab.x(h, VNETCTL, "--tcp", "127.0.0.1:9001", "LINK", "LIST").stdout
+    assert via_unix == via_tcp and "198.18.0.2" in via_tcp
+    # The Unix socket is for its owner only.
+    assert oct(d.sock.stat().st_mode & 0o777) == "0o600"
+    # A non-loopback control address is refused at start.
+    line = start_fails(lab, h, "--control-tcp", "198.18.0.1:9001", "--udp-port", "9300")
+    assert "not a loopback address" in line
+
+
+def test_raw_protocol_begin_commit_abort(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(d.sock))
+    f = s.makefile("rw")
+
+    def req(text):
+        f.write(text)
+        f.flush()
+        status = f.readline().strip()
+        if status.startswith("OK "):
+            return status, [f.readline().rstrip("\n") for _ in range(int(status[3:]))]
+        return status, []
+
+    assert req("route list\n") == ("OK 1", ["route 0 any any edge 198.18.0.2 interface"])
+    assert req("BEGIN\nLINK ADD 198.18.0.3\nABORT\n") == ("OK 0", [])
+    assert "198.18.0.3" not in d.ctl("LINK", "LIST").stdout
+    status, out = req("BEGIN\nLINK ADD 198.18.0.3\nROUTE ADD any ff:ff:ff:ff:ff:ff edge 198.18.0.3 interface\nCOMMIT\n")
+    assert status == "OK 2" and out[0].startswith("added link 1 198.18.0.3")
+    assert req("COMMIT\n")[0] == "ERR COMMIT without BEGIN"
+    status, _ = req("x" * 5000 + "\n")
+    assert status.startswith("ERR line longer than")
+    s.close()
+
+
+def test_vnetctl_exit_codes(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    assert d.ctl("HELP").returncode == 0
+    assert d.ctl("LINK", "DEL", "9", check=False).returncode == 1
+    p = run([VNETCTL, "--socket", lab.tmp / "nobody-here.sock", "SHOW"], check=False)
+    assert p.returncode == 2 and "cannot connect" in p.stderr

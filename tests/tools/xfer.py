@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Moves bytes over TCP and reports their SHA-256, to check a transfer end to end.
+
+  xfer.py recv PORT            accept one connection, print "<bytes> <sha256>"
+  xfer.py send HOST PORT N     send N pseudo-random bytes, print "<bytes> <sha256>"
+"""
+import hashlib
+import random
+import socket
+import sys
+
+
+def main():
+    mode = sys.argv[1]
+    h = hashlib.sha256()
+    total = 0
+    if mode == "recv":
+        srv = socket.create_server(("0.0.0.0", int(sys.argv[2])))
+        print("listening", flush=True)
+        conn, _ = srv.accept()
+        while chunk := conn.recv(1 << 20):
+            h.update(chunk)
+            total += len(chunk)
+    else:
+        host, port, n = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        rng = random.Random(n)
+        conn = socket.create_connection((host, port), timeout=60)
+        while total < n:
+            chunk = rng.randbytes(min(1 << 20, n - total))
+            conn.sendall(chunk)
+            h.update(chunk)
+            total += len(chunk)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)
+    conn.close()
+    print(total, h.hexdigest(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
