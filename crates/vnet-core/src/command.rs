@@ -3,7 +3,7 @@
 //! and any error names its line, so nothing is applied from a bad request.
 //!
 //! ```text
-//! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>]
+//! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
 //! INTERFACE DEL <tap-name | guest-MAC>
 //! INTERFACE LIST
 //! LINK ADD <remote-ip> [<port>] [udp] [name <name>]
@@ -30,6 +30,18 @@ pub const MIN_MTU: u32 = 68;
 pub enum LinkProto {
     Udp,
     Tcp,
+}
+
+/// Who holds the TAP's file side, and so where the guest's frames appear.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Attach {
+    /// vnetd holds the file side; the network device is the guest's NIC (a
+    /// namespace or container).
+    #[default]
+    Netns,
+    /// The file side is left for QEMU (`-netdev tap,ifname=..`); vnetd
+    /// exchanges frames with the device side through a packet socket.
+    Qemu,
 }
 
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -61,7 +73,7 @@ pub enum StatsScope {
 
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum Command {
-    IfaceAdd { name: String, mac: Mac, mtu: Option<u32> },
+    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach },
     IfaceDel(IfaceRef),
     IfaceList,
     LinkAdd { ip: IpAddr, port: Option<u16>, proto: LinkProto, name: Option<String> },
@@ -92,7 +104,8 @@ impl Command {
 }
 
 pub const HELP: &str = "\
-INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>]   create a TAP for a guest
+INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
+                                                     create a TAP for a guest (qemu: for QEMU to open)
 INTERFACE DEL <tap-name | guest-MAC>
 INTERFACE LIST
 LINK ADD <remote-ip> [<port>] [udp] [name <name>]    a UDP link to another vnetd
@@ -243,25 +256,34 @@ pub fn check_ifname(name: &str) -> Result<(), String> {
 
 fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     let [name, mac, rest @ ..] = args else {
-        return Err("INTERFACE ADD needs <tap-name> <guest-MAC> [mtu <bytes>]".into());
+        return Err("INTERFACE ADD needs <tap-name> <guest-MAC> [mtu <bytes>] [qemu]".into());
     };
     check_ifname(name)?;
     let mac: Mac = mac.parse()?;
     if mac.is_multicast() {
         return Err(format!("guest MAC {mac} is a multicast address"));
     }
-    let mtu = match rest {
-        [] => None,
-        [kw, v] if kw.eq_ignore_ascii_case("mtu") => {
-            let m: u32 = v.parse().map_err(|_| format!("'{v}' is not an MTU"))?;
-            if !(MIN_MTU..=MAX_MTU).contains(&m) {
-                return Err(format!("MTU {m} is out of range {MIN_MTU}..{MAX_MTU}"));
+    let (mut mtu, mut attach) = (None, Attach::Netns);
+    let mut rest = rest;
+    while let Some((kw, r)) = rest.split_first() {
+        match kw.to_ascii_lowercase().as_str() {
+            "mtu" => {
+                let Some((v, r2)) = r.split_first() else { return Err("mtu needs a value".into()) };
+                let m: u32 = v.parse().map_err(|_| format!("'{v}' is not an MTU"))?;
+                if !(MIN_MTU..=MAX_MTU).contains(&m) {
+                    return Err(format!("MTU {m} is out of range {MIN_MTU}..{MAX_MTU}"));
+                }
+                mtu = Some(m);
+                rest = r2;
+                continue;
             }
-            Some(m)
+            "qemu" => attach = Attach::Qemu,
+            "netns" => attach = Attach::Netns,
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, qemu or netns)")),
         }
-        _ => return Err(format!("unexpected '{}' (want: mtu <bytes>)", rest.join(" "))),
-    };
-    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu })
+        rest = r;
+    }
+    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach })
 }
 
 fn parse_link_add(args: &[&str]) -> Result<Command, String> {
@@ -312,7 +334,11 @@ mod tests {
     fn parses_every_command() {
         assert_eq!(
             one("interface add vg1 02:00:00:00:00:01 mtu 9000"),
-            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000) }
+            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns }
+        );
+        assert_eq!(
+            one("interface add vm1 52:54:00:12:34:56 QEMU mtu 1500"),
+            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu }
         );
         assert_eq!(one("IFACE DEL vg1"), Command::IfaceDel(IfaceRef::Name("vg1".into())));
         assert_eq!(one("iface del 02:00:00:00:00:01"), Command::IfaceDel(IfaceRef::Mac("02:00:00:00:00:01".parse().unwrap())));
@@ -378,7 +404,8 @@ mod tests {
             ("interface add vg1 01:00:00:00:00:01", "multicast"),
             ("interface add vg1 02:00:00:00:00:01 mtu 70000", "out of range"),
             ("interface add vg1 02:00:00:00:00:01 mtu 67", "out of range"),
-            ("interface add vg1 02:00:00:00:00:01 mtu", "unexpected"),
+            ("interface add vg1 02:00:00:00:00:01 mtu", "needs a value"),
+            ("interface add vg1 02:00:00:00:00:01 xen", "unexpected 'xen'"),
             ("route add any any", "too short"),
             ("route del", "needs a route index"),
             ("route del x", "not a route index"),

@@ -6,10 +6,12 @@
 //!   split horizon).
 //! - [`cache`]: the per-thread route cache in front of the table.
 //! - [`command`]: the control language.
+//! - [`offload`]: checksum completion and TCP segmentation for offloaded frames.
 
 pub mod cache;
 pub mod command;
 pub mod mac;
+pub mod offload;
 pub mod rule;
 pub mod table;
 

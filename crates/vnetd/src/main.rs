@@ -132,18 +132,16 @@ fn run(args: Args) -> Result<()> {
     );
 
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
-    let mut dispatcher = Some(dispatcher);
-    for sig in signals.forever() {
+    if let Some(sig) = signals.forever().next() {
         tracing::info!("signal {sig}: shutting down");
-        break;
     }
     cleanup(&dp);
-    if let Some(h) = dispatcher.take() {
-        match h.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => bail!("dispatcher failed: {e:#}"),
-            Err(_) => bail!("dispatcher panicked"),
-        }
+    let joined = dispatcher.join();
+    ctl.shutdown();
+    match joined {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => bail!("dispatcher failed: {e:#}"),
+        Err(_) => bail!("dispatcher panicked"),
     }
     tracing::info!(
         "stopped; drops: no_route={} unknown_sender={}",

@@ -8,12 +8,12 @@
 //! Resources (TAPs) made by a failed request are dropped with the copy, so a
 //! bad request changes nothing.
 
-use crate::nic::{tap, Tap};
+use crate::nic::{tap, Nic, Tap};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use vnet_core::command::{Command, IfaceRef, LinkProto, LinkRef, RouteRef};
+use vnet_core::command::{Attach, Command, IfaceRef, LinkProto, LinkRef, RouteRef};
 use vnet_core::rule::{DstSpec, RuleSpec, SrcSpec};
 use vnet_core::table::{Port, Rule, RouteTable, SrcMatch};
 use vnet_core::Mac;
@@ -23,7 +23,8 @@ pub struct Interface {
     pub name: String,
     pub mac: Mac,
     pub mtu: u32,
-    pub tap: Tap,
+    pub attach: Attach,
+    pub nic: Nic,
     pub stats: Counters,
 }
 
@@ -72,22 +73,29 @@ impl Topology {
     /// Applies one mutating command; returns a line saying what it did.
     pub fn apply(&mut self, cmd: &Command, settings: &Settings) -> Result<String, String> {
         match cmd {
-            Command::IfaceAdd { name, mac, mtu } => {
+            Command::IfaceAdd { name, mac, mtu, attach } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
                     return Err(format!("interface {name} exists (index {})", i.idx));
                 }
                 if let Some(i) = self.ifaces.values().find(|i| &i.mac == mac) {
                     return Err(format!("MAC {mac} is already interface {}", i.name));
                 }
-                if tap::device_exists(name) {
+                // A QEMU TAP may be left from an earlier vnetd and is taken over.
+                let reusable = *attach == Attach::Qemu && tap::is_tap(name);
+                if tap::device_exists(name) && !reusable {
                     return Err(format!("a device named {name} already exists on this host"));
                 }
                 let mtu = mtu.unwrap_or(settings.default_mtu);
-                let tap = Tap::create(name, mtu, *mac).map_err(|e| format!("{e:#}"))?;
+                let nic = match attach {
+                    Attach::Netns => Tap::create(name, mtu, *mac).map(Nic::Tap),
+                    Attach::Qemu => Nic::qemu(name, mtu),
+                }
+                .map_err(|e| format!("{e:#}"))?;
                 let idx = self.next_iface;
                 self.next_iface += 1;
-                self.ifaces.insert(idx, Arc::new(Interface { idx, name: name.clone(), mac: *mac, mtu, tap, stats: Counters::default() }));
-                Ok(format!("added interface {idx} {name} {mac} mtu {mtu}"))
+                let attach = *attach;
+                self.ifaces.insert(idx, Arc::new(Interface { idx, name: name.clone(), mac: *mac, mtu, attach, nic, stats: Counters::default() }));
+                Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{}", if attach == Attach::Qemu { " qemu" } else { "" }))
             }
             Command::IfaceDel(r) => {
                 let iface = self.find_iface(r)?;

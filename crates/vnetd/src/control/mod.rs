@@ -10,7 +10,7 @@ use crate::stats::Drop;
 use crate::topology::{Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
-use vnet_core::command::{parse_request, Command, StatsScope, HELP};
+use vnet_core::command::{parse_request, Attach, Command, StatsScope, HELP};
 
 pub struct Control {
     topo: Mutex<(Topology, u64)>,
@@ -103,6 +103,14 @@ impl Control {
         }
     }
 
+    /// Removes every interface (and so every TAP vnetd made, QEMU's too);
+    /// called once the dispatcher has stopped.
+    pub fn shutdown(&self) {
+        let mut guard = self.topo.lock().unwrap_or_else(|p| p.into_inner());
+        guard.0 = Topology::default();
+        self.dp.clear();
+    }
+
     /// Drops of one reason over the whole daemon (for the log at exit).
     pub fn total_drops(&self, why: Drop) -> u64 {
         self.dp.global.drops(why)
@@ -111,7 +119,11 @@ impl Control {
 
 fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
     for i in t.ifaces.values() {
-        out.push(format!("interface {} name={} mac={} mtu={}", i.idx, i.name, i.mac, i.mtu));
+        let attach = match i.attach {
+            Attach::Netns => "netns",
+            Attach::Qemu => "qemu",
+        };
+        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}", i.idx, i.name, i.mac, i.mtu));
     }
 }
 

@@ -20,13 +20,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vnet_core::mac::frame_macs;
 use vnet_core::table::Port;
-use vnet_core::RouteCache;
+use vnet_core::{offload, RouteCache};
 
 /// Frames taken from one source before looking at the others, so one busy
 /// source cannot starve the rest (the papers' quota of 64 per pass).
 const QUOTA: usize = 64;
 /// Room for the largest frame: 64 KiB of payload plus headers.
-const BUF_LEN: usize = 65536 + 64;
+const BUF_LEN: usize = 65536 + 128;
 
 const TOKEN_WAKE: u64 = u64::MAX;
 const TOKEN_UDP: u64 = u64::MAX - 1;
@@ -72,6 +72,12 @@ impl Datapath {
         }
     }
 
+    /// Forgets the topology (after the dispatcher stopped), releasing its
+    /// interfaces and links.
+    pub fn clear(&self) {
+        self.snapshot.store(Arc::new(Snapshot::empty()));
+    }
+
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
         let _ = self.wake.write(1);
@@ -94,7 +100,7 @@ pub fn run(dp: Arc<Datapath>) -> Result<()> {
     let udp_fd = unsafe { BorrowedFd::borrow_raw(dp.udp.as_raw_fd()) };
     epoll.add(udp_fd, EpollEvent::new(EpollFlags::EPOLLIN, TOKEN_UDP))?;
 
-    let mut d = Dispatcher { dp: dp.clone(), cache: RouteCache::default(), buf: vec![0u8; BUF_LEN] };
+    let mut d = Dispatcher { dp: dp.clone(), cache: RouteCache::default(), buf: vec![0u8; BUF_LEN], scratch: Vec::with_capacity(BUF_LEN) };
     let mut snap = dp.snapshot();
     register(&epoll, &snap, true)?;
     dp.running.store(snap.generation, Ordering::Release);
@@ -111,7 +117,7 @@ pub fn run(dp: Arc<Datapath>) -> Result<()> {
             match ev.data() {
                 TOKEN_WAKE => woken = true,
                 TOKEN_UDP => d.drain_udp(&snap),
-                slot => d.drain_tap(&snap, slot as u32),
+                slot => d.drain_nic(&snap, slot as u32),
             }
         }
         if woken {
@@ -132,8 +138,8 @@ pub fn run(dp: Arc<Datapath>) -> Result<()> {
 /// token is the interface's slot.
 fn register(epoll: &Epoll, snap: &Snapshot, add: bool) -> Result<()> {
     for (slot, iface) in snap.ifaces.iter().enumerate() {
-        // SAFETY: the TAP is kept open by `snap` while registered.
-        let fd = unsafe { BorrowedFd::borrow_raw(iface.tap.as_raw_fd()) };
+        // SAFETY: the NIC is kept open by `snap` while registered.
+        let fd = unsafe { BorrowedFd::borrow_raw(iface.nic.as_raw_fd()) };
         if add {
             epoll.add(fd, EpollEvent::new(EpollFlags::EPOLLIN, slot as u64))?;
         } else {
@@ -147,20 +153,40 @@ struct Dispatcher {
     dp: Arc<Datapath>,
     cache: RouteCache,
     buf: Vec<u8>,
+    /// Where software segmentation builds each segment.
+    scratch: Vec<u8>,
 }
 
 impl Dispatcher {
-    fn drain_tap(&mut self, snap: &Snapshot, slot: u32) {
+    fn drain_nic(&mut self, snap: &Snapshot, slot: u32) {
         let Some(iface) = snap.ifaces.get(slot as usize) else { return };
+        let origin = Port::Interface(slot);
         for _ in 0..QUOTA {
-            match iface.tap.recv(&mut self.buf) {
-                Ok(n) => {
-                    let frame = &self.buf[..n];
-                    forward(&self.dp, &mut self.cache, snap, Port::Interface(slot), frame);
+            match iface.nic.recv(&mut self.buf) {
+                Ok(rx) => {
+                    let frame = &mut self.buf[rx.start..rx.end];
+                    match rx.vnet {
+                        // A super-frame or a partial checksum: finish it in
+                        // software, then route each resulting frame.
+                        Some(h) if h.is_gso() || h.flags & offload::F_NEEDS_CSUM != 0 => {
+                            let (dp, cache) = (&self.dp, &mut self.cache);
+                            let r = offload::resolve(&h, frame, &mut self.scratch, |f| forward(dp, cache, snap, origin, f));
+                            if let Err(e) = r {
+                                iface.stats.received(frame.len());
+                                dp.global.received(frame.len());
+                                dp.drop_at(Some(&iface.stats), Drop::Malformed);
+                                tracing::debug!(iface = %iface.name, ?h, "cannot resolve offload: {e:?}");
+                            }
+                        }
+                        _ => forward(&self.dp, &mut self.cache, snap, origin, frame),
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
+                    self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
+                }
                 Err(e) => {
-                    tracing::warn!(iface = %iface.name, "read from TAP failed: {e}");
+                    tracing::warn!(iface = %iface.name, "read from NIC failed: {e}");
                     break;
                 }
             }
@@ -223,7 +249,7 @@ fn deliver(dp: &Datapath, snap: &Snapshot, to: Port, frame: &[u8]) {
                 dp.drop_at(Some(&iface.stats), Drop::Oversize);
                 return;
             }
-            (&iface.stats, iface.tap.send(frame))
+            (&iface.stats, iface.nic.send(frame))
         }
         Port::Link(s) => {
             let link = &snap.links[s as usize];

@@ -5,11 +5,12 @@ use anyhow::{bail, Context, Result};
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use vnet_core::Mac;
 
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 
@@ -50,6 +51,35 @@ impl Tap {
     /// Creates the TAP `name` with the given MTU and MAC, non-blocking, frames
     /// without any packet-information header.
     pub fn create(name: &str, mtu: u32, mac: Mac) -> Result<Tap> {
+        let tap = Tap::open(name)?;
+        configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
+        Ok(tap)
+    }
+
+    /// Creates (or, when it exists, takes over) a persistent TAP for another
+    /// program — QEMU — to open by name, and leaves it up with the given MTU.
+    /// vnetd keeps no descriptor to it.
+    /// A persistent TAP left by an earlier vnetd (QEMU may be holding it) is
+    /// taken over as it is.
+    pub fn create_for_qemu(name: &str, mtu: u32) -> Result<()> {
+        if !is_tap(name) {
+            let tap = Tap::open(name)?;
+            // SAFETY: TUNSETPERSIST takes an int argument.
+            if unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETPERSIST, 1 as libc::c_ulong) } < 0 {
+                bail!("cannot make TAP {name} persistent: {}", io::Error::last_os_error());
+            }
+        }
+        // The host must not talk on the guest's wire (IPv6 autoconf etc.).
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1");
+        let r = configure(name, mtu, None).and_then(|_| set_up(name));
+        if let Err(e) = r {
+            let _ = delete_device(name);
+            return Err(e.context(format!("cannot configure TAP {name}")));
+        }
+        Ok(())
+    }
+
+    fn open(name: &str) -> Result<Tap> {
         if name.is_empty() || name.len() >= libc::IFNAMSIZ {
             bail!("'{name}' is not a device name");
         }
@@ -71,40 +101,7 @@ impl Tap {
             };
             bail!("cannot create TAP {name}: {e}{hint}");
         }
-        let tap = Tap { file };
-        tap.configure(name, mtu, mac).with_context(|| format!("cannot configure TAP {name}"))?;
-        Ok(tap)
-    }
-
-    fn configure(&self, name: &str, mtu: u32, mac: Mac) -> Result<()> {
-        // Device ioctls go through any socket in the device's namespace.
-        // SAFETY: plain socket(2); the fd is closed below.
-        let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if sock < 0 {
-            return Err(io::Error::last_os_error().into());
-        }
-        let result = (|| -> Result<()> {
-            let mut m = IfReqMtu { name: ifname_bytes(name), mtu: mtu as libc::c_int, _pad: [0; 20] };
-            // SAFETY: SIOCSIFMTU takes an ifreq with ifr_mtu, as `m` is laid out.
-            if unsafe { libc::ioctl(sock, libc::SIOCSIFMTU, &mut m) } < 0 {
-                bail!("set MTU {mtu}: {}", io::Error::last_os_error());
-            }
-            // SAFETY: sockaddr is plain data; zeroed is a valid value.
-            let mut addr: libc::sockaddr = unsafe { std::mem::zeroed() };
-            addr.sa_family = libc::ARPHRD_ETHER;
-            for (d, s) in addr.sa_data.iter_mut().zip(mac.0) {
-                *d = s as libc::c_char;
-            }
-            let mut h = IfReqHwAddr { name: ifname_bytes(name), addr, _pad: [0; 8] };
-            // SAFETY: SIOCSIFHWADDR takes an ifreq with ifr_hwaddr, as `h` is laid out.
-            if unsafe { libc::ioctl(sock, libc::SIOCSIFHWADDR, &mut h) } < 0 {
-                bail!("set MAC {mac}: {}", io::Error::last_os_error());
-            }
-            Ok(())
-        })();
-        // SAFETY: sock is ours and open.
-        unsafe { libc::close(sock) };
-        result
+        Ok(Tap { file })
     }
 
     /// Reads one frame; `WouldBlock` when none is queued.
@@ -138,12 +135,132 @@ impl AsRawFd for Tap {
     }
 }
 
+/// Sets a device's MTU and (if given) MAC.
+fn configure(name: &str, mtu: u32, mac: Option<Mac>) -> Result<()> {
+    with_ioctl_socket(|sock| {
+        let mut m = IfReqMtu { name: ifname_bytes(name), mtu: mtu as libc::c_int, _pad: [0; 20] };
+        // SAFETY: SIOCSIFMTU takes an ifreq with ifr_mtu, as `m` is laid out.
+        if unsafe { libc::ioctl(sock, libc::SIOCSIFMTU, &mut m) } < 0 {
+            bail!("set MTU {mtu}: {}", io::Error::last_os_error());
+        }
+        let Some(mac) = mac else { return Ok(()) };
+        // SAFETY: sockaddr is plain data; zeroed is a valid value.
+        let mut addr: libc::sockaddr = unsafe { std::mem::zeroed() };
+        addr.sa_family = libc::ARPHRD_ETHER;
+        for (d, s) in addr.sa_data.iter_mut().zip(mac.0) {
+            *d = s as libc::c_char;
+        }
+        let mut h = IfReqHwAddr { name: ifname_bytes(name), addr, _pad: [0; 8] };
+        // SAFETY: SIOCSIFHWADDR takes an ifreq with ifr_hwaddr, as `h` is laid out.
+        if unsafe { libc::ioctl(sock, libc::SIOCSIFHWADDR, &mut h) } < 0 {
+            bail!("set MAC {mac}: {}", io::Error::last_os_error());
+        }
+        Ok(())
+    })
+}
+
+/// Runs `f` with a datagram socket: device ioctls go through any socket in
+/// the device's namespace.
+fn with_ioctl_socket<T>(f: impl FnOnce(RawFd) -> Result<T>) -> Result<T> {
+    // SAFETY: plain socket(2); the fd is closed below.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    let r = f(sock);
+    // SAFETY: sock is ours and open.
+    unsafe { libc::close(sock) };
+    r
+}
+
+/// Brings a device up.
+fn set_up(name: &str) -> Result<()> {
+    with_ioctl_socket(|sock| {
+        let mut req = IfReqFlags { name: ifname_bytes(name), flags: 0, _pad: [0; 22] };
+        // SAFETY: SIOCGIFFLAGS / SIOCSIFFLAGS take an ifreq with ifr_flags.
+        if unsafe { libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut req) } < 0 {
+            bail!("get flags: {}", io::Error::last_os_error());
+        }
+        req.flags |= libc::IFF_UP as libc::c_short;
+        if unsafe { libc::ioctl(sock, libc::SIOCSIFFLAGS, &mut req) } < 0 {
+            bail!("set up: {}", io::Error::last_os_error());
+        }
+        Ok(())
+    })
+}
+
+/// Deletes a network device by name (RTM_DELLINK), even one another program
+/// holds open.
+pub fn delete_device(name: &str) -> io::Result<()> {
+    let c = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: c is a valid C string.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if index == 0 {
+        return Err(io::Error::last_os_error());
+    }
+    #[repr(C)]
+    struct Req {
+        nlh: libc::nlmsghdr,
+        ifi: IfInfoMsg,
+    }
+    #[repr(C)]
+    struct IfInfoMsg {
+        family: u8,
+        _pad: u8,
+        kind: u16,
+        index: i32,
+        flags: u32,
+        change: u32,
+    }
+    // SAFETY: plain socket(2), closed by OwnedFd.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd was just opened and is owned here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let req = Req {
+        nlh: libc::nlmsghdr {
+            nlmsg_len: std::mem::size_of::<Req>() as u32,
+            nlmsg_type: libc::RTM_DELLINK,
+            nlmsg_flags: (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16,
+            nlmsg_seq: 1,
+            nlmsg_pid: 0,
+        },
+        ifi: IfInfoMsg { family: libc::AF_UNSPEC as u8, _pad: 0, kind: 0, index: index as i32, flags: 0, change: 0 },
+    };
+    // SAFETY: req is a plain struct of the size given.
+    let n = unsafe { libc::send(fd.as_raw_fd(), (&req as *const Req).cast(), std::mem::size_of::<Req>(), 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut ack = [0u8; 256];
+    // SAFETY: ack is valid for writes of its length.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), ack.as_mut_ptr().cast(), ack.len(), 0) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let hdr = std::mem::size_of::<libc::nlmsghdr>();
+    if n as usize >= hdr + 4 {
+        let err = i32::from_ne_bytes(ack[hdr..hdr + 4].try_into().unwrap());
+        if err < 0 {
+            return Err(io::Error::from_raw_os_error(-err));
+        }
+    }
+    Ok(())
+}
+
 fn explain_tun_error(e: io::Error) -> io::Error {
     match e.kind() {
         io::ErrorKind::NotFound => io::Error::new(e.kind(), format!("{e} (is the tun module loaded?)")),
         io::ErrorKind::PermissionDenied => io::Error::new(e.kind(), format!("{e} (vnetd needs CAP_NET_ADMIN)")),
         _ => e,
     }
+}
+
+/// Whether `name` is an existing TUN/TAP device in our namespace.
+pub fn is_tap(name: &str) -> bool {
+    std::path::Path::new(&format!("/sys/class/net/{name}/tun_flags")).exists()
 }
 
 /// Whether a network device of this name exists in our namespace.

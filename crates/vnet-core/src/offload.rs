@@ -1,0 +1,326 @@
+//! Offload metadata (the `virtio_net_hdr` Linux uses for TAP and packet
+//! sockets) and what a software datapath does with it: finishing a partial
+//! checksum, and cutting a TCP super-frame (TSO/GSO) into MSS-sized frames.
+
+/// `struct virtio_net_hdr` without `num_buffers`: 10 bytes, little-endian.
+pub const VNET_HDR_LEN: usize = 10;
+
+pub const F_NEEDS_CSUM: u8 = 1;
+pub const F_DATA_VALID: u8 = 2;
+
+pub const GSO_NONE: u8 = 0;
+pub const GSO_TCPV4: u8 = 1;
+pub const GSO_UDP: u8 = 3;
+pub const GSO_TCPV6: u8 = 4;
+pub const GSO_UDP_L4: u8 = 5;
+pub const GSO_ECN: u8 = 0x80;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VnetHdr {
+    pub flags: u8,
+    pub gso_type: u8,
+    pub hdr_len: u16,
+    pub gso_size: u16,
+    pub csum_start: u16,
+    pub csum_offset: u16,
+}
+
+impl VnetHdr {
+    pub fn parse(b: &[u8]) -> Option<VnetHdr> {
+        let b: &[u8; VNET_HDR_LEN] = b.get(..VNET_HDR_LEN)?.try_into().ok()?;
+        let u = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        Some(VnetHdr { flags: b[0], gso_type: b[1], hdr_len: u(2), gso_size: u(4), csum_start: u(6), csum_offset: u(8) })
+    }
+
+    pub fn write(&self, b: &mut [u8]) {
+        b[0] = self.flags;
+        b[1] = self.gso_type;
+        b[2..4].copy_from_slice(&self.hdr_len.to_le_bytes());
+        b[4..6].copy_from_slice(&self.gso_size.to_le_bytes());
+        b[6..8].copy_from_slice(&self.csum_start.to_le_bytes());
+        b[8..10].copy_from_slice(&self.csum_offset.to_le_bytes());
+    }
+
+    pub fn is_gso(&self) -> bool {
+        self.gso_type & !GSO_ECN != GSO_NONE
+    }
+}
+
+/// Why a frame's offload request could not be carried out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OffloadError {
+    /// Offsets or headers do not fit the frame.
+    Malformed,
+    /// A GSO type we do not segment (UFO, USO).
+    Unsupported,
+}
+
+/// One's-complement sum of `data` (as big-endian 16-bit words) added to `sum`.
+#[inline]
+pub fn csum_add(mut sum: u64, data: &[u8]) -> u64 {
+    let mut chunks = data.chunks_exact(8);
+    for c in &mut chunks {
+        let v = u64::from_be_bytes(c.try_into().unwrap());
+        sum = sum.wrapping_add(v >> 32).wrapping_add(v & 0xffff_ffff);
+    }
+    let rest = chunks.remainder();
+    let mut words = rest.chunks_exact(2);
+    for w in &mut words {
+        sum += u16::from_be_bytes([w[0], w[1]]) as u64;
+    }
+    if let [last] = words.remainder() {
+        sum += (*last as u64) << 8;
+    }
+    sum
+}
+
+/// Folds a sum to 16 bits and complements it: the value to store.
+#[inline]
+pub fn csum_fold(mut sum: u64) -> u16 {
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Finishes a checksum the sender left partial (`F_NEEDS_CSUM`): the field at
+/// `start + offset` holds the pseudo-header sum; sum from `start` to the end
+/// and store the result there.
+pub fn complete_checksum(frame: &mut [u8], start: usize, offset: usize) -> Result<(), OffloadError> {
+    if start >= frame.len() || start + offset + 2 > frame.len() {
+        return Err(OffloadError::Malformed);
+    }
+    let c = csum_fold(csum_add(0, &frame[start..]));
+    frame[start + offset..start + offset + 2].copy_from_slice(&c.to_be_bytes());
+    Ok(())
+}
+
+/// Offsets of a TCP frame's headers.
+struct TcpLayout {
+    l3: usize,
+    ipv4: bool,
+    l4: usize,
+    payload: usize,
+}
+
+fn tcp_layout(frame: &[u8]) -> Result<TcpLayout, OffloadError> {
+    let m = OffloadError::Malformed;
+    let mut l3 = 14;
+    let mut ethertype = u16::from_be_bytes([*frame.get(12).ok_or(m)?, *frame.get(13).ok_or(m)?]);
+    if ethertype == 0x8100 || ethertype == 0x88a8 {
+        ethertype = u16::from_be_bytes([*frame.get(16).ok_or(m)?, *frame.get(17).ok_or(m)?]);
+        l3 = 18;
+    }
+    let (ipv4, l4) = match ethertype {
+        0x0800 => {
+            let ihl = (*frame.get(l3).ok_or(m)? & 0x0f) as usize * 4;
+            if ihl < 20 || frame.get(l3 + 9) != Some(&6) {
+                return Err(m);
+            }
+            (true, l3 + ihl)
+        }
+        0x86dd => {
+            if frame.get(l3 + 6) != Some(&6) {
+                return Err(OffloadError::Unsupported); // extension headers
+            }
+            (false, l3 + 40)
+        }
+        _ => return Err(m),
+    };
+    let thl = (*frame.get(l4 + 12).ok_or(m)? >> 4) as usize * 4;
+    if thl < 20 || l4 + thl > frame.len() {
+        return Err(m);
+    }
+    Ok(TcpLayout { l3, ipv4, l4, payload: l4 + thl })
+}
+
+/// Cuts a TCP super-frame into frames of at most `mss` payload bytes each,
+/// with correct IP lengths, IDs and checksums, TCP sequence numbers, flags
+/// and checksums, calling `emit` with each (built in `scratch`).
+pub fn segment_tcp(
+    frame: &[u8],
+    mss: usize,
+    scratch: &mut Vec<u8>,
+    mut emit: impl FnMut(&[u8]),
+) -> Result<usize, OffloadError> {
+    let t = tcp_layout(frame)?;
+    if mss == 0 {
+        return Err(OffloadError::Malformed);
+    }
+    let headers = &frame[..t.payload];
+    let payload = &frame[t.payload..];
+    let seq0 = u32::from_be_bytes(frame[t.l4 + 4..t.l4 + 8].try_into().unwrap());
+    let id0 = if t.ipv4 { u16::from_be_bytes([frame[t.l3 + 4], frame[t.l3 + 5]]) } else { 0 };
+    let flags0 = frame[t.l4 + 13];
+    let n = payload.len().div_ceil(mss).max(1);
+    for i in 0..n {
+        let chunk = &payload[(i * mss).min(payload.len())..((i + 1) * mss).min(payload.len())];
+        scratch.clear();
+        scratch.extend_from_slice(headers);
+        scratch.extend_from_slice(chunk);
+        let f = &mut scratch[..];
+        let l4_len = f.len() - t.l4;
+        if t.ipv4 {
+            let total = (f.len() - t.l3) as u16;
+            f[t.l3 + 2..t.l3 + 4].copy_from_slice(&total.to_be_bytes());
+            f[t.l3 + 4..t.l3 + 6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
+            f[t.l3 + 10..t.l3 + 12].copy_from_slice(&[0, 0]);
+            let c = csum_fold(csum_add(0, &f[t.l3..t.l4]));
+            f[t.l3 + 10..t.l3 + 12].copy_from_slice(&c.to_be_bytes());
+        } else {
+            f[t.l3 + 4..t.l3 + 6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+        }
+        let seq = seq0.wrapping_add((i * mss) as u32);
+        f[t.l4 + 4..t.l4 + 8].copy_from_slice(&seq.to_be_bytes());
+        let mut flags = flags0;
+        if i + 1 < n {
+            flags &= !(0x01 | 0x08); // FIN, PSH only on the last segment
+        }
+        if i > 0 {
+            flags &= !0x80; // CWR only on the first
+        }
+        f[t.l4 + 13] = flags;
+        f[t.l4 + 16..t.l4 + 18].copy_from_slice(&[0, 0]);
+        let c = csum_fold(csum_add(pseudo_header_sum(f, &t, l4_len), &f[t.l4..]));
+        f[t.l4 + 16..t.l4 + 18].copy_from_slice(&c.to_be_bytes());
+        emit(f);
+    }
+    Ok(n)
+}
+
+fn pseudo_header_sum(f: &[u8], t: &TcpLayout, l4_len: usize) -> u64 {
+    let mut s = if t.ipv4 { csum_add(0, &f[t.l3 + 12..t.l3 + 20]) } else { csum_add(0, &f[t.l3 + 8..t.l3 + 40]) };
+    s += 6 + l4_len as u64;
+    s
+}
+
+/// Applies a frame's offload metadata for a destination that takes only
+/// plain frames: segments GSO frames, finishes partial checksums. `emit` is
+/// called once per resulting frame.
+pub fn resolve(
+    hdr: &VnetHdr,
+    frame: &mut [u8],
+    scratch: &mut Vec<u8>,
+    mut emit: impl FnMut(&[u8]),
+) -> Result<usize, OffloadError> {
+    match hdr.gso_type & !GSO_ECN {
+        GSO_NONE => {
+            if hdr.flags & F_NEEDS_CSUM != 0 {
+                complete_checksum(frame, hdr.csum_start as usize, hdr.csum_offset as usize)?;
+            }
+            emit(frame);
+            Ok(1)
+        }
+        GSO_TCPV4 | GSO_TCPV6 => segment_tcp(frame, hdr.gso_size as usize, scratch, emit),
+        _ => Err(OffloadError::Unsupported),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A TCP/IPv4 frame with correct checksums and `payload`.
+    fn tcp4(payload: &[u8], flags: u8) -> Vec<u8> {
+        let mut f = vec![0u8; 14 + 20 + 20];
+        f[12..14].copy_from_slice(&[0x08, 0x00]);
+        let ip = &mut f[14..34];
+        ip[0] = 0x45;
+        ip[2..4].copy_from_slice(&((40 + payload.len()) as u16).to_be_bytes());
+        ip[4..6].copy_from_slice(&0x1234u16.to_be_bytes());
+        ip[8] = 64;
+        ip[9] = 6;
+        ip[12..16].copy_from_slice(&[198, 19, 0, 1]);
+        ip[16..20].copy_from_slice(&[198, 19, 0, 2]);
+        let tcp = &mut f[34..54];
+        tcp[0..2].copy_from_slice(&5001u16.to_be_bytes());
+        tcp[2..4].copy_from_slice(&80u16.to_be_bytes());
+        tcp[4..8].copy_from_slice(&1000u32.to_be_bytes());
+        tcp[12] = 5 << 4;
+        tcp[13] = flags;
+        f.extend_from_slice(payload);
+        let c = csum_fold(csum_add(0, &f[14..34]));
+        f[24..26].copy_from_slice(&c.to_be_bytes());
+        let l4_len = f.len() - 34;
+        let mut s = csum_add(0, &f[26..34]);
+        s += 6 + l4_len as u64;
+        let c = csum_fold(csum_add(s, &f[34..]));
+        f[50..52].copy_from_slice(&c.to_be_bytes());
+        f
+    }
+
+    fn valid(f: &[u8]) -> bool {
+        let ip_ok = csum_fold(csum_add(0, &f[14..34])) == 0;
+        let mut s = csum_add(0, &f[26..34]);
+        s += 6 + (f.len() - 34) as u64;
+        ip_ok && csum_fold(csum_add(s, &f[34..])) == 0
+    }
+
+    #[test]
+    fn checksum_of_known_header() {
+        // RFC 1071 style example: an IPv4 header whose checksum is 0xb861.
+        let h = [0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0x00, 0x00, 0xc0, 0xa8, 0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7];
+        assert_eq!(csum_fold(csum_add(0, &h)), 0xb861);
+        assert_eq!(csum_fold(csum_add(0, &h[..19])), csum_fold(csum_add(0, &[&h[..19], &[0][..]].concat())));
+    }
+
+    #[test]
+    fn completes_a_partial_checksum() {
+        let good = tcp4(b"hello, partial checksum", 0x18);
+        let mut partial = good.clone();
+        // What a guest hands over: the pseudo-header sum, not complemented.
+        let mut s = csum_add(0, &partial[26..34]);
+        s += 6 + (partial.len() - 34) as u64;
+        let seed = !csum_fold(s);
+        partial[50..52].copy_from_slice(&seed.to_be_bytes());
+        complete_checksum(&mut partial, 34, 16).unwrap();
+        assert_eq!(partial, good);
+        assert_eq!(complete_checksum(&mut partial, 60, 16), Err(OffloadError::Malformed));
+    }
+
+    #[test]
+    fn segments_a_tcp_super_frame() {
+        let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let big = tcp4(&payload, 0x19); // FIN|PSH|ACK... ACK=0x10, PSH=0x08, FIN=0x01
+        let mut scratch = Vec::new();
+        let mut segs: Vec<Vec<u8>> = Vec::new();
+        let n = segment_tcp(&big, 1448, &mut scratch, |f| segs.push(f.to_vec())).unwrap();
+        assert_eq!(n, 7);
+        let mut joined = Vec::new();
+        for (i, s) in segs.iter().enumerate() {
+            assert!(valid(s), "segment {i} checksums");
+            let seq = u32::from_be_bytes(s[38..42].try_into().unwrap());
+            assert_eq!(seq, 1000 + (i * 1448) as u32);
+            assert_eq!(u16::from_be_bytes([s[18], s[19]]), 0x1234 + i as u16);
+            assert_eq!(u16::from_be_bytes([s[16], s[17]]) as usize, s.len() - 14);
+            let last = i == segs.len() - 1;
+            assert_eq!(s[47] & 0x09 != 0, last, "FIN/PSH only on the last");
+            assert!(s.len() <= 14 + 40 + 1448);
+            joined.extend_from_slice(&s[54..]);
+        }
+        assert_eq!(joined, payload);
+    }
+
+    #[test]
+    fn resolve_passes_plain_frames_and_rejects_what_it_cannot_do() {
+        let mut f = tcp4(b"x", 0x10);
+        let mut out = 0;
+        let mut scratch = Vec::new();
+        assert_eq!(resolve(&VnetHdr::default(), &mut f, &mut scratch, |_| out += 1), Ok(1));
+        assert_eq!(out, 1);
+        let uso = VnetHdr { gso_type: GSO_UDP_L4, gso_size: 1000, ..Default::default() };
+        assert_eq!(resolve(&uso, &mut f, &mut scratch, |_| {}), Err(OffloadError::Unsupported));
+        let tso = VnetHdr { gso_type: GSO_TCPV4, gso_size: 1000, ..Default::default() };
+        assert_eq!(resolve(&tso, &mut [0u8; 20], &mut scratch, |_| {}), Err(OffloadError::Malformed));
+    }
+
+    #[test]
+    fn header_round_trips() {
+        let h = VnetHdr { flags: 1, gso_type: 4, hdr_len: 74, gso_size: 1440, csum_start: 54, csum_offset: 16 };
+        let mut b = [0u8; 10];
+        h.write(&mut b);
+        assert_eq!(VnetHdr::parse(&b), Some(h));
+        assert!(h.is_gso());
+        assert_eq!(VnetHdr::parse(&b[..9]), None);
+    }
+}
