@@ -84,8 +84,8 @@ class Vnetd:
             kind = words[0]
             kv = dict(w.split("=", 1) for w in words[1:] if "=" in w and not w.startswith("rule="))
             vals = {k: int(v) if v.isdigit() else v for k, v in kv.items()}
-            if kind == "global":
-                out["global"] = vals
+            if kind in ("global", "offload"):
+                out[kind] = vals
             elif kind == "route":
                 out[f"route {words[1]}"] = vals
             else:

@@ -85,3 +85,25 @@ impl Counters {
         s
     }
 }
+
+/// What software offload work the datapath did.
+#[derive(Default)]
+pub struct OffloadCounters {
+    /// Super-frames (TSO/GSO) cut into segments.
+    pub segmented: AtomicU64,
+    /// Segments those produced.
+    pub segments: AtomicU64,
+    /// Partial checksums finished.
+    pub checksums: AtomicU64,
+}
+
+impl OffloadCounters {
+    pub fn render(&self) -> String {
+        format!(
+            "segmented={} segments={} checksums={}",
+            self.segmented.load(Relaxed),
+            self.segments.load(Relaxed),
+            self.checksums.load(Relaxed)
+        )
+    }
+}

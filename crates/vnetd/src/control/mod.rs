@@ -79,6 +79,7 @@ impl Control {
         let all = scope == StatsScope::All;
         if all || scope == StatsScope::Global {
             out.push(format!("global {}", self.dp.global.render()));
+            out.push(format!("offload {}", self.dp.offload.render()));
         }
         if all || scope == StatsScope::Interfaces {
             for i in t.ifaces.values() {

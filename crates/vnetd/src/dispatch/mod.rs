@@ -7,7 +7,7 @@
 //! whole, so the hot path takes no lock; its route cache is its own.
 
 use crate::link::UdpEndpoint;
-use crate::stats::{Counters, Drop};
+use crate::stats::{Counters, Drop, OffloadCounters};
 use crate::topology::Snapshot;
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
@@ -36,6 +36,7 @@ pub struct Datapath {
     snapshot: ArcSwap<Snapshot>,
     /// Totals over everything, and drops no port can be blamed for.
     pub global: Counters,
+    pub offload: OffloadCounters,
     pub udp: UdpEndpoint,
     wake: EventFd,
     /// Generation of the snapshot the dispatcher is running.
@@ -48,6 +49,7 @@ impl Datapath {
         Ok(Datapath {
             snapshot: ArcSwap::from_pointee(Snapshot::empty()),
             global: Counters::default(),
+            offload: OffloadCounters::default(),
             udp,
             wake: EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
                 .context("eventfd")?,
@@ -171,11 +173,20 @@ impl Dispatcher {
                         Some(h) if h.is_gso() || h.flags & offload::F_NEEDS_CSUM != 0 => {
                             let (dp, cache) = (&self.dp, &mut self.cache);
                             let r = offload::resolve(&h, frame, &mut self.scratch, |f| forward(dp, cache, snap, origin, f));
-                            if let Err(e) = r {
+                            match r {
+                                Ok(n) if h.is_gso() => {
+                                    dp.offload.segmented.fetch_add(1, Ordering::Relaxed);
+                                    dp.offload.segments.fetch_add(n as u64, Ordering::Relaxed);
+                                }
+                                Ok(_) => {
+                                    dp.offload.checksums.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Err(e) => {
                                 iface.stats.received(frame.len());
                                 dp.global.received(frame.len());
                                 dp.drop_at(Some(&iface.stats), Drop::Malformed);
                                 tracing::debug!(iface = %iface.name, ?h, "cannot resolve offload: {e:?}");
+                                }
                             }
                         }
                         _ => forward(&self.dp, &mut self.cache, snap, origin, frame),
