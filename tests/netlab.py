@@ -84,7 +84,7 @@ class Vnetd:
             kind = words[0]
             kv = dict(w.split("=", 1) for w in words[1:] if "=" in w and not w.startswith("rule="))
             vals = {k: int(v) if v.isdigit() else v for k, v in kv.items()}
-            if kind in ("global", "offload"):
+            if kind in ("global", "offload", "dispatch"):
                 out[kind] = vals
             elif kind == "route":
                 out[f"route {words[1]}"] = vals

@@ -6,13 +6,15 @@
 //! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
 //! INTERFACE DEL <tap-name | guest-MAC>
 //! INTERFACE LIST
-//! LINK ADD <remote-ip> [<port>] [udp] [name <name>]
+//! LINK ADD <remote-ip> [<port>] [udp] [name <name>] [mtu <bytes>]
 //! LINK DEL <link-idx | name>
 //! LINK LIST
 //! ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
 //! ROUTE DEL <route-idx | the rule as added>
 //! ROUTE LIST
 //! STATS [interfaces | links | routes | global]
+//! SET <mode | yield | sleep-us | nowork-us | alpha-lower | alpha-upper | window-ms | quota> <value>
+//! INTERFACE SET <tap-name | guest-MAC> mode <guest-driven | vmm-driven | adaptive | default>
 //! SHOW
 //! HELP
 //! ```
@@ -71,12 +73,124 @@ pub enum StatsScope {
     Global,
 }
 
+/// How a virtual NIC's frames are moved (VNET/P's dispatch modes).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Mode {
+    /// Event-driven: each frame is handled the moment it arrives, sent at once.
+    #[default]
+    GuestDriven,
+    /// Polled: the dispatcher polls the NIC and links, up to a quota of frames
+    /// a pass, and sends each pass's frames in batches.
+    VmmDriven,
+    /// Switches between the two by packet rate, with hysteresis.
+    Adaptive,
+}
+
+impl Mode {
+    pub fn parse(s: &str) -> Result<Mode, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "guest-driven" | "guest" => Ok(Mode::GuestDriven),
+            "vmm-driven" | "vmm" => Ok(Mode::VmmDriven),
+            "adaptive" => Ok(Mode::Adaptive),
+            _ => Err(format!("'{s}' is not a mode (want guest-driven, vmm-driven or adaptive)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::GuestDriven => "guest-driven",
+            Mode::VmmDriven => "vmm-driven",
+            Mode::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// What a poll loop does when a pass found no work.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum YieldStrategy {
+    /// Give up the CPU and come straight back.
+    Immediate,
+    /// Sleep T_sleep.
+    Timed,
+    /// Immediate until idle for T_nowork, then timed.
+    #[default]
+    Adaptive,
+}
+
+impl YieldStrategy {
+    pub fn parse(s: &str) -> Result<YieldStrategy, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "immediate" => Ok(YieldStrategy::Immediate),
+            "timed" => Ok(YieldStrategy::Timed),
+            "adaptive" => Ok(YieldStrategy::Adaptive),
+            _ => Err(format!("'{s}' is not a yield strategy (want immediate, timed or adaptive)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            YieldStrategy::Immediate => "immediate",
+            YieldStrategy::Timed => "timed",
+            YieldStrategy::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// One `SET key value`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Setting {
+    Mode(Mode),
+    Yield(YieldStrategy),
+    /// T_sleep, µs.
+    SleepUs(u32),
+    /// T_nowork, µs.
+    NoworkUs(u32),
+    /// α_l, packets/s.
+    AlphaLower(u32),
+    /// α_u, packets/s.
+    AlphaUpper(u32),
+    /// ω, ms.
+    WindowMs(u32),
+    /// Frames taken from one source per pass.
+    Quota(u32),
+}
+
+impl Setting {
+    pub fn parse(key: &str, value: &str) -> Result<Setting, String> {
+        let num = |lo: u32, hi: u32| -> Result<u32, String> {
+            let v: u32 = value.parse().map_err(|_| format!("'{value}' is not a number"))?;
+            if !(lo..=hi).contains(&v) {
+                return Err(format!("{key} {v} is out of range {lo}..{hi}"));
+            }
+            Ok(v)
+        };
+        Ok(match key.to_ascii_lowercase().as_str() {
+            "mode" => Setting::Mode(Mode::parse(value)?),
+            "yield" => Setting::Yield(YieldStrategy::parse(value)?),
+            "sleep-us" => Setting::SleepUs(num(1, 1_000_000)?),
+            "nowork-us" => Setting::NoworkUs(num(0, 10_000_000)?),
+            "alpha-lower" => Setting::AlphaLower(num(1, 100_000_000)?),
+            "alpha-upper" => Setting::AlphaUpper(num(1, 100_000_000)?),
+            "window-ms" => Setting::WindowMs(num(1, 10_000)?),
+            "quota" => Setting::Quota(num(1, 4096)?),
+            _ => {
+                return Err(format!(
+                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms or quota)"
+                ))
+            }
+        })
+    }
+}
+
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum Command {
     IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach },
     IfaceDel(IfaceRef),
     IfaceList,
-    LinkAdd { ip: IpAddr, port: Option<u16>, proto: LinkProto, name: Option<String> },
+    /// `INTERFACE SET <ref> mode <mode|default>`: `None` follows the global mode.
+    IfaceSetMode(IfaceRef, Option<Mode>),
+    Set(Setting),
+    LinkAdd { ip: IpAddr, port: Option<u16>, proto: LinkProto, name: Option<String>, mtu: Option<u32> },
     LinkDel(LinkRef),
     LinkList,
     RouteAdd(RuleSpec),
@@ -95,6 +209,8 @@ impl Command {
             self,
             Command::IfaceAdd { .. }
                 | Command::IfaceDel(_)
+                | Command::IfaceSetMode(..)
+                | Command::Set(_)
                 | Command::LinkAdd { .. }
                 | Command::LinkDel(_)
                 | Command::RouteAdd(_)
@@ -108,7 +224,9 @@ INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
                                                      create a TAP for a guest (qemu: for QEMU to open)
 INTERFACE DEL <tap-name | guest-MAC>
 INTERFACE LIST
-LINK ADD <remote-ip> [<port>] [udp] [name <name>]    a UDP link to another vnetd
+INTERFACE SET <tap-name | guest-MAC> mode <guest-driven | vmm-driven | adaptive | default>
+LINK ADD <remote-ip> [<port>] [udp] [name <name>] [mtu <underlay-MTU>]
+                                                     a UDP link to another vnetd
 LINK DEL <link-idx | name>
 LINK LIST
 ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
@@ -118,7 +236,12 @@ ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
 ROUTE DEL <route-idx | the rule as added>
 ROUTE LIST
 STATS [interfaces | links | routes | global]
-SHOW                                                 everything above, at once
+SET mode <guest-driven | vmm-driven | adaptive>      dispatch mode of every interface
+SET yield <immediate | timed | adaptive>             what an idle poll loop does
+SET sleep-us <T_sleep> | nowork-us <T_nowork>        yield timings, microseconds
+SET alpha-lower <pkt/s> | alpha-upper <pkt/s> | window-ms <ms>   adaptive mode's thresholds
+SET quota <frames>                                   frames taken from a source per pass
+SHOW                                                 settings and everything above
 BEGIN ... COMMIT                                     several lines, all or nothing";
 
 /// A parse error: which line (1-based, within the request) and why.
@@ -169,6 +292,13 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
             Some("add") => parse_iface_add(args).map(Some),
             Some("del") | Some("delete") => Ok(Some(Command::IfaceDel(parse_iface_ref(one_arg(args, "an interface name or MAC")?)?))),
             Some("list") => no_args(Command::IfaceList),
+            Some("set") => match args {
+                [r, kw, m] if kw.eq_ignore_ascii_case("mode") => {
+                    let mode = if m.eq_ignore_ascii_case("default") { None } else { Some(Mode::parse(m)?) };
+                    Ok(Some(Command::IfaceSetMode(parse_iface_ref(r)?, mode)))
+                }
+                _ => Err("INTERFACE SET needs <tap-name | guest-MAC> mode <guest-driven | vmm-driven | adaptive | default>".into()),
+            },
             _ => Err(bad_verb("INTERFACE", toks.get(1))),
         },
         "link" => match verb.as_deref() {
@@ -210,6 +340,10 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
             };
             Ok(Some(Command::Stats(scope)))
         }
+        "set" => match toks.get(1..).unwrap_or(&[]) {
+            [k, v] => Ok(Some(Command::Set(Setting::parse(k, v)?))),
+            _ => Err("SET needs <key> <value> (try HELP)".into()),
+        },
         "show" if toks.len() == 1 => Ok(Some(Command::Show)),
         "help" if toks.len() == 1 => Ok(Some(Command::Help)),
         "begin" | "commit" | "abort" => Err(format!("{first} is only allowed as a line of its own, outside a request")),
@@ -219,7 +353,7 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
 
 fn bad_verb(noun: &str, got: Option<&&str>) -> String {
     match got {
-        Some(v) => format!("'{v}' is not a {noun} verb (want ADD, DEL or LIST)"),
+        Some(v) => format!("'{v}' is not a {noun} verb (want ADD, DEL, LIST{})", if noun == "INTERFACE" { " or SET" } else { "" }),
         None => format!("{noun} needs a verb (ADD, DEL or LIST)"),
     }
 }
@@ -304,6 +438,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     }
     let mut proto = LinkProto::Udp;
     let mut name = None;
+    let mut mtu = None;
     while let Some((kw, r)) = rest.split_first() {
         match kw.to_ascii_lowercase().as_str() {
             "udp" => proto = LinkProto::Udp,
@@ -314,11 +449,21 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
-            other => return Err(format!("unexpected '{other}' (want a port, udp, tcp or name <name>)")),
+            "mtu" => {
+                let Some((v, r2)) = r.split_first() else { return Err("mtu needs a value".into()) };
+                let m: u32 = v.parse().map_err(|_| format!("'{v}' is not an MTU"))?;
+                if !(576..=65535).contains(&m) {
+                    return Err(format!("link MTU {m} is out of range 576..65535"));
+                }
+                mtu = Some(m);
+                rest = r2;
+                continue;
+            }
+            other => return Err(format!("unexpected '{other}' (want a port, udp, tcp, name <name> or mtu <bytes>)")),
         }
         rest = r;
     }
-    Ok(Command::LinkAdd { ip, port, proto, name })
+    Ok(Command::LinkAdd { ip, port, proto, name, mtu })
 }
 
 #[cfg(test)]
@@ -345,11 +490,15 @@ mod tests {
         assert_eq!(one("Interface List"), Command::IfaceList);
         assert_eq!(
             one("LINK ADD 10.0.0.2 9000 udp"),
-            Command::LinkAdd { ip: "10.0.0.2".parse().unwrap(), port: Some(9000), proto: LinkProto::Udp, name: None }
+            Command::LinkAdd { ip: "10.0.0.2".parse().unwrap(), port: Some(9000), proto: LinkProto::Udp, name: None, mtu: None }
         );
         assert_eq!(
             one("link add fd00::2 name peer-b"),
-            Command::LinkAdd { ip: "fd00::2".parse().unwrap(), port: None, proto: LinkProto::Udp, name: Some("peer-b".into()) }
+            Command::LinkAdd { ip: "fd00::2".parse().unwrap(), port: None, proto: LinkProto::Udp, name: Some("peer-b".into()), mtu: None }
+        );
+        assert_eq!(
+            one("link add 10.0.0.2 mtu 9000"),
+            Command::LinkAdd { ip: "10.0.0.2".parse().unwrap(), port: None, proto: LinkProto::Udp, name: None, mtu: Some(9000) }
         );
         assert_eq!(one("LINK DEL 3"), Command::LinkDel(LinkRef::Index(3)));
         assert_eq!(one("LINK DEL 10.0.0.2"), Command::LinkDel(LinkRef::Name("10.0.0.2".into())));
@@ -363,6 +512,15 @@ mod tests {
         assert_eq!(one("STATS"), Command::Stats(StatsScope::All));
         assert_eq!(one("stats links"), Command::Stats(StatsScope::Links));
         assert_eq!(one("show"), Command::Show);
+        assert_eq!(one("SET mode VMM-driven"), Command::Set(Setting::Mode(Mode::VmmDriven)));
+        assert_eq!(one("set yield timed"), Command::Set(Setting::Yield(YieldStrategy::Timed)));
+        assert_eq!(one("set window-ms 10"), Command::Set(Setting::WindowMs(10)));
+        assert_eq!(one("set alpha-upper 20000"), Command::Set(Setting::AlphaUpper(20000)));
+        assert_eq!(
+            one("interface set g1 mode adaptive"),
+            Command::IfaceSetMode(IfaceRef::Name("g1".into()), Some(Mode::Adaptive))
+        );
+        assert_eq!(one("interface set g1 mode default"), Command::IfaceSetMode(IfaceRef::Name("g1".into()), None));
         assert_eq!(one("help"), Command::Help);
     }
 
@@ -411,6 +569,12 @@ mod tests {
             ("route del x", "not a route index"),
             ("stats everything", "not a stats scope"),
             ("begin", "only allowed"),
+            ("set", "needs <key> <value>"),
+            ("set mode fast", "not a mode"),
+            ("set yield never", "not a yield strategy"),
+            ("set quota 0", "out of range"),
+            ("set colour blue", "not a setting"),
+            ("interface set g1 mode", "INTERFACE SET needs"),
         ];
         for (s, want) in cases {
             let e = parse_line(s).unwrap_err();

@@ -134,44 +134,68 @@ fn tcp_layout(frame: &[u8]) -> Result<TcpLayout, OffloadError> {
     Ok(TcpLayout { l3, ipv4, l4, payload: l4 + thl })
 }
 
-/// Cuts a TCP super-frame into frames of at most `mss` payload bytes each,
-/// with correct IP lengths, IDs and checksums, TCP sequence numbers, flags
-/// and checksums, calling `emit` with each (built in `scratch`).
-pub fn segment_tcp(
-    frame: &[u8],
-    mss: usize,
-    scratch: &mut Vec<u8>,
-    mut emit: impl FnMut(&[u8]),
-) -> Result<usize, OffloadError> {
+/// How a TCP super-frame is cut: for segment `i`, headers `header(i)`
+/// (`hdr_len` bytes, with lengths, IDs, sequence numbers, flags and checksums
+/// already right) followed by the frame's bytes `payload[i]`. Nothing of the
+/// payload is copied, so the segments can be sent as an iovec.
+#[derive(Default, Debug)]
+pub struct SegmentPlan {
+    pub hdr_len: usize,
+    pub headers: Vec<u8>,
+    pub payload: Vec<std::ops::Range<usize>>,
+}
+
+impl SegmentPlan {
+    pub fn len(&self) -> usize {
+        self.payload.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.payload.is_empty()
+    }
+
+    pub fn header(&self, i: usize) -> &[u8] {
+        &self.headers[i * self.hdr_len..(i + 1) * self.hdr_len]
+    }
+
+    /// Length of segment `i` as a frame.
+    pub fn frame_len(&self, i: usize) -> usize {
+        self.hdr_len + self.payload[i].len()
+    }
+}
+
+/// Plans cutting a TCP super-frame into frames of at most `mss` payload bytes.
+pub fn plan_tcp_segments(frame: &[u8], mss: usize, plan: &mut SegmentPlan) -> Result<(), OffloadError> {
     let t = tcp_layout(frame)?;
     if mss == 0 {
         return Err(OffloadError::Malformed);
     }
-    let headers = &frame[..t.payload];
-    let payload = &frame[t.payload..];
+    let payload_len = frame.len() - t.payload;
+    let n = payload_len.div_ceil(mss).max(1);
+    plan.hdr_len = t.payload;
+    plan.headers.clear();
+    plan.payload.clear();
     let seq0 = u32::from_be_bytes(frame[t.l4 + 4..t.l4 + 8].try_into().unwrap());
     let id0 = if t.ipv4 { u16::from_be_bytes([frame[t.l3 + 4], frame[t.l3 + 5]]) } else { 0 };
     let flags0 = frame[t.l4 + 13];
-    let n = payload.len().div_ceil(mss).max(1);
     for i in 0..n {
-        let chunk = &payload[(i * mss).min(payload.len())..((i + 1) * mss).min(payload.len())];
-        scratch.clear();
-        scratch.extend_from_slice(headers);
-        scratch.extend_from_slice(chunk);
-        let f = &mut scratch[..];
-        let l4_len = f.len() - t.l4;
+        let range = (t.payload + i * mss).min(frame.len())..(t.payload + (i + 1) * mss).min(frame.len());
+        let at = plan.headers.len();
+        plan.headers.extend_from_slice(&frame[..t.payload]);
+        let h = &mut plan.headers[at..];
+        let l4_len = h.len() - t.l4 + range.len();
         if t.ipv4 {
-            let total = (f.len() - t.l3) as u16;
-            f[t.l3 + 2..t.l3 + 4].copy_from_slice(&total.to_be_bytes());
-            f[t.l3 + 4..t.l3 + 6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
-            f[t.l3 + 10..t.l3 + 12].copy_from_slice(&[0, 0]);
-            let c = csum_fold(csum_add(0, &f[t.l3..t.l4]));
-            f[t.l3 + 10..t.l3 + 12].copy_from_slice(&c.to_be_bytes());
+            let total = (t.payload - t.l3 + range.len()) as u16;
+            h[t.l3 + 2..t.l3 + 4].copy_from_slice(&total.to_be_bytes());
+            h[t.l3 + 4..t.l3 + 6].copy_from_slice(&id0.wrapping_add(i as u16).to_be_bytes());
+            h[t.l3 + 10..t.l3 + 12].copy_from_slice(&[0, 0]);
+            let c = csum_fold(csum_add(0, &h[t.l3..t.l4]));
+            h[t.l3 + 10..t.l3 + 12].copy_from_slice(&c.to_be_bytes());
         } else {
-            f[t.l3 + 4..t.l3 + 6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+            h[t.l3 + 4..t.l3 + 6].copy_from_slice(&(l4_len as u16).to_be_bytes());
         }
         let seq = seq0.wrapping_add((i * mss) as u32);
-        f[t.l4 + 4..t.l4 + 8].copy_from_slice(&seq.to_be_bytes());
+        h[t.l4 + 4..t.l4 + 8].copy_from_slice(&seq.to_be_bytes());
         let mut flags = flags0;
         if i + 1 < n {
             flags &= !(0x01 | 0x08); // FIN, PSH only on the last segment
@@ -179,13 +203,193 @@ pub fn segment_tcp(
         if i > 0 {
             flags &= !0x80; // CWR only on the first
         }
-        f[t.l4 + 13] = flags;
-        f[t.l4 + 16..t.l4 + 18].copy_from_slice(&[0, 0]);
-        let c = csum_fold(csum_add(pseudo_header_sum(f, &t, l4_len), &f[t.l4..]));
-        f[t.l4 + 16..t.l4 + 18].copy_from_slice(&c.to_be_bytes());
-        emit(f);
+        h[t.l4 + 13] = flags;
+        h[t.l4 + 16..t.l4 + 18].copy_from_slice(&[0, 0]);
+        let sum = csum_add(csum_add(pseudo_header_sum(h, &t, l4_len), &h[t.l4..]), &frame[range.clone()]);
+        // The payload may start at an odd offset within the TCP segment only
+        // if the header length is odd, which TCP's 4-byte units rule out.
+        h[t.l4 + 16..t.l4 + 18].copy_from_slice(&csum_fold(sum).to_be_bytes());
+        plan.payload.push(range);
     }
-    Ok(n)
+    Ok(())
+}
+
+/// Cuts a TCP super-frame into frames of at most `mss` payload bytes each,
+/// calling `emit` with each (built in `scratch`).
+pub fn segment_tcp(
+    frame: &[u8],
+    mss: usize,
+    scratch: &mut Vec<u8>,
+    mut emit: impl FnMut(&[u8]),
+) -> Result<usize, OffloadError> {
+    let mut plan = SegmentPlan::default();
+    plan_tcp_segments(frame, mss, &mut plan)?;
+    for i in 0..plan.len() {
+        scratch.clear();
+        scratch.extend_from_slice(plan.header(i));
+        scratch.extend_from_slice(&frame[plan.payload[i].clone()]);
+        emit(scratch);
+    }
+    Ok(plan.len())
+}
+
+/// The payload offset of a TCP frame, or `None` when it is not TCP over
+/// IPv4/IPv6 (without extension headers).
+pub fn tcp_payload_offset(frame: &[u8]) -> Option<usize> {
+    tcp_layout(frame).ok().map(|t| t.payload)
+}
+
+/// Merges consecutive segments of one TCP flow (as a receiver's GRO does)
+/// into one super-frame for a destination that takes them (a TAP with
+/// virtio-net headers), so the guest's stack handles 64 KiB at a time.
+///
+/// Frames are given as ranges of one buffer; the merged frame is the merged
+/// headers (`take`) followed by the payload ranges, ready for `writev`.
+#[derive(Default)]
+pub struct TcpCoalescer {
+    hdr: Vec<u8>,
+    layout: Option<(usize, bool, usize, usize)>, // l3, ipv4, l4, payload offset
+    first: std::ops::Range<usize>,
+    payloads: Vec<std::ops::Range<usize>>,
+    mss: usize,
+    next_seq: u32,
+    frame_bytes: usize,
+    psh: bool,
+    closed: bool,
+}
+
+/// What `TcpCoalescer::take` hands back.
+pub enum Run<'a> {
+    /// Nothing was pending.
+    Empty,
+    /// One frame: deliver `buf[range]` as it is.
+    Single(std::ops::Range<usize>),
+    /// Several: the merged headers, then `payloads` of the buffer; `frames`
+    /// segments of `frame_bytes` bytes in all went into it.
+    Merged { vnet: VnetHdr, header: &'a [u8], payloads: &'a [std::ops::Range<usize>], frames: usize, frame_bytes: usize },
+}
+
+/// Largest merged IP packet: its length must fit the IP header.
+const MAX_MERGED_IP: usize = 65535 - 256;
+/// Most segments merged into one super-frame.
+pub const MAX_RUN: usize = 62;
+
+impl TcpCoalescer {
+    pub fn is_pending(&self) -> bool {
+        self.layout.is_some()
+    }
+
+    /// Offers `buf[range]`. Returns true if it was taken into the pending run
+    /// (starting one if none was pending); false if it cannot join it (the
+    /// caller then `take`s the run and offers the frame again, or delivers
+    /// it alone).
+    pub fn offer(&mut self, buf: &[u8], range: std::ops::Range<usize>) -> bool {
+        let f = &buf[range.clone()];
+        let Ok(t) = tcp_layout(f) else { return false };
+        let payload = f.len() - t.payload;
+        let flags = f[t.l4 + 13];
+        // Only plain data segments (ACK, maybe PSH) join runs.
+        if payload == 0 || flags & !(0x10 | 0x08) != 0 || flags & 0x10 == 0 {
+            return false;
+        }
+        if t.ipv4 && (t.l4 - t.l3 != 20 || f[t.l3 + 6] & 0x3f != 0 || f[t.l3 + 7] != 0) {
+            return false; // IP options or a fragment
+        }
+        let seq = u32::from_be_bytes(f[t.l4 + 4..t.l4 + 8].try_into().unwrap());
+        match self.layout {
+            None => {
+                self.hdr.clear();
+                self.hdr.extend_from_slice(&f[..t.payload]);
+                self.layout = Some((t.l3, t.ipv4, t.l4, t.payload));
+                self.first = range.clone();
+                self.payloads.clear();
+                self.payloads.push(range.start + t.payload..range.end);
+                self.mss = payload;
+                self.next_seq = seq.wrapping_add(payload as u32);
+                self.frame_bytes = f.len();
+                self.psh = flags & 0x08 != 0;
+                self.closed = self.psh;
+                true
+            }
+            Some((l3, ipv4, l4, hl)) => {
+                if self.closed
+                    || self.payloads.len() >= MAX_RUN
+                    || (l3, ipv4, l4, hl) != (t.l3, t.ipv4, t.l4, t.payload)
+                    || seq != self.next_seq
+                    || payload > self.mss
+                    || self.hdr.len() - l3 + (self.next_seq.wrapping_sub(self.first_seq()) as usize) + payload > MAX_MERGED_IP
+                    || !same_flow_headers(&self.hdr, &f[..hl], l3, ipv4, l4)
+                {
+                    return false;
+                }
+                self.payloads.push(range.start + hl..range.end);
+                self.next_seq = seq.wrapping_add(payload as u32);
+                self.frame_bytes += f.len();
+                self.psh |= flags & 0x08 != 0;
+                // After a short or PSH segment, the run is complete.
+                self.closed = payload < self.mss || flags & 0x08 != 0;
+                true
+            }
+        }
+    }
+
+    fn first_seq(&self) -> u32 {
+        let (_, _, l4, _) = self.layout.unwrap();
+        u32::from_be_bytes(self.hdr[l4 + 4..l4 + 8].try_into().unwrap())
+    }
+
+    /// Ends the pending run.
+    pub fn take(&mut self) -> Run<'_> {
+        let Some((l3, ipv4, l4, hl)) = self.layout.take() else { return Run::Empty };
+        if self.payloads.len() == 1 {
+            return Run::Single(self.first.clone());
+        }
+        let payload: usize = self.payloads.iter().map(|r| r.len()).sum();
+        let l4_len = hl - l4 + payload;
+        let h = &mut self.hdr[..];
+        if ipv4 {
+            let total = (hl - l3 + payload) as u16;
+            h[l3 + 2..l3 + 4].copy_from_slice(&total.to_be_bytes());
+            h[l3 + 10..l3 + 12].copy_from_slice(&[0, 0]);
+            let c = csum_fold(csum_add(0, &h[l3..l4]));
+            h[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+        } else {
+            h[l3 + 4..l3 + 6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+        }
+        if self.psh {
+            h[l4 + 13] |= 0x08;
+        }
+        // A partial checksum: the pseudo-header sum over the whole segment,
+        // as a sender's TSO leaves it; the guest trusts it (CHECKSUM_PARTIAL).
+        let t = TcpLayout { l3, ipv4, l4, payload: hl };
+        let seed = !csum_fold(pseudo_header_sum(h, &t, l4_len));
+        h[l4 + 16..l4 + 18].copy_from_slice(&seed.to_be_bytes());
+        let vnet = VnetHdr {
+            flags: F_NEEDS_CSUM,
+            gso_type: if ipv4 { GSO_TCPV4 } else { GSO_TCPV6 },
+            hdr_len: hl as u16,
+            gso_size: self.mss as u16,
+            csum_start: l4 as u16,
+            csum_offset: 16,
+        };
+        Run::Merged { vnet, header: &self.hdr, payloads: &self.payloads, frames: self.payloads.len(), frame_bytes: self.frame_bytes }
+    }
+}
+
+/// Whether two segments' headers match in everything but what differs
+/// between segments of one flow (IP length, ID and checksum; TCP sequence
+/// number, checksum and PSH).
+fn same_flow_headers(a: &[u8], b: &[u8], l3: usize, ipv4: bool, l4: usize) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let eq = |r: std::ops::Range<usize>| a[r.clone()] == b[r];
+    let ip_ok = if ipv4 {
+        eq(0..l3 + 2) && eq(l3 + 6..l3 + 10) && eq(l3 + 12..l4)
+    } else {
+        eq(0..l3 + 4) && eq(l3 + 6..l4)
+    };
+    ip_ok && eq(l4..l4 + 4) && eq(l4 + 8..l4 + 13) && (a[l4 + 13] | 0x08) == (b[l4 + 13] | 0x08) && eq(l4 + 14..l4 + 16) && eq(l4 + 18..a.len())
 }
 
 fn pseudo_header_sum(f: &[u8], t: &TcpLayout, l4_len: usize) -> u64 {
@@ -312,6 +516,64 @@ mod tests {
         assert_eq!(resolve(&uso, &mut f, &mut scratch, |_| {}), Err(OffloadError::Unsupported));
         let tso = VnetHdr { gso_type: GSO_TCPV4, gso_size: 1000, ..Default::default() };
         assert_eq!(resolve(&tso, &mut [0u8; 20], &mut scratch, |_| {}), Err(OffloadError::Malformed));
+    }
+
+    #[test]
+    fn coalescing_undoes_segmentation() {
+        let payload: Vec<u8> = (0..20_000u32).map(|i| (i * 13) as u8).collect();
+        let big = tcp4(&payload, 0x18); // ACK|PSH
+        let mut scratch = Vec::new();
+        let mut buf = Vec::new();
+        let mut ranges = Vec::new();
+        segment_tcp(&big, 1400, &mut scratch, |f| {
+            ranges.push(buf.len()..buf.len() + f.len());
+            buf.extend_from_slice(f);
+        })
+        .unwrap();
+        let mut c = TcpCoalescer::default();
+        for r in &ranges {
+            assert!(c.offer(&buf, r.clone()));
+        }
+        let Run::Merged { vnet, header, payloads, frames, frame_bytes } = c.take() else { panic!("not merged") };
+        assert_eq!(frames, ranges.len());
+        assert_eq!(frame_bytes, buf.len());
+        assert_eq!(vnet.gso_type, GSO_TCPV4);
+        assert_eq!(vnet.gso_size, 1400);
+        assert_eq!(vnet.csum_start, 34);
+        let mut merged = header.to_vec();
+        for p in payloads {
+            merged.extend_from_slice(&buf[p.clone()]);
+        }
+        assert_eq!(merged.len(), big.len());
+        assert_eq!(&merged[54..], &payload[..]);
+        // Same headers as the original but for the partial checksum.
+        assert_eq!(merged[..50], big[..50]);
+        complete_checksum(&mut merged, 34, 16).unwrap();
+        assert_eq!(merged, big);
+        assert!(matches!(c.take(), Run::Empty));
+    }
+
+    #[test]
+    fn coalescer_refuses_gaps_other_flows_and_control_segments() {
+        let a = tcp4(&[1u8; 100], 0x10);
+        let mut b = tcp4(&[2u8; 100], 0x10);
+        b[38..42].copy_from_slice(&1100u32.to_be_bytes()); // follows a
+        let mut gap = b.clone();
+        gap[38..42].copy_from_slice(&9999u32.to_be_bytes());
+        let mut other = b.clone();
+        other[34..36].copy_from_slice(&5002u16.to_be_bytes()); // another source port
+        let syn = tcp4(&[], 0x02);
+        let buf = [a.clone(), b.clone(), gap, other, syn].concat();
+        let r = |i: usize| i * a.len()..(i + 1) * a.len();
+        let mut c = TcpCoalescer::default();
+        assert!(c.offer(&buf, r(0)));
+        assert!(!c.offer(&buf, r(2)), "sequence gap");
+        assert!(!c.offer(&buf, r(3)), "another flow");
+        assert!(c.offer(&buf, r(1)));
+        assert!(matches!(c.take(), Run::Merged { frames: 2, .. }));
+        assert!(!c.offer(&buf, 4 * a.len()..buf.len()), "SYN");
+        assert!(c.offer(&buf, r(0)));
+        assert!(matches!(c.take(), Run::Single(x) if x == r(0)));
     }
 
     #[test]

@@ -42,6 +42,13 @@ struct Args {
     /// MTU of interfaces added without one.
     #[arg(long, default_value_t = 1500)]
     default_mtu: u32,
+    /// Dispatcher threads (interfaces are spread over them; thread 0 also
+    /// serves the UDP links).
+    #[arg(long, default_value_t = 1)]
+    dispatchers: usize,
+    /// Pin dispatcher thread i to the i-th CPU of this list, e.g. 1 or 2,3.
+    #[arg(long, value_delimiter = ',')]
+    cpus: Vec<usize>,
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
     #[arg(long, default_value = "info")]
     log_level: String,
@@ -89,19 +96,14 @@ fn run(args: Args) -> Result<()> {
         udp_is_ipv4: args.udp_bind.is_ipv4(),
     };
     let udp_addr = udp.local_addr();
-    let dp = Arc::new(Datapath::new(udp)?);
-    let dispatcher = {
-        let dp = dp.clone();
-        std::thread::Builder::new().name("dispatcher".into()).spawn(move || {
-            let r = dispatch::run(dp);
-            if let Err(e) = &r {
-                // Without a dispatcher nothing is forwarded: stop the daemon.
-                tracing::error!("dispatcher failed: {e:#}");
-                let _ = signal_hook::low_level::raise(SIGTERM);
-            }
-            r
-        })?
-    };
+    if !(1..=64).contains(&args.dispatchers) {
+        bail!("--dispatchers {} is out of range 1..64", args.dispatchers);
+    }
+    let dp = Arc::new(Datapath::new(udp, args.dispatchers, &args.cpus)?);
+    // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
+    let dispatchers = dispatch::spawn(&dp, || {
+        let _ = signal_hook::low_level::raise(SIGTERM);
+    })?;
     let ctl = Arc::new(Control::new(dp.clone(), settings));
 
     let cleanup = |dp: &Datapath| {
@@ -136,12 +138,14 @@ fn run(args: Args) -> Result<()> {
         tracing::info!("signal {sig}: shutting down");
     }
     cleanup(&dp);
-    let joined = dispatcher.join();
+    let joined: Vec<_> = dispatchers.into_iter().map(|h| h.join()).collect();
     ctl.shutdown();
-    match joined {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => bail!("dispatcher failed: {e:#}"),
-        Err(_) => bail!("dispatcher panicked"),
+    for j in joined {
+        match j {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => bail!("dispatcher failed: {e:#}"),
+            Err(_) => bail!("dispatcher panicked"),
+        }
     }
     tracing::info!(
         "stopped; drops: no_route={} unknown_sender={}",

@@ -62,6 +62,12 @@ impl Counters {
     }
 
     #[inline]
+    pub fn sent_many(&self, frames: usize, bytes: usize) {
+        self.out_frames.fetch_add(frames as u64, Relaxed);
+        self.out_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+
+    #[inline]
     pub fn dropped(&self, why: Drop) {
         self.drops[why as usize].fetch_add(1, Relaxed);
     }
@@ -89,21 +95,74 @@ impl Counters {
 /// What software offload work the datapath did.
 #[derive(Default)]
 pub struct OffloadCounters {
-    /// Super-frames (TSO/GSO) cut into segments.
+    /// Super-frames (TSO/GSO) cut into segments to fit a link.
     pub segmented: AtomicU64,
     /// Segments those produced.
     pub segments: AtomicU64,
-    /// Partial checksums finished.
+    /// UDP GSO sends (many datagrams in one call).
+    pub gso_sends: AtomicU64,
+    /// Partial checksums finished in software.
     pub checksums: AtomicU64,
+    /// Runs of received TCP segments merged into one super-frame for a guest.
+    pub coalesced: AtomicU64,
+    /// Segments merged into them.
+    pub coalesced_segments: AtomicU64,
+    /// GRO runs received (several datagrams in one buffer).
+    pub gro_runs: AtomicU64,
+    /// Frames larger than their link's MTU, left to IP fragmentation.
+    pub fragmented: AtomicU64,
 }
 
 impl OffloadCounters {
     pub fn render(&self) -> String {
+        let v = |a: &AtomicU64| a.load(Relaxed);
         format!(
-            "segmented={} segments={} checksums={}",
-            self.segmented.load(Relaxed),
-            self.segments.load(Relaxed),
-            self.checksums.load(Relaxed)
+            "segmented={} segments={} gso_sends={} checksums={} coalesced={} coalesced_segments={} gro_runs={} fragmented={}",
+            v(&self.segmented),
+            v(&self.segments),
+            v(&self.gso_sends),
+            v(&self.checksums),
+            v(&self.coalesced),
+            v(&self.coalesced_segments),
+            v(&self.gro_runs),
+            v(&self.fragmented)
+        )
+    }
+}
+
+/// How the dispatcher threads spent their passes.
+#[derive(Default)]
+pub struct DispatchCounters {
+    /// Polling passes that found work / found none.
+    pub busy_passes: AtomicU64,
+    pub idle_passes: AtomicU64,
+    /// Idle passes that yielded the CPU (immediate) / slept T_sleep (timed).
+    pub yields: AtomicU64,
+    pub sleeps: AtomicU64,
+    /// Event waits that returned with work.
+    pub wakeups: AtomicU64,
+    /// `sendmmsg` batches and the datagrams in them.
+    pub tx_batches: AtomicU64,
+    pub tx_batched: AtomicU64,
+    /// Frames read per NIC read pass: sum and count, for the mean batch.
+    pub rx_frames: AtomicU64,
+    pub rx_passes: AtomicU64,
+}
+
+impl DispatchCounters {
+    pub fn render(&self) -> String {
+        let v = |a: &AtomicU64| a.load(Relaxed);
+        let passes = v(&self.rx_passes).max(1);
+        format!(
+            "busy_passes={} idle_passes={} yields={} sleeps={} wakeups={} tx_batches={} tx_batched={} rx_batch_mean={:.1}",
+            v(&self.busy_passes),
+            v(&self.idle_passes),
+            v(&self.yields),
+            v(&self.sleeps),
+            v(&self.wakeups),
+            v(&self.tx_batches),
+            v(&self.tx_batched),
+            v(&self.rx_frames) as f64 / passes as f64
         )
     }
 }

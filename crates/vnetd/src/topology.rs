@@ -13,7 +13,8 @@ use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use vnet_core::command::{Attach, Command, IfaceRef, LinkProto, LinkRef, RouteRef};
+use std::sync::atomic::{AtomicU64, AtomicU8};
+use vnet_core::command::{Attach, Command, IfaceRef, LinkProto, LinkRef, Mode, RouteRef, Setting, YieldStrategy};
 use vnet_core::rule::{DstSpec, RuleSpec, SrcSpec};
 use vnet_core::table::{Port, Rule, RouteTable, SrcMatch};
 use vnet_core::Mac;
@@ -26,6 +27,11 @@ pub struct Interface {
     pub attach: Attach,
     pub nic: Nic,
     pub stats: Counters,
+    /// The mode the dispatcher runs the interface in now (`Mode as u8`):
+    /// guest- or VMM-driven, whatever the configured mode.
+    pub running_mode: AtomicU8,
+    /// Switches between guest- and VMM-driven so far.
+    pub mode_switches: AtomicU64,
 }
 
 impl Interface {
@@ -39,8 +45,16 @@ pub struct Link {
     pub idx: u32,
     pub name: String,
     pub remote: SocketAddr,
+    /// Underlay MTU toward the peer: given, or the kernel's path MTU.
+    pub mtu: u32,
+    /// Largest frame that crosses the underlay in one unfragmented datagram;
+    /// TCP super-frames are cut to fit it.
+    pub max_frame: usize,
     pub stats: Counters,
 }
+
+/// Smallest frame a link is sized for: room for TCP headers and some data.
+const ETH_MIN_FOR_TCP: usize = 256;
 
 pub struct Route {
     pub idx: u32,
@@ -59,8 +73,56 @@ pub struct Settings {
     pub udp_is_ipv4: bool,
 }
 
+/// The dispatcher's tunables (`SET ...`), with the papers' and the original
+/// code's defaults.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DispatchSettings {
+    pub mode: Mode,
+    pub yield_strategy: YieldStrategy,
+    pub sleep_us: u32,
+    pub nowork_us: u32,
+    pub alpha_lower: u32,
+    pub alpha_upper: u32,
+    pub window_ms: u32,
+    pub quota: u32,
+}
+
+impl Default for DispatchSettings {
+    fn default() -> Self {
+        DispatchSettings {
+            mode: Mode::Adaptive,
+            yield_strategy: YieldStrategy::Adaptive,
+            sleep_us: 1000,
+            nowork_us: 1000,
+            alpha_lower: 1_000,
+            alpha_upper: 10_000,
+            window_ms: 5,
+            quota: 64,
+        }
+    }
+}
+
+impl DispatchSettings {
+    pub fn render(&self) -> String {
+        format!(
+            "mode={} yield={} sleep-us={} nowork-us={} alpha-lower={} alpha-upper={} window-ms={} quota={}",
+            self.mode.name(),
+            self.yield_strategy.name(),
+            self.sleep_us,
+            self.nowork_us,
+            self.alpha_lower,
+            self.alpha_upper,
+            self.window_ms,
+            self.quota
+        )
+    }
+}
+
 #[derive(Clone, Default)]
 pub struct Topology {
+    pub dispatch: DispatchSettings,
+    /// Interfaces (by index) whose mode is set apart from the global one.
+    pub iface_modes: BTreeMap<u32, Mode>,
     pub ifaces: BTreeMap<u32, Arc<Interface>>,
     pub links: BTreeMap<u32, Arc<Link>>,
     pub routes: BTreeMap<u32, Arc<Route>>,
@@ -71,8 +133,44 @@ pub struct Topology {
 
 impl Topology {
     /// Applies one mutating command; returns a line saying what it did.
-    pub fn apply(&mut self, cmd: &Command, settings: &Settings) -> Result<String, String> {
+    /// `path_mtu` asks the kernel for the MTU toward an address.
+    pub fn apply(
+        &mut self,
+        cmd: &Command,
+        settings: &Settings,
+        path_mtu: &dyn Fn(SocketAddr) -> Option<u32>,
+    ) -> Result<String, String> {
         match cmd {
+            Command::Set(s) => {
+                let d = &mut self.dispatch;
+                match *s {
+                    Setting::Mode(m) => d.mode = m,
+                    Setting::Yield(y) => d.yield_strategy = y,
+                    Setting::SleepUs(v) => d.sleep_us = v,
+                    Setting::NoworkUs(v) => d.nowork_us = v,
+                    Setting::AlphaLower(v) => d.alpha_lower = v,
+                    Setting::AlphaUpper(v) => d.alpha_upper = v,
+                    Setting::WindowMs(v) => d.window_ms = v,
+                    Setting::Quota(v) => d.quota = v,
+                }
+                if d.alpha_lower >= d.alpha_upper {
+                    return Err(format!(
+                        "alpha-lower ({}) must be below alpha-upper ({})",
+                        d.alpha_lower, d.alpha_upper
+                    ));
+                }
+                Ok(format!("set {}", d.render()))
+            }
+            Command::IfaceSetMode(r, mode) => {
+                let iface = self.find_iface(r)?;
+                let (idx, name) = (iface.idx, iface.name.clone());
+                match mode {
+                    Some(m) => self.iface_modes.insert(idx, *m),
+                    None => self.iface_modes.remove(&idx),
+                };
+                let shown = mode.map_or("default".to_string(), |m| m.name().to_string());
+                Ok(format!("interface {idx} {name} mode {shown}"))
+            }
             Command::IfaceAdd { name, mac, mtu, attach } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
                     return Err(format!("interface {name} exists (index {})", i.idx));
@@ -94,7 +192,20 @@ impl Topology {
                 let idx = self.next_iface;
                 self.next_iface += 1;
                 let attach = *attach;
-                self.ifaces.insert(idx, Arc::new(Interface { idx, name: name.clone(), mac: *mac, mtu, attach, nic, stats: Counters::default() }));
+                self.ifaces.insert(
+                    idx,
+                    Arc::new(Interface {
+                        idx,
+                        name: name.clone(),
+                        mac: *mac,
+                        mtu,
+                        attach,
+                        nic,
+                        stats: Counters::default(),
+                        running_mode: AtomicU8::new(Mode::GuestDriven as u8),
+                        mode_switches: AtomicU64::new(0),
+                    }),
+                );
                 Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{}", if attach == Attach::Qemu { " qemu" } else { "" }))
             }
             Command::IfaceDel(r) => {
@@ -107,9 +218,10 @@ impl Topology {
                 }
                 let (idx, name) = (iface.idx, iface.name.clone());
                 self.ifaces.remove(&idx);
+                self.iface_modes.remove(&idx);
                 Ok(format!("deleted interface {idx} {name}"))
             }
-            Command::LinkAdd { ip, port, proto, name } => {
+            Command::LinkAdd { ip, port, proto, name, mtu } => {
                 if *proto != LinkProto::Udp {
                     return Err("only udp links are supported by this vnetd".into());
                 }
@@ -128,10 +240,16 @@ impl Topology {
                 if let Some(l) = self.links.values().find(|l| l.remote == remote) {
                     return Err(format!("link {} already goes to {remote}", l.name));
                 }
+                let mtu = mtu.or_else(|| path_mtu(remote)).unwrap_or(1500);
+                let overhead = if ip.is_ipv4() { 28 } else { 48 };
+                let max_frame = (mtu as usize).saturating_sub(overhead).max(ETH_MIN_FOR_TCP);
                 let idx = self.next_link;
                 self.next_link += 1;
-                self.links.insert(idx, Arc::new(Link { idx, name: name.clone(), remote, stats: Counters::default() }));
-                Ok(format!("added link {idx} {name} udp {remote}"))
+                self.links.insert(
+                    idx,
+                    Arc::new(Link { idx, name: name.clone(), remote, mtu, max_frame, stats: Counters::default() }),
+                );
+                Ok(format!("added link {idx} {name} udp {remote} mtu {mtu}"))
             }
             Command::LinkDel(r) => {
                 let link = self.find_link(r)?;
@@ -244,7 +362,18 @@ impl Topology {
             by_addr.insert(l.remote, slot as u32);
             by_ip.entry(l.remote.ip()).and_modify(|e| *e = None).or_insert(Some(slot as u32));
         }
-        Snapshot { generation, ifaces, links, routes, table: RouteTable::new(rules, generation), by_addr, by_ip }
+        let modes = ifaces.iter().map(|i| self.iface_modes.get(&i.idx).copied().unwrap_or(self.dispatch.mode)).collect();
+        Snapshot {
+            generation,
+            ifaces,
+            links,
+            routes,
+            table: RouteTable::new(rules, generation),
+            by_addr,
+            by_ip,
+            dispatch: self.dispatch,
+            modes,
+        }
     }
 }
 
@@ -257,6 +386,9 @@ pub struct Snapshot {
     /// `routes[i]` is rule `i` of `table`.
     pub routes: Vec<Arc<Route>>,
     pub table: RouteTable,
+    pub dispatch: DispatchSettings,
+    /// The configured mode of each interface (by slot).
+    pub modes: Vec<Mode>,
     by_addr: HashMap<SocketAddr, u32>,
     /// Links by remote IP alone, when exactly one link has that IP.
     by_ip: HashMap<IpAddr, Option<u32>>,

@@ -10,7 +10,7 @@ use crate::stats::Drop;
 use crate::topology::{Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
-use vnet_core::command::{parse_request, Attach, Command, StatsScope, HELP};
+use vnet_core::command::{parse_request, Attach, Command, Mode, StatsScope, HELP};
 
 pub struct Control {
     topo: Mutex<(Topology, u64)>,
@@ -34,7 +34,8 @@ impl Control {
         let mut changed = false;
         for (line, cmd) in &cmds {
             if cmd.mutates() {
-                let msg = work.apply(cmd, &self.settings).map_err(|reason| {
+                let udp = &self.dp.udp;
+                let msg = work.apply(cmd, &self.settings, &|to| udp.path_mtu(to)).map_err(|reason| {
                     let text = request.lines().nth(line - 1).unwrap_or("").trim();
                     format!("line {line}: {reason}: {text}")
                 })?;
@@ -61,11 +62,13 @@ impl Control {
             Command::Show => {
                 let udp = self.dp.udp.local_addr();
                 out.push(format!(
-                    "vnetd version={} udp={udp} default_mtu={} default_link_port={}",
+                    "vnetd version={} udp={udp} default_mtu={} default_link_port={} dispatchers={}",
                     env!("CARGO_PKG_VERSION"),
                     self.settings.default_mtu,
-                    self.settings.default_link_port
+                    self.settings.default_link_port,
+                    self.dp.worker_count()
                 ));
+                out.push(format!("settings {}", t.dispatch.render()));
                 list_ifaces(t, out);
                 list_links(t, out);
                 list_routes(t, out);
@@ -80,10 +83,21 @@ impl Control {
         if all || scope == StatsScope::Global {
             out.push(format!("global {}", self.dp.global.render()));
             out.push(format!("offload {}", self.dp.offload.render()));
+            out.push(format!("dispatch {}", self.dp.dispatch.render()));
         }
         if all || scope == StatsScope::Interfaces {
             for i in t.ifaces.values() {
-                out.push(format!("interface {} name={} {}", i.idx, i.name, i.stats.render()));
+                let configured = t.iface_modes.get(&i.idx).copied().unwrap_or(t.dispatch.mode);
+                let running = if i.running_mode.load(Relaxed) == Mode::VmmDriven as u8 { Mode::VmmDriven } else { Mode::GuestDriven };
+                out.push(format!(
+                    "interface {} name={} mode={} running={} mode_switches={} {}",
+                    i.idx,
+                    i.name,
+                    configured.name(),
+                    running.name(),
+                    i.mode_switches.load(Relaxed),
+                    i.stats.render()
+                ));
             }
         }
         if all || scope == StatsScope::Links {
@@ -120,17 +134,18 @@ impl Control {
 
 fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
     for i in t.ifaces.values() {
+        let mode = t.iface_modes.get(&i.idx).map_or("default", |m| m.name());
         let attach = match i.attach {
             Attach::Netns => "netns",
             Attach::Qemu => "qemu",
         };
-        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}", i.idx, i.name, i.mac, i.mtu));
+        out.push(format!("interface {} name={} mac={} mtu={} attach={attach} mode={mode}", i.idx, i.name, i.mac, i.mtu));
     }
 }
 
 fn list_links(t: &Topology, out: &mut Vec<String>) {
     for l in t.links.values() {
-        out.push(format!("link {} name={} proto=udp remote={}", l.idx, l.name, l.remote));
+        out.push(format!("link {} name={} proto=udp remote={} mtu={} max_frame={}", l.idx, l.name, l.remote, l.mtu, l.max_frame));
     }
 }
 

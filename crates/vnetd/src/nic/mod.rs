@@ -10,11 +10,15 @@ pub mod packet;
 pub mod tap;
 
 use anyhow::Result;
-use std::io;
+use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, RawFd};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
 
 pub use packet::PacketPort;
+
+/// Most pieces one frame is sent in (a merged super-frame: its headers and
+/// up to `vnet_core::offload::MAX_RUN` payloads).
+pub const MAX_PARTS: usize = 64;
 pub use tap::Tap;
 
 pub enum Nic {
@@ -22,11 +26,11 @@ pub enum Nic {
     Qemu { port: PacketPort, device: String },
 }
 
-/// One received frame: `buf[start..end]`, and its offload metadata if any.
+/// One received frame: `buf[start..end]`, and its offload metadata.
 pub struct Received {
     pub start: usize,
     pub end: usize,
-    pub vnet: Option<VnetHdr>,
+    pub vnet: VnetHdr,
 }
 
 impl Nic {
@@ -41,24 +45,35 @@ impl Nic {
         }
     }
 
+    /// Reads one frame: `buf[start..end]`, with its offload metadata.
     #[inline]
     pub fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        match self {
-            Nic::Tap(t) => t.recv(buf).map(|n| Received { start: 0, end: n, vnet: None }),
-            Nic::Qemu { port, .. } => {
-                let n = port.recv(buf)?;
-                let vnet = VnetHdr::parse(&buf[..n]).ok_or_else(|| io::Error::from_raw_os_error(libc::EPROTO))?;
-                Ok(Received { start: VNET_HDR_LEN, end: n, vnet: Some(vnet) })
-            }
-        }
+        let n = match self {
+            Nic::Tap(t) => t.recv(buf)?,
+            Nic::Qemu { port, .. } => port.recv(buf)?,
+        };
+        let vnet = VnetHdr::parse(&buf[..n]).ok_or_else(|| io::Error::from_raw_os_error(libc::EPROTO))?;
+        Ok(Received { start: VNET_HDR_LEN, end: n, vnet })
     }
 
+    /// Sends one frame made of `parts`, with offload metadata `vnet` (all
+    /// zero for a plain frame); returns the frame's length.
     #[inline]
-    pub fn send(&self, frame: &[u8]) -> io::Result<usize> {
-        match self {
-            Nic::Tap(t) => t.send(frame),
-            Nic::Qemu { port, .. } => port.send(frame),
+    pub fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        let mut hdr = [0u8; VNET_HDR_LEN];
+        vnet.write(&mut hdr);
+        let mut iov = [IoSlice::new(&[]); MAX_PARTS + 1];
+        iov[0] = IoSlice::new(&hdr);
+        let n_parts = parts.len().min(MAX_PARTS);
+        for (slot, p) in iov[1..].iter_mut().zip(&parts[..n_parts]) {
+            *slot = IoSlice::new(p);
         }
+        let iov = &iov[..1 + n_parts];
+        let n = match self {
+            Nic::Tap(t) => t.send(iov)?,
+            Nic::Qemu { port, .. } => port.send(iov)?,
+        };
+        Ok(n.saturating_sub(VNET_HDR_LEN))
     }
 }
 

@@ -8,9 +8,8 @@
 
 use anyhow::{bail, Result};
 use std::ffi::CString;
-use std::io;
+use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use vnet_core::offload::VNET_HDR_LEN;
 
 const PACKET_VNET_HDR: libc::c_int = 15;
 const PACKET_IGNORE_OUTGOING: libc::c_int = 23;
@@ -85,21 +84,12 @@ impl PacketPort {
         Ok(n as usize)
     }
 
-    /// Sends one plain frame (an all-zero header: no offloads).
+    /// Sends one frame: `iov` is its virtio-net header followed by the
+    /// frame's pieces (a super-frame leaves as one, the kernel segments it if
+    /// the guest cannot take it).
     #[inline]
-    pub fn send(&self, frame: &[u8]) -> io::Result<usize> {
-        let hdr = [0u8; VNET_HDR_LEN];
-        let iov = [
-            libc::iovec { iov_base: hdr.as_ptr() as *mut _, iov_len: hdr.len() },
-            libc::iovec { iov_base: frame.as_ptr() as *mut _, iov_len: frame.len() },
-        ];
-        // SAFETY: both iovecs point at live buffers of the given lengths.
-        let n = unsafe { libc::writev(self.fd.as_raw_fd(), iov.as_ptr(), 2) };
-        if n < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(frame.len())
-        }
+    pub fn send(&self, iov: &[IoSlice]) -> io::Result<usize> {
+        super::tap::writev(self.fd.as_raw_fd(), iov)
     }
 }
 

@@ -1,0 +1,316 @@
+//! Forwarding one frame: route it through the core, then deliver it to each
+//! destination in the form that destination takes.
+//!
+//! - To a guest (TAP or QEMU NIC): as it is, offload metadata and all — a
+//!   64 KiB TCP super-frame stays one write.
+//! - To a link: cut to the link's frame size (TCP segmentation, sent with one
+//!   UDP GSO call), partial checksums finished; plain frames are sent at once
+//!   (guest-driven) or queued for one `sendmmsg` per pass (VMM-driven).
+//! - From a link, runs of TCP segments bound for one guest are merged back
+//!   into a super-frame (`TcpCoalescer`) before the write.
+
+use super::Datapath;
+use crate::link::udp::{TxBatch, MAX_GSO_SEGMENTS};
+use crate::nic::MAX_PARTS;
+use crate::stats::{Counters, Drop};
+use crate::topology::Snapshot;
+use std::io::{self, IoSlice};
+use std::ops::Range;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use vnet_core::mac::frame_macs;
+use vnet_core::offload::{self, Run, SegmentPlan, TcpCoalescer, VnetHdr, F_NEEDS_CSUM};
+use vnet_core::table::{Hit, Port};
+use vnet_core::RouteCache;
+
+/// Largest payload of one UDP GSO call we build (the kernel's limit is a
+/// 64 KiB datagram).
+const MAX_GSO_BYTES: usize = 65000;
+
+pub struct Forwarder {
+    dp: Arc<Datapath>,
+    cache: RouteCache,
+    hits: Vec<Hit>,
+    plan: SegmentPlan,
+    tx: TxBatch,
+    coalescer: TcpCoalescer,
+    pending_dest: u32,
+    /// Queue plain link sends for one `sendmmsg` per pass (VMM-driven).
+    pub batching: bool,
+}
+
+impl Forwarder {
+    pub fn new(dp: Arc<Datapath>) -> Forwarder {
+        Forwarder {
+            dp,
+            cache: RouteCache::default(),
+            hits: Vec::with_capacity(16),
+            plan: SegmentPlan::default(),
+            tx: TxBatch::default(),
+            coalescer: TcpCoalescer::default(),
+            pending_dest: 0,
+            batching: false,
+        }
+    }
+
+    /// Routes `frame` from `origin`; false (counted as a drop) when it cannot
+    /// be routed. The destinations are left in `self.hits`.
+    #[inline]
+    fn route(&mut self, snap: &Snapshot, origin: Port, frame: &[u8]) -> bool {
+        let origin_stats = snap.port_stats(origin);
+        origin_stats.received(frame.len());
+        self.dp.global.received(frame.len());
+        let Some((dst, src)) = frame_macs(frame) else {
+            self.dp.drop_at(Some(origin_stats), Drop::Malformed);
+            return false;
+        };
+        let hits = self.cache.route(&snap.table, origin, src, dst);
+        if hits.is_empty() {
+            self.dp.drop_at(Some(origin_stats), Drop::NoRoute);
+            return false;
+        }
+        self.hits.clear();
+        self.hits.extend_from_slice(hits);
+        for h in &self.hits {
+            snap.routes[h.rule as usize].stats.sent(frame.len());
+        }
+        true
+    }
+
+    /// A frame read from a guest's NIC, with its offload metadata.
+    pub fn from_nic(&mut self, snap: &Snapshot, slot: u32, frame: &mut [u8], mut vnet: VnetHdr) {
+        if !self.route(snap, Port::Interface(slot), frame) {
+            return;
+        }
+        let hits = std::mem::take(&mut self.hits);
+        for h in &hits {
+            self.deliver(snap, h.dst, frame, &mut vnet);
+        }
+        self.hits = hits;
+    }
+
+    /// The frame `buf[range]` received on link `slot`. Frames of one received
+    /// run must be followed by `end_run` before `buf` changes.
+    pub fn from_link(&mut self, snap: &Snapshot, slot: u32, buf: &mut [u8], range: Range<usize>) {
+        if !self.route(snap, Port::Link(slot), &buf[range.clone()]) {
+            return;
+        }
+        if let [Hit { dst: Port::Interface(s), .. }] = self.hits[..] {
+            if self.coalescer.is_pending() && self.pending_dest == s && self.coalescer.offer(buf, range.clone()) {
+                return;
+            }
+            self.end_run(snap, buf);
+            if self.coalescer.offer(buf, range.clone()) {
+                self.pending_dest = s;
+                return;
+            }
+        } else {
+            self.end_run(snap, buf);
+        }
+        let hits = std::mem::take(&mut self.hits);
+        let mut vnet = VnetHdr::default();
+        for h in &hits {
+            self.deliver(snap, h.dst, &mut buf[range.clone()], &mut vnet);
+        }
+        self.hits = hits;
+    }
+
+    /// Delivers the pending run of merged TCP segments, if any.
+    pub fn end_run(&mut self, snap: &Snapshot, buf: &[u8]) {
+        let slot = self.pending_dest;
+        let Some(iface) = snap.ifaces.get(slot as usize) else {
+            let _ = self.coalescer.take();
+            return;
+        };
+        let (result, frames, bytes) = match self.coalescer.take() {
+            Run::Empty => return,
+            Run::Single(r) => (iface.nic.send(&VnetHdr::default(), &[&buf[r.clone()]]), 1, r.len()),
+            Run::Merged { vnet, header, payloads, frames, frame_bytes } => {
+                let mut parts: [&[u8]; MAX_PARTS] = [&[]; MAX_PARTS];
+                parts[0] = header;
+                for (p, r) in parts[1..].iter_mut().zip(payloads) {
+                    *p = &buf[r.clone()];
+                }
+                self.dp.offload.coalesced.fetch_add(1, Relaxed);
+                self.dp.offload.coalesced_segments.fetch_add(frames as u64, Relaxed);
+                (iface.nic.send(&vnet, &parts[..1 + payloads.len()]), frames, frame_bytes)
+            }
+        };
+        match result {
+            Ok(_) => {
+                iface.stats.sent_many(frames, bytes);
+                self.dp.global.sent_many(frames, bytes);
+            }
+            Err(e) => {
+                for _ in 0..frames {
+                    self.dp.drop_at(Some(&iface.stats), classify(&e));
+                }
+            }
+        }
+    }
+
+    #[inline]
+    fn deliver(&mut self, snap: &Snapshot, to: Port, frame: &mut [u8], vnet: &mut VnetHdr) {
+        match to {
+            Port::Interface(s) => {
+                let iface = &snap.ifaces[s as usize];
+                if !vnet.is_gso() && frame.len() > iface.max_frame() {
+                    self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
+                    return;
+                }
+                let r = iface.nic.send(vnet, &[frame]);
+                self.account(&iface.stats, r.map(|_| frame.len()));
+            }
+            Port::Link(s) => {
+                if vnet.is_gso() {
+                    self.send_segmented(snap, s, frame, vnet);
+                    return;
+                }
+                let link = &snap.links[s as usize];
+                if vnet.flags & F_NEEDS_CSUM != 0 {
+                    if offload::complete_checksum(frame, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
+                        self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+                        return;
+                    }
+                    self.dp.offload.checksums.fetch_add(1, Relaxed);
+                    vnet.flags &= !F_NEEDS_CSUM;
+                }
+                if frame.len() > self.dp.udp.max_payload() {
+                    self.dp.drop_at(Some(&link.stats), Drop::Oversize);
+                    return;
+                }
+                if frame.len() > link.max_frame {
+                    self.dp.offload.fragmented.fetch_add(1, Relaxed);
+                }
+                if self.batching {
+                    if !self.tx.push(frame, link.remote, s) {
+                        self.flush(snap);
+                        self.tx.push(frame, link.remote, s);
+                    }
+                } else {
+                    let r = self.dp.udp.send(frame, link.remote);
+                    self.account(&link.stats, r.map(|_| frame.len()));
+                }
+            }
+        }
+    }
+
+    /// Cuts a TCP super-frame to the link's frame size and sends the segments
+    /// with UDP GSO (one call per up to 64 segments).
+    fn send_segmented(&mut self, snap: &Snapshot, slot: u32, frame: &[u8], vnet: &VnetHdr) {
+        let link = &snap.links[slot as usize];
+        let Some(hl) = offload::tcp_payload_offset(frame) else {
+            self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+            return;
+        };
+        let mss = (vnet.gso_size as usize).min(link.max_frame.saturating_sub(hl)).max(8);
+        if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
+            self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+            return;
+        }
+        let n = self.plan.len();
+        self.dp.offload.segmented.fetch_add(1, Relaxed);
+        self.dp.offload.segments.fetch_add(n as u64, Relaxed);
+        let seg_size = hl + mss;
+        let per_call = (MAX_GSO_BYTES / seg_size).clamp(1, MAX_GSO_SEGMENTS);
+        let mut i = 0;
+        while i < n {
+            let end = (i + per_call).min(n);
+            let bytes: usize = (i..end).map(|k| self.plan.frame_len(k)).sum();
+            let result = if end - i == 1 || !self.dp.gso_ok.load(Relaxed) {
+                self.send_each(frame, i, end, link.remote)
+            } else {
+                let mut iov = [IoSlice::new(&[]); 2 * MAX_GSO_SEGMENTS];
+                for (k, seg) in (i..end).enumerate() {
+                    iov[2 * k] = IoSlice::new(self.plan.header(seg));
+                    iov[2 * k + 1] = IoSlice::new(&frame[self.plan.payload[seg].clone()]);
+                }
+                match self.dp.udp.send_gso(&iov[..2 * (end - i)], link.remote, seg_size as u16) {
+                    Ok(_) => {
+                        self.dp.offload.gso_sends.fetch_add(1, Relaxed);
+                        Ok(())
+                    }
+                    // The underlay cannot do GSO (no checksum offload, say):
+                    // send datagram by datagram from now on.
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL)) => {
+                        tracing::info!("UDP GSO unavailable ({e}); sending segments one by one");
+                        self.dp.gso_ok.store(false, Relaxed);
+                        self.send_each(frame, i, end, link.remote)
+                    }
+                    Err(e) => Err(e),
+                }
+            };
+            match result {
+                Ok(()) => {
+                    link.stats.sent_many(end - i, bytes);
+                    self.dp.global.sent_many(end - i, bytes);
+                }
+                Err(e) => {
+                    for _ in i..end {
+                        self.dp.drop_at(Some(&link.stats), classify(&e));
+                    }
+                }
+            }
+            i = end;
+        }
+    }
+
+    fn send_each(&self, frame: &[u8], from: usize, to: usize, remote: std::net::SocketAddr) -> io::Result<()> {
+        let mut seg = Vec::with_capacity(self.plan.frame_len(from));
+        for k in from..to {
+            seg.clear();
+            seg.extend_from_slice(self.plan.header(k));
+            seg.extend_from_slice(&frame[self.plan.payload[k].clone()]);
+            self.dp.udp.send(&seg, remote)?;
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn account(&self, stats: &Counters, r: io::Result<usize>) {
+        match r {
+            Ok(n) => {
+                stats.sent(n);
+                self.dp.global.sent(n);
+            }
+            Err(e) => {
+                let why = classify(&e);
+                if why == Drop::TxError {
+                    tracing::debug!("send failed: {e}");
+                }
+                self.dp.drop_at(Some(stats), why);
+            }
+        }
+    }
+
+    /// Sends the queued link datagrams (one `sendmmsg`).
+    pub fn flush(&mut self, snap: &Snapshot) {
+        if self.tx.is_empty() {
+            return;
+        }
+        let dp = &self.dp;
+        let mut n = 0u64;
+        dp.udp.flush(&mut self.tx, |slot, len, err| {
+            n += 1;
+            let Some(link) = snap.links.get(slot as usize) else { return };
+            match err {
+                None => {
+                    link.stats.sent(len);
+                    dp.global.sent(len);
+                }
+                Some(e) => dp.drop_at(Some(&link.stats), classify(&e)),
+            }
+        });
+        dp.dispatch.tx_batches.fetch_add(1, Relaxed);
+        dp.dispatch.tx_batched.fetch_add(n, Relaxed);
+    }
+}
+
+fn classify(e: &io::Error) -> Drop {
+    match e.raw_os_error() {
+        Some(libc::EAGAIN) | Some(libc::ENOBUFS) => Drop::QueueFull,
+        Some(libc::EIO) | Some(libc::ENETDOWN) => Drop::Down,
+        Some(libc::EMSGSIZE) => Drop::Oversize,
+        _ => Drop::TxError,
+    }
+}

@@ -1,0 +1,387 @@
+//! One dispatcher thread and its modes.
+//!
+//! The thread owns some interfaces (index modulo the number of threads;
+//! thread 0 also owns the UDP socket). Each interface runs
+//!
+//! - **guest-driven**: its NIC is in the epoll set; the thread sleeps in
+//!   `epoll_wait` and handles each frame the moment it arrives, sending it at
+//!   once;
+//! - **VMM-driven**: its NIC is out of the epoll set ("notifications off")
+//!   and polled every pass, up to `quota` frames, its link sends batched into
+//!   one `sendmmsg` a pass; an idle pass applies the yield strategy
+//!   (immediate: `sched_yield`; timed: wait up to T_sleep; adaptive:
+//!   immediate until idle for T_nowork, then timed);
+//! - **adaptive**: guest-driven below α_l and VMM-driven above α_u packets
+//!   per second, measured over windows of ω (hysteresis in between).
+
+use super::forward::Forwarder;
+use super::Datapath;
+use crate::link::udp::RxBatch;
+use crate::stats::Drop;
+use crate::topology::Snapshot;
+use anyhow::{bail, Result};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use vnet_core::command::{Mode, YieldStrategy};
+
+const TOKEN_WAKE: u64 = u64::MAX;
+const TOKEN_UDP: u64 = u64::MAX - 1;
+/// Room for the largest frame plus its virtio-net header.
+const BUF_LEN: usize = 65536 + 128;
+
+/// Pins the calling thread to one CPU.
+pub fn pin_to(cpu: usize) {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            tracing::warn!("cannot pin dispatcher to CPU {cpu}: {}", io::Error::last_os_error());
+        }
+    }
+}
+
+/// A minimal epoll with microsecond timeouts (`epoll_pwait2`).
+struct Epoll {
+    fd: RawFd,
+    events: Vec<libc::epoll_event>,
+}
+
+impl Epoll {
+    fn new() -> Result<Epoll> {
+        // SAFETY: plain epoll_create1; closed in Drop.
+        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if fd < 0 {
+            bail!("epoll_create1: {}", io::Error::last_os_error());
+        }
+        Ok(Epoll { fd, events: vec![libc::epoll_event { events: 0, u64: 0 }; 64] })
+    }
+
+    fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
+        // SAFETY: ev is a valid epoll_event.
+        if unsafe { libc::epoll_ctl(self.fd, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn del(&self, fd: RawFd) {
+        // SAFETY: a null event is allowed for EPOLL_CTL_DEL.
+        unsafe { libc::epoll_ctl(self.fd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+
+    /// Waits up to `timeout` (None: forever); returns how many events.
+    fn wait(&mut self, timeout: Option<Duration>) -> usize {
+        let ts = timeout.map(|d| libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ });
+        let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
+        // SAFETY: events has room for len entries; tsp is null or valid.
+        let n = unsafe {
+            libc::syscall(
+                libc::SYS_epoll_pwait2,
+                self.fd,
+                self.events.as_mut_ptr(),
+                self.events.len() as libc::c_int,
+                tsp,
+                std::ptr::null::<libc::sigset_t>(),
+                0usize,
+            )
+        };
+        if n < 0 {
+            0
+        } else {
+            n as usize
+        }
+    }
+}
+
+impl std::ops::Drop for Epoll {
+    fn drop(&mut self) {
+        // SAFETY: fd is ours.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+/// This thread's view of one interface it owns.
+struct Owned {
+    slot: u32,
+    fd: RawFd,
+    configured: Mode,
+    /// Running VMM-driven (polled) right now.
+    polled: bool,
+    /// Frames in + out at the start of the adaptive window.
+    window_count: u64,
+}
+
+struct Worker {
+    dp: Arc<Datapath>,
+    index: usize,
+    epoll: Epoll,
+    snap: Arc<Snapshot>,
+    owned: Vec<Owned>,
+    fwd: Forwarder,
+    buf: Vec<u8>,
+    rx: RxBatch,
+    window_start: Instant,
+    last_work: Instant,
+}
+
+pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
+    let epoll = Epoll::new()?;
+    epoll.add(dp.workers[index].wake.as_raw_fd(), TOKEN_WAKE)?;
+    if index == 0 {
+        epoll.add(dp.udp.as_raw_fd(), TOKEN_UDP)?;
+    }
+    let snap = Arc::new(Snapshot::empty());
+    let mut w = Worker {
+        fwd: Forwarder::new(dp.clone()),
+        dp,
+        index,
+        epoll,
+        snap,
+        owned: Vec::new(),
+        buf: vec![0u8; BUF_LEN],
+        rx: RxBatch::default(),
+        window_start: Instant::now(),
+        last_work: Instant::now(),
+    };
+    w.reload();
+    w.run();
+    Ok(())
+}
+
+impl Worker {
+    fn run(&mut self) {
+        loop {
+            if self.dp.stop.load(Acquire) {
+                return;
+            }
+            let d = self.snap.dispatch;
+            let polling = self.owned.iter().any(|o| o.polled);
+            let mut timeout = None;
+            if polling {
+                let work = self.poll_pass();
+                let now = Instant::now();
+                if work > 0 {
+                    self.dp.dispatch.busy_passes.fetch_add(1, Relaxed);
+                    self.last_work = now;
+                    timeout = Some(Duration::ZERO);
+                } else {
+                    self.dp.dispatch.idle_passes.fetch_add(1, Relaxed);
+                    let sleep = Duration::from_micros(d.sleep_us as u64);
+                    let immediate = match d.yield_strategy {
+                        YieldStrategy::Immediate => true,
+                        YieldStrategy::Timed => false,
+                        YieldStrategy::Adaptive => now.duration_since(self.last_work) < Duration::from_micros(d.nowork_us as u64),
+                    };
+                    if immediate {
+                        self.dp.dispatch.yields.fetch_add(1, Relaxed);
+                        // SAFETY: plain sched_yield.
+                        unsafe { libc::sched_yield() };
+                        timeout = Some(Duration::ZERO);
+                    } else {
+                        self.dp.dispatch.sleeps.fetch_add(1, Relaxed);
+                        timeout = Some(sleep);
+                    }
+                }
+            }
+            let n = self.epoll.wait(timeout);
+            if n > 0 {
+                self.dp.dispatch.wakeups.fetch_add(1, Relaxed);
+            }
+            let mut woken = false;
+            for i in 0..n {
+                match self.epoll.events[i].u64 {
+                    TOKEN_WAKE => woken = true,
+                    TOKEN_UDP => {
+                        self.fwd.batching = polling;
+                        self.drain_udp();
+                    }
+                    slot => {
+                        self.fwd.batching = false;
+                        self.drain_nic(slot as u32);
+                    }
+                }
+            }
+            self.fwd.flush(&self.snap);
+            if woken {
+                let mut v = [0u8; 8];
+                // SAFETY: reading the eventfd's 8-byte counter.
+                unsafe { libc::read(self.dp.workers[self.index].wake.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+                self.reload();
+            }
+            self.adapt();
+        }
+    }
+
+    /// One VMM-driven pass: every polled NIC, and the UDP socket on thread 0.
+    fn poll_pass(&mut self) -> usize {
+        self.fwd.batching = true;
+        let mut work = 0;
+        for i in 0..self.owned.len() {
+            if self.owned[i].polled {
+                work += self.drain_nic(self.owned[i].slot);
+            }
+        }
+        if self.index == 0 {
+            work += self.drain_udp();
+        }
+        self.fwd.flush(&self.snap);
+        work
+    }
+
+    /// Takes up to `quota` frames from a NIC; returns how many.
+    fn drain_nic(&mut self, slot: u32) -> usize {
+        let snap = &self.snap;
+        let Some(iface) = snap.ifaces.get(slot as usize) else { return 0 };
+        let quota = snap.dispatch.quota as usize;
+        let mut n = 0;
+        while n < quota {
+            match iface.nic.recv(&mut self.buf) {
+                Ok(rx) => {
+                    n += 1;
+                    self.fwd.from_nic(snap, slot, &mut self.buf[rx.start..rx.end], rx.vnet);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
+                    self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
+                }
+                Err(e) => {
+                    tracing::warn!(iface = %iface.name, "read from NIC failed: {e}");
+                    break;
+                }
+            }
+        }
+        if n > 0 {
+            self.dp.dispatch.rx_frames.fetch_add(n as u64, Relaxed);
+            self.dp.dispatch.rx_passes.fetch_add(1, Relaxed);
+        }
+        n
+    }
+
+    /// Takes up to `quota` datagrams from the UDP socket (GRO runs count as
+    /// their datagrams); returns how many.
+    fn drain_udp(&mut self) -> usize {
+        let snap = &self.snap;
+        let quota = snap.dispatch.quota as usize;
+        let mut frames = 0;
+        while frames < quota {
+            let n = match self.dp.udp.recv_batch(&mut self.rx) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                // ICMP errors for earlier sends surface here; they concern
+                // those sends, not this receive.
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                Err(e) => {
+                    tracing::warn!("UDP receive failed: {e}");
+                    break;
+                }
+            };
+            for i in 0..n {
+                let len = self.rx.lens[i];
+                let seg = if self.rx.seg[i] == 0 { len.max(1) } else { self.rx.seg[i] };
+                let count = len.div_ceil(seg).max(1);
+                frames += count;
+                let link = self.rx.from[i].and_then(|from| snap.link_for_sender(from));
+                let Some(link) = link else {
+                    for _ in 0..count {
+                        self.dp.global.received(seg.min(len));
+                        self.dp.drop_at(None, Drop::UnknownSender);
+                    }
+                    tracing::debug!(from = ?self.rx.from[i], "datagram from an address with no link dropped");
+                    continue;
+                };
+                if self.rx.truncated[i] {
+                    self.dp.drop_at(Some(&snap.links[link as usize].stats), Drop::Oversize);
+                    continue;
+                }
+                if count > 1 {
+                    self.dp.offload.gro_runs.fetch_add(1, Relaxed);
+                }
+                let buf = self.rx.buf_mut(i);
+                let mut at = 0;
+                while at < len {
+                    let end = (at + seg).min(len);
+                    self.fwd.from_link(snap, link, buf, at..end);
+                    at = end;
+                }
+                self.fwd.end_run(snap, buf);
+            }
+        }
+        frames
+    }
+
+    /// Picks up a new snapshot: which interfaces this thread owns, in which
+    /// mode, and the epoll set to match.
+    fn reload(&mut self) {
+        let next = self.dp.snapshot();
+        for o in &self.owned {
+            if !o.polled {
+                self.epoll.del(o.fd);
+            }
+        }
+        let workers = self.dp.worker_count();
+        let mut owned = Vec::new();
+        for (slot, iface) in next.ifaces.iter().enumerate() {
+            if iface.idx as usize % workers != self.index {
+                continue;
+            }
+            let configured = next.modes[slot];
+            // An interface keeps its running mode across unrelated changes.
+            let was_polled = self.owned.iter().find(|o| std::ptr::eq(&*self.snap.ifaces[o.slot as usize], &**iface)).map(|o| o.polled);
+            let polled = match configured {
+                Mode::GuestDriven => false,
+                Mode::VmmDriven => true,
+                Mode::Adaptive => was_polled.unwrap_or(false),
+            };
+            let fd = iface.nic.as_raw_fd();
+            if !polled && self.epoll.add(fd, slot as u64).is_err() {
+                tracing::warn!(iface = %iface.name, "cannot watch NIC");
+            }
+            iface.running_mode.store(if polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);
+            let count = iface.stats.in_frames.load(Relaxed) + iface.stats.out_frames.load(Relaxed);
+            owned.push(Owned { slot: slot as u32, fd, configured, polled, window_count: count });
+        }
+        self.owned = owned;
+        self.snap = next;
+        self.dp.workers[self.index].running.store(self.snap.generation, Release);
+    }
+
+    /// Adaptive mode: at the end of each window ω, switch interfaces whose
+    /// packet rate crossed α_u (up) or α_l (down).
+    fn adapt(&mut self) {
+        let d = self.snap.dispatch;
+        let elapsed = self.window_start.elapsed();
+        let window = Duration::from_millis(d.window_ms as u64);
+        if elapsed < window {
+            return;
+        }
+        self.window_start = Instant::now();
+        let secs = elapsed.as_secs_f64();
+        for o in &mut self.owned {
+            let iface = &self.snap.ifaces[o.slot as usize];
+            let count = iface.stats.in_frames.load(Relaxed) + iface.stats.out_frames.load(Relaxed);
+            let rate = (count - o.window_count) as f64 / secs;
+            o.window_count = count;
+            if o.configured != Mode::Adaptive {
+                continue;
+            }
+            let switch = if o.polled { rate < d.alpha_lower as f64 } else { rate > d.alpha_upper as f64 };
+            if !switch {
+                continue;
+            }
+            o.polled = !o.polled;
+            if o.polled {
+                self.epoll.del(o.fd);
+            } else if self.epoll.add(o.fd, o.slot as u64).is_err() {
+                tracing::warn!(iface = %iface.name, "cannot watch NIC");
+            }
+            iface.running_mode.store(if o.polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);
+            iface.mode_switches.fetch_add(1, Relaxed);
+            tracing::debug!(iface = %iface.name, rate, polled = o.polled, "adaptive mode switch");
+        }
+    }
+}
