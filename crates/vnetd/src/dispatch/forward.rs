@@ -162,11 +162,13 @@ impl Forwarder {
                 self.account(&iface.stats, r.map(|_| frame.len()));
             }
             Port::Link(s) => {
-                if vnet.is_gso() {
+                let link = &snap.links[s as usize];
+                // TCP that does not fit the link is cut to fit it (a guest
+                // with a big MTU sends big frames even without TSO).
+                if vnet.is_gso() || (frame.len() > link.max_frame && offload::tcp_payload_offset(frame).is_some()) {
                     self.send_segmented(snap, s, frame, vnet);
                     return;
                 }
-                let link = &snap.links[s as usize];
                 if vnet.flags & F_NEEDS_CSUM != 0 {
                     if offload::complete_checksum(frame, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
                         self.dp.drop_at(Some(&link.stats), Drop::Malformed);
@@ -203,7 +205,8 @@ impl Forwarder {
             self.dp.drop_at(Some(&link.stats), Drop::Malformed);
             return;
         };
-        let mss = (vnet.gso_size as usize).min(link.max_frame.saturating_sub(hl)).max(8);
+        let gso_size = if vnet.is_gso() { vnet.gso_size as usize } else { usize::MAX };
+        let mss = gso_size.min(link.max_frame.saturating_sub(hl)).max(8);
         if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
             self.dp.drop_at(Some(&link.stats), Drop::Malformed);
             return;

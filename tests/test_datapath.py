@@ -1,0 +1,173 @@
+"""The fast datapath end to end: dispatch modes and yield strategies changed
+while traffic flows, adaptive switching, several dispatcher threads,
+offloads (segmentation to the link, coalescing for the guest), and frames
+bigger than the underlay."""
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from netlab import REPO, guest_mac, mesh_config
+from test_overlay import build_mesh
+
+XFER = REPO / "tests" / "tools" / "xfer.py"
+
+
+def iperf(lab, client, server, *args, seconds=2):
+    srv = lab.popen(server.ns, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
+    time.sleep(0.3)
+    try:
+        out = lab.x(client.ns, "iperf3", "-J", "-c", server.ip, "-t", seconds, *args, timeout=seconds + 30).stdout
+    finally:
+        srv.wait(timeout=10)
+    return json.loads(out)
+
+
+def transfer(lab, src, dst, n, port=5001):
+    recv = lab.popen(dst.ns, "python3", XFER, "recv", port, stdout=subprocess.PIPE, text=True)
+    assert recv.stdout.readline().strip() == "listening"
+    sent = lab.x(src.ns, "python3", XFER, "send", dst.ip, port, n, timeout=300).stdout.split()
+    got = recv.communicate(timeout=60)[0].split()
+    assert got == sent and sent[0] == str(n)
+
+
+def settings(d):
+    line = next(l for l in d.ctl("SHOW").stdout.splitlines() if l.startswith("settings "))
+    return dict(w.split("=") for w in line.split()[1:])
+
+
+@pytest.mark.parametrize("mode", ["guest-driven", "vmm-driven", "adaptive"])
+def test_each_mode_carries_ping_and_tcp(lab, mode):
+    _, daemons, g = build_mesh(lab, {1: [1], 2: [2]})
+    for d in daemons.values():
+        d.ctl("SET", "mode", mode)
+        assert settings(d)["mode"] == mode
+    assert lab.ping(g[1], g[2], count=5).returncode == 0
+    transfer(lab, g[1], g[2], 20_000_000)
+    s = daemons[1].stats()["interface g1"]
+    assert s["mode"] == mode
+    if mode == "vmm-driven":
+        assert s["running"] == "vmm-driven"
+        assert daemons[1].stats()["dispatch"]["busy_passes"] > 0
+    if mode == "guest-driven":
+        assert s["running"] == "guest-driven"
+
+
+def test_adaptive_switches_up_under_load_and_back_when_idle(lab):
+    _, daemons, g = build_mesh(lab, {1: [1], 2: [2]})
+    d1 = daemons[1]
+    assert settings(d1)["mode"] == "adaptive"  # the default
+    lab.ping(g[1], g[2], count=3)
+    assert d1.stats()["interface g1"]["running"] == "guest-driven"
+    iperf(lab, g[1], g[2], seconds=2)
+    s = d1.stats()["interface g1"]
+    assert s["mode_switches"] >= 1
+    # Idle for many windows: back to guest-driven.
+    time.sleep(0.5)
+    lab.ping(g[1], g[2], count=2)
+    s = d1.stats()["interface g1"]
+    assert s["running"] == "guest-driven"
+    assert s["mode_switches"] >= 2
+
+
+def test_modes_and_yield_strategies_change_while_traffic_flows(lab):
+    _, daemons, g = build_mesh(lab, {1: [1], 2: [2]})
+    srv = lab.popen(g[2].ns, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
+    time.sleep(0.3)
+    cli = lab.popen(g[1].ns, "iperf3", "-J", "-c", g[2].ip, "-t", "4", stdout=subprocess.PIPE, text=True)
+    steps = [("mode", "vmm-driven"), ("yield", "immediate"), ("yield", "timed"), ("sleep-us", "200"),
+             ("mode", "guest-driven"), ("mode", "adaptive"), ("yield", "adaptive"), ("window-ms", "10"),
+             ("alpha-upper", "20000"), ("quota", "32")]
+    for key, value in steps:
+        for d in daemons.values():
+            d.ctl("SET", key, value)
+        time.sleep(0.3)
+    result = json.loads(cli.communicate(timeout=30)[0])
+    srv.wait(timeout=10)
+    intervals = [i["sum"]["bits_per_second"] for i in result["intervals"]]
+    assert len(intervals) >= 4 and min(intervals) > 0, intervals
+    assert settings(daemons[1]) == {
+        "mode": "adaptive", "yield": "adaptive", "sleep-us": "200", "nowork-us": "1000",
+        "alpha-lower": "1000", "alpha-upper": "20000", "window-ms": "10", "quota": "32"}
+    # Bad settings are refused and change nothing.
+    r = daemons[1].ctl("SET", "alpha-lower", "50000", check=False)
+    assert r.returncode == 1 and "must be below alpha-upper" in r.stderr
+    assert settings(daemons[1])["alpha-lower"] == "1000"
+
+
+def test_yield_strategies_are_counted(lab):
+    _, daemons, g = build_mesh(lab, {1: [1], 2: [2]})
+    d = daemons[1]
+    d.ctl("SET", "mode", "vmm-driven")
+    d.ctl("SET", "yield", "immediate")
+    time.sleep(0.2)
+    a = d.stats()["dispatch"]
+    time.sleep(0.2)
+    b = d.stats()["dispatch"]
+    assert b["yields"] > a["yields"] and b["sleeps"] == a["sleeps"]
+    d.ctl("SET", "yield", "timed")
+    d.ctl("SET", "sleep-us", "1000")
+    a = d.stats()["dispatch"]
+    time.sleep(0.3)
+    b = d.stats()["dispatch"]
+    slept = b["sleeps"] - a["sleeps"]
+    assert 30 < slept < 600, slept  # about one a millisecond
+    assert lab.ping(g[1], g[2], count=3).returncode == 0
+
+
+def test_per_interface_mode_overrides_the_global_one(lab):
+    _, daemons, g = build_mesh(lab, {1: [1, 3], 2: [2]})
+    d = daemons[1]
+    d.ctl("SET", "mode", "guest-driven")
+    d.ctl("INTERFACE", "SET", "g3", "mode", "vmm-driven")
+    s = d.stats()
+    assert s["interface g1"]["running"] == "guest-driven"
+    assert s["interface g3"]["running"] == "vmm-driven" and s["interface g3"]["mode"] == "vmm-driven"
+    assert "mode=vmm-driven" in d.ctl("INTERFACE", "LIST").stdout
+    assert lab.reaches(g[3], g[2]) and lab.reaches(g[1], g[2])
+    d.ctl("INTERFACE", "SET", g[3].mac, "mode", "default")
+    assert d.stats()["interface g3"]["running"] == "guest-driven"
+
+
+def test_several_pinned_dispatcher_threads(lab):
+    layout = {1: [(f"g{n}", guest_mac(n)) for n in (1, 3, 5)], 2: [("g2", guest_mac(2))]}
+    hosts = {h: lab.add_host(h) for h in layout}
+    d1 = lab.start_vnetd(hosts[1], mesh_config(1, layout), "--dispatchers", "3", "--cpus", "0,1,0")
+    lab.start_vnetd(hosts[2], mesh_config(2, layout))
+    g = {n: lab.attach_guest(hosts[h], f"g{n}", n) for h, gs in layout.items() for n in [int(t[1:]) for t, _ in gs]}
+    assert "dispatchers=3" in d1.ctl("SHOW").stdout
+    tids = lab.x(hosts[1], "ps", "-L", "-o", "comm=,psr=", "-p", d1.proc.pid).stdout.split("\n")
+    assert sum("dispatcher" in t for t in tids) == 3, tids
+    for n in (1, 3, 5):
+        assert lab.reaches(g[n], g[2])
+    transfer(lab, g[5], g[2], 10_000_000)
+    assert lab.reaches(g[1], g[3])  # local guests, on different threads
+
+
+def test_big_mtu_guests_over_a_1500_underlay_are_segmented_not_fragmented(lab):
+    _, daemons, g = build_mesh(lab, {1: [1], 2: [2]}, mtu=65000)
+    transfer(lab, g[1], g[2], 20_000_000)
+    off = daemons[1].stats()["offload"]
+    assert off["segmented"] > 0 and off["gso_sends"] > 0
+    # Segments fit the link: nothing of the TCP stream was IP-fragmented.
+    assert off["fragmented"] == 0, off
+    link = daemons[1].stats()["link 198.18.0.2"]
+    assert link["out_bytes"] / link["out_frames"] <= 1472
+    # The receiver merged the segments back for its guest.
+    assert daemons[2].stats()["offload"]["coalesced"] > 0
+
+
+def test_non_tcp_frames_bigger_than_the_link_are_fragmented_and_counted(lab):
+    _, daemons, g = build_mesh(lab, {1: [1], 2: [2]}, mtu=9000)
+    # One 8000-byte UDP datagram: one 8042-byte frame, too big for the link.
+    recv = lab.popen(g[2].ns, "python3", "-c",
+                     "import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);s.bind(('0.0.0.0',7000));"
+                     "print(len(s.recv(65536)),flush=True)", stdout=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    assert lab.reaches(g[1], g[2])
+    lab.x(g[1].ns, "python3", "-c",
+          f"import socket;socket.socket(socket.AF_INET,socket.SOCK_DGRAM).sendto(b'v'*8000,('{g[2].ip}',7000))")
+    assert recv.communicate(timeout=10)[0].strip() == "8000"
+    assert daemons[1].stats()["offload"]["fragmented"] >= 1
