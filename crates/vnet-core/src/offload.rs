@@ -1,6 +1,7 @@
 //! Offload metadata (the `virtio_net_hdr` Linux uses for TAP and packet
 //! sockets) and what a software datapath does with it: finishing a partial
-//! checksum, and cutting a TCP super-frame (TSO/GSO) into MSS-sized frames.
+//! checksum, cutting a TCP super-frame (TSO/GSO) into frames that fit a link,
+//! and merging received segments back into a super-frame.
 
 /// `struct virtio_net_hdr` without `num_buffers`: 10 bytes, little-endian.
 pub const VNET_HDR_LEN: usize = 10;
@@ -214,25 +215,6 @@ pub fn plan_tcp_segments(frame: &[u8], mss: usize, plan: &mut SegmentPlan) -> Re
     Ok(())
 }
 
-/// Cuts a TCP super-frame into frames of at most `mss` payload bytes each,
-/// calling `emit` with each (built in `scratch`).
-pub fn segment_tcp(
-    frame: &[u8],
-    mss: usize,
-    scratch: &mut Vec<u8>,
-    mut emit: impl FnMut(&[u8]),
-) -> Result<usize, OffloadError> {
-    let mut plan = SegmentPlan::default();
-    plan_tcp_segments(frame, mss, &mut plan)?;
-    for i in 0..plan.len() {
-        scratch.clear();
-        scratch.extend_from_slice(plan.header(i));
-        scratch.extend_from_slice(&frame[plan.payload[i].clone()]);
-        emit(scratch);
-    }
-    Ok(plan.len())
-}
-
 /// The payload offset of a TCP frame, or `None` when it is not TCP over
 /// IPv4/IPv6 (without extension headers).
 pub fn tcp_payload_offset(frame: &[u8]) -> Option<usize> {
@@ -398,31 +380,28 @@ fn pseudo_header_sum(f: &[u8], t: &TcpLayout, l4_len: usize) -> u64 {
     s
 }
 
-/// Applies a frame's offload metadata for a destination that takes only
-/// plain frames: segments GSO frames, finishes partial checksums. `emit` is
-/// called once per resulting frame.
-pub fn resolve(
-    hdr: &VnetHdr,
-    frame: &mut [u8],
-    scratch: &mut Vec<u8>,
-    mut emit: impl FnMut(&[u8]),
-) -> Result<usize, OffloadError> {
-    match hdr.gso_type & !GSO_ECN {
-        GSO_NONE => {
-            if hdr.flags & F_NEEDS_CSUM != 0 {
-                complete_checksum(frame, hdr.csum_start as usize, hdr.csum_offset as usize)?;
-            }
-            emit(frame);
-            Ok(1)
-        }
-        GSO_TCPV4 | GSO_TCPV6 => segment_tcp(frame, hdr.gso_size as usize, scratch, emit),
-        _ => Err(OffloadError::Unsupported),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Cuts a TCP super-frame into frames of at most `mss` payload bytes each,
+    /// calling `emit` with each (built in `scratch`).
+    fn segment_tcp(
+        frame: &[u8],
+        mss: usize,
+        scratch: &mut Vec<u8>,
+        mut emit: impl FnMut(&[u8]),
+    ) -> Result<usize, OffloadError> {
+        let mut plan = SegmentPlan::default();
+        plan_tcp_segments(frame, mss, &mut plan)?;
+        for i in 0..plan.len() {
+            scratch.clear();
+            scratch.extend_from_slice(plan.header(i));
+            scratch.extend_from_slice(&frame[plan.payload[i].clone()]);
+            emit(scratch);
+        }
+        Ok(plan.len())
+    }
 
     /// A TCP/IPv4 frame with correct checksums and `payload`.
     fn tcp4(payload: &[u8], flags: u8) -> Vec<u8> {
@@ -503,19 +482,6 @@ mod tests {
             joined.extend_from_slice(&s[54..]);
         }
         assert_eq!(joined, payload);
-    }
-
-    #[test]
-    fn resolve_passes_plain_frames_and_rejects_what_it_cannot_do() {
-        let mut f = tcp4(b"x", 0x10);
-        let mut out = 0;
-        let mut scratch = Vec::new();
-        assert_eq!(resolve(&VnetHdr::default(), &mut f, &mut scratch, |_| out += 1), Ok(1));
-        assert_eq!(out, 1);
-        let uso = VnetHdr { gso_type: GSO_UDP_L4, gso_size: 1000, ..Default::default() };
-        assert_eq!(resolve(&uso, &mut f, &mut scratch, |_| {}), Err(OffloadError::Unsupported));
-        let tso = VnetHdr { gso_type: GSO_TCPV4, gso_size: 1000, ..Default::default() };
-        assert_eq!(resolve(&tso, &mut [0u8; 20], &mut scratch, |_| {}), Err(OffloadError::Malformed));
     }
 
     #[test]
