@@ -57,22 +57,39 @@ pub enum OffloadError {
 }
 
 /// One's-complement sum of `data` (as big-endian 16-bit words) added to `sum`.
+///
+/// The bytes are summed as native (little-endian) 64-bit words with their
+/// carries counted, in two independent chains; by RFC 1071's byte-order
+/// independence, the folded little-endian sum byte-swapped is the big-endian
+/// one. `data` must start at an even offset of the checksummed region.
 #[inline]
-pub fn csum_add(mut sum: u64, data: &[u8]) -> u64 {
-    let mut chunks = data.chunks_exact(8);
+pub fn csum_add(sum: u64, data: &[u8]) -> u64 {
+    let (mut a, mut b, mut carries) = (0u64, 0u64, 0u64);
+    let mut chunks = data.chunks_exact(16);
     for c in &mut chunks {
-        let v = u64::from_be_bytes(c.try_into().unwrap());
-        sum = sum.wrapping_add(v >> 32).wrapping_add(v & 0xffff_ffff);
+        let x = u64::from_le_bytes(c[0..8].try_into().unwrap());
+        let y = u64::from_le_bytes(c[8..16].try_into().unwrap());
+        let (s, o) = a.overflowing_add(x);
+        a = s;
+        carries += o as u64;
+        let (s, o) = b.overflowing_add(y);
+        b = s;
+        carries += o as u64;
     }
-    let rest = chunks.remainder();
-    let mut words = rest.chunks_exact(2);
+    let mut t = a as u128 + b as u128 + carries as u128;
+    let mut words = chunks.remainder().chunks_exact(2);
     for w in &mut words {
-        sum += u16::from_be_bytes([w[0], w[1]]) as u64;
+        t += u16::from_le_bytes([w[0], w[1]]) as u128;
     }
     if let [last] = words.remainder() {
-        sum += (*last as u64) << 8;
+        t += *last as u128;
     }
-    sum
+    // Fold to 16 bits (little-endian), then swap into big-endian order.
+    let mut f = (t as u64 as u128) + (t >> 64);
+    while f >> 16 != 0 {
+        f = (f & 0xffff) + (f >> 16);
+    }
+    sum + (f as u16).swap_bytes() as u64
 }
 
 /// Folds a sum to 16 bits and complements it: the value to store.
@@ -445,6 +462,24 @@ mod tests {
         let h = [0x45, 0x00, 0x00, 0x73, 0x00, 0x00, 0x40, 0x00, 0x40, 0x11, 0x00, 0x00, 0xc0, 0xa8, 0x00, 0x01, 0xc0, 0xa8, 0x00, 0xc7];
         assert_eq!(csum_fold(csum_add(0, &h)), 0xb861);
         assert_eq!(csum_fold(csum_add(0, &h[..19])), csum_fold(csum_add(0, &[&h[..19], &[0][..]].concat())));
+    }
+
+    #[test]
+    fn fast_checksum_matches_the_plain_definition() {
+        let plain = |d: &[u8]| -> u16 {
+            let mut s: u64 = 0;
+            for w in d.chunks(2) {
+                s += (w[0] as u64) << 8 | w.get(1).copied().unwrap_or(0) as u64;
+            }
+            csum_fold(s)
+        };
+        let data: Vec<u8> = (0..5000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+        for len in [0, 1, 2, 3, 15, 16, 17, 31, 33, 1400, 1401, 4999, 5000] {
+            assert_eq!(csum_fold(csum_add(0, &data[..len])), plain(&data[..len]), "len {len}");
+        }
+        let ones = vec![0xffu8; 4096];
+        assert_eq!(csum_fold(csum_add(0, &ones)), plain(&ones));
+        assert_eq!(csum_fold(csum_add(0x1234, &data[..64])), csum_fold(0x1234 + csum_add(0, &data[..64])));
     }
 
     #[test]

@@ -68,6 +68,9 @@ impl Tap {
         if unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETOFFLOAD, offloads) } < 0 {
             bail!("cannot enable offloads on TAP {name}: {}", io::Error::last_os_error());
         }
+        if let Err(e) = set_gso_max_size(name, GUEST_GSO_MAX_SIZE) {
+            tracing::debug!("cannot set gso_max_size on TAP {name}: {e}");
+        }
         configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
         Ok(tap)
     }
@@ -216,6 +219,23 @@ fn set_up(name: &str) -> Result<()> {
 /// Deletes a network device by name (RTM_DELLINK), even one another program
 /// holds open.
 pub fn delete_device(name: &str) -> io::Result<()> {
+    rtnl_link(libc::RTM_DELLINK, name, None)
+}
+
+/// Largest TSO super-frame a guest hands over (`gso_max_size`): small enough
+/// that, cut for a link of MTU 1500 or more, its segments fit one UDP GSO
+/// call (at most 64 KiB of datagrams).
+pub const GUEST_GSO_MAX_SIZE: u32 = 60_000;
+
+/// Sets a device's `gso_max_size` (RTM_NEWLINK with IFLA_GSO_MAX_SIZE).
+pub fn set_gso_max_size(name: &str, size: u32) -> io::Result<()> {
+    const IFLA_GSO_MAX_SIZE: u16 = 41;
+    rtnl_link(libc::RTM_NEWLINK, name, Some((IFLA_GSO_MAX_SIZE, size)))
+}
+
+/// One rtnetlink link request on the device `name`, with at most one u32
+/// attribute, waiting for the kernel's acknowledgement.
+fn rtnl_link(msg_type: u16, name: &str, attr: Option<(u16, u32)>) -> io::Result<()> {
     let c = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: c is a valid C string.
     let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
@@ -226,6 +246,9 @@ pub fn delete_device(name: &str) -> io::Result<()> {
     struct Req {
         nlh: libc::nlmsghdr,
         ifi: IfInfoMsg,
+        rta_len: u16,
+        rta_type: u16,
+        value: u32,
     }
     #[repr(C)]
     struct IfInfoMsg {
@@ -236,6 +259,21 @@ pub fn delete_device(name: &str) -> io::Result<()> {
         flags: u32,
         change: u32,
     }
+    let len = if attr.is_some() { std::mem::size_of::<Req>() } else { std::mem::size_of::<Req>() - 8 };
+    let (rta_type, value) = attr.unwrap_or((0, 0));
+    let req = Req {
+        nlh: libc::nlmsghdr {
+            nlmsg_len: len as u32,
+            nlmsg_type: msg_type,
+            nlmsg_flags: (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16,
+            nlmsg_seq: 1,
+            nlmsg_pid: 0,
+        },
+        ifi: IfInfoMsg { family: libc::AF_UNSPEC as u8, _pad: 0, kind: 0, index: index as i32, flags: 0, change: 0 },
+        rta_len: 8,
+        rta_type,
+        value,
+    };
     // SAFETY: plain socket(2), closed by OwnedFd.
     let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
     if fd < 0 {
@@ -243,18 +281,8 @@ pub fn delete_device(name: &str) -> io::Result<()> {
     }
     // SAFETY: fd was just opened and is owned here.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let req = Req {
-        nlh: libc::nlmsghdr {
-            nlmsg_len: std::mem::size_of::<Req>() as u32,
-            nlmsg_type: libc::RTM_DELLINK,
-            nlmsg_flags: (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16,
-            nlmsg_seq: 1,
-            nlmsg_pid: 0,
-        },
-        ifi: IfInfoMsg { family: libc::AF_UNSPEC as u8, _pad: 0, kind: 0, index: index as i32, flags: 0, change: 0 },
-    };
-    // SAFETY: req is a plain struct of the size given.
-    let n = unsafe { libc::send(fd.as_raw_fd(), (&req as *const Req).cast(), std::mem::size_of::<Req>(), 0) };
+    // SAFETY: req is a plain struct at least `len` bytes long.
+    let n = unsafe { libc::send(fd.as_raw_fd(), (&req as *const Req).cast(), len, 0) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
