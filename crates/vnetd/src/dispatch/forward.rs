@@ -21,7 +21,7 @@ use std::sync::Arc;
 use vnet_core::mac::frame_macs;
 use vnet_core::offload::{self, Run, SegmentPlan, TcpCoalescer, VnetHdr, F_NEEDS_CSUM};
 use vnet_core::table::{Hit, Port};
-use vnet_core::RouteCache;
+use vnet_core::{Mac, RouteCache};
 
 /// Largest payload of one UDP GSO call we build (the kernel's limit is a
 /// 64 KiB datagram).
@@ -30,7 +30,11 @@ const MAX_GSO_BYTES: usize = 65000;
 pub struct Forwarder {
     dp: Arc<Datapath>,
     cache: RouteCache,
+    /// The destinations of the last frame routed, and for which table
+    /// generation, origin and MACs: runs of frames of one flow skip even the
+    /// cache's hash.
     hits: Vec<Hit>,
+    last: Option<(u64, Port, Mac, Mac)>,
     plan: SegmentPlan,
     tx: TxBatch,
     coalescer: TcpCoalescer,
@@ -45,6 +49,7 @@ impl Forwarder {
             dp,
             cache: RouteCache::default(),
             hits: Vec::with_capacity(16),
+            last: None,
             plan: SegmentPlan::default(),
             tx: TxBatch::default(),
             coalescer: TcpCoalescer::default(),
@@ -64,13 +69,17 @@ impl Forwarder {
             self.dp.drop_at(Some(origin_stats), Drop::Malformed);
             return false;
         };
-        let hits = self.cache.route(&snap.table, origin, src, dst);
-        if hits.is_empty() {
+        let key = Some((snap.table.generation(), origin, src, dst));
+        if self.last != key {
+            let hits = self.cache.route(&snap.table, origin, src, dst);
+            self.hits.clear();
+            self.hits.extend_from_slice(hits);
+            self.last = key;
+        }
+        if self.hits.is_empty() {
             self.dp.drop_at(Some(origin_stats), Drop::NoRoute);
             return false;
         }
-        self.hits.clear();
-        self.hits.extend_from_slice(hits);
         for h in &self.hits {
             snap.routes[h.rule as usize].stats.sent(frame.len());
         }
