@@ -144,6 +144,7 @@ class Lab:
              "peer", "name", f"p{i}", "netns", self.switch, "mtu", mtu])
         self.x(self.switch, "ip", "link", "set", f"p{i}", "master", "br0", "up")
         self.x(host, "ip", "addr", "add", f"{underlay_ip(i)}/24", "dev", "eth0")
+        self.x(host, "ip", "-6", "addr", "add", f"{underlay_ip6(i)}/64", "dev", "eth0", "nodad")
         self.x(host, "ip", "link", "set", "eth0", "up")
         self.hosts[host] = i
         return host
@@ -182,13 +183,16 @@ class Lab:
 
     # ---- guests ----
 
-    def attach_guest(self, host: str, tap: str, n: int, mtu: int | None = None) -> Guest:
-        """Moves the TAP vnetd made on `host` into a new guest namespace and
-        gives it overlay_ip(n). The TAP's MAC is the one vnetd registered."""
-        g = self.ns(f"g{n}")
-        # No IPv6 chatter (router solicitations etc.) in the guests.
-        self.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-        self.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+    def attach_guest(self, host: str, tap: str, n: int, mtu: int | None = None, ns: str | None = None) -> Guest:
+        """Moves the TAP vnetd made on `host` into a guest namespace (a new
+        one, or `ns` again) and gives it overlay_ip(n). The TAP's MAC is the
+        one vnetd registered."""
+        g = ns
+        if g is None:
+            g = self.ns(f"g{n}")
+            # No IPv6 chatter (router solicitations etc.) in the guests.
+            self.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+            self.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
         self.x(host, "ip", "link", "set", tap, "netns", g)
         if mtu:
             self.x(g, "ip", "link", "set", tap, "mtu", mtu)
@@ -234,23 +238,28 @@ class Lab:
         self.close()
 
 
-def mesh_config(me: int, guests_by_host: dict[int, list[tuple[str, str]]], mtu: int | None = None) -> str:
+def underlay_ip6(i: int) -> str:
+    return f"fd00:198:18::{i}"
+
+
+def mesh_config(me: int, guests_by_host: dict[int, list[tuple[str, str]]], mtu: int | None = None,
+                link: str = "9000 udp", addr=underlay_ip) -> str:
     """The config of host `me` in a full mesh: an interface per local guest,
-    a link per other host, unicast routes by MAC and broadcast fan-out (to
-    every local guest; to every link only for frames from local guests, so a
-    broadcast crosses each link once)."""
+    a link per other host (`LINK ADD <addr(h)> <link>`), unicast routes by MAC
+    and broadcast fan-out (to every local guest; to every link only for frames
+    from local guests, so a broadcast crosses each link once)."""
     lines = [f"# host {me}: full-mesh VNET config"]
     mtu_opt = f" mtu {mtu}" if mtu else ""
     for tap, mac in guests_by_host.get(me, []):
         lines.append(f"INTERFACE ADD {tap} {mac}{mtu_opt}")
     others = [h for h in sorted(guests_by_host) if h != me]
     for h in others:
-        lines.append(f"LINK ADD {underlay_ip(h)} 9000 udp")
+        lines.append(f"LINK ADD {addr(h)} {link}")
     for tap, mac in guests_by_host.get(me, []):
         lines.append(f"ROUTE ADD any {mac} interface {mac} any")
         lines.append(f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {mac} any")
     for h in others:
         for _, mac in guests_by_host[h]:
-            lines.append(f"ROUTE ADD any {mac} edge {underlay_ip(h)} any")
-        lines.append(f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge {underlay_ip(h)} interface")
+            lines.append(f"ROUTE ADD any {mac} edge {addr(h)} any")
+        lines.append(f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge {addr(h)} interface")
     return "\n".join(lines) + "\n"

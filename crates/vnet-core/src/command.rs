@@ -6,7 +6,8 @@
 //! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
 //! INTERFACE DEL <tap-name | guest-MAC>
 //! INTERFACE LIST
-//! LINK ADD <remote-ip> [<port>] [udp] [name <name>] [mtu <bytes>]
+//! LINK ADD <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <bytes>]
+//! LINK ADD direct <device> [name <name>] [mtu <bytes>]
 //! LINK DEL <link-idx | name>
 //! LINK LIST
 //! ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
@@ -28,11 +29,32 @@ pub const MAX_MTU: u32 = 65521;
 /// Smallest MTU Linux allows an Ethernet device that carries IPv4.
 pub const MIN_MTU: u32 = 68;
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+/// How a link carries frames.
+#[derive(Clone, PartialEq, Eq, Debug)]
 pub enum LinkProto {
+    /// VNET/P: the bare frame as a UDP datagram.
     Udp,
+    /// A TCP connection, each frame prefixed by its length.
     Tcp,
+    /// RFC 7348: an 8-byte VXLAN header and the frame in a UDP datagram.
+    Vxlan { vni: u32 },
+    /// Raw onto a host device (the papers' direct send/receive).
+    Direct { device: String },
 }
+
+impl LinkProto {
+    pub fn name(&self) -> &'static str {
+        match self {
+            LinkProto::Udp => "udp",
+            LinkProto::Tcp => "tcp",
+            LinkProto::Vxlan { .. } => "vxlan",
+            LinkProto::Direct { .. } => "direct",
+        }
+    }
+}
+
+/// Default UDP port of VXLAN (IANA).
+pub const VXLAN_PORT: u16 = 4789;
 
 /// Who holds the TAP's file side, and so where the guest's frames appear.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
@@ -190,7 +212,7 @@ pub enum Command {
     /// `INTERFACE SET <ref> mode <mode|default>`: `None` follows the global mode.
     IfaceSetMode(IfaceRef, Option<Mode>),
     Set(Setting),
-    LinkAdd { ip: IpAddr, port: Option<u16>, proto: LinkProto, name: Option<String>, mtu: Option<u32> },
+    LinkAdd { ip: Option<IpAddr>, port: Option<u16>, proto: LinkProto, name: Option<String>, mtu: Option<u32> },
     LinkDel(LinkRef),
     LinkList,
     RouteAdd(RuleSpec),
@@ -225,8 +247,9 @@ INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
 INTERFACE DEL <tap-name | guest-MAC>
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> mode <guest-driven | vmm-driven | adaptive | default>
-LINK ADD <remote-ip> [<port>] [udp] [name <name>] [mtu <underlay-MTU>]
-                                                     a UDP link to another vnetd
+LINK ADD <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <underlay-MTU>]
+                                                     a link to another vnetd (or VXLAN endpoint)
+LINK ADD direct <device> [name <name>] [mtu <bytes>]  frames raw onto a host device's LAN
 LINK DEL <link-idx | name>
 LINK LIST
 ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
@@ -421,12 +444,20 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
 }
 
 fn parse_link_add(args: &[&str]) -> Result<Command, String> {
-    let Some((ip_tok, mut rest)) = args.split_first() else {
-        return Err("LINK ADD needs <remote-ip> [<port>] [udp] [name <name>]".into());
-    };
-    let ip: IpAddr = ip_tok.parse().map_err(|_| format!("'{ip_tok}' is not an IP address"))?;
+    const USAGE: &str = "LINK ADD needs <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <bytes>], or direct <device>";
+    let Some((first, mut rest)) = args.split_first() else { return Err(USAGE.into()) };
+    let mut ip = None;
+    let mut proto = LinkProto::Udp;
+    if first.eq_ignore_ascii_case("direct") {
+        let Some((dev, r)) = rest.split_first() else { return Err("direct needs a device name".into()) };
+        check_ifname(dev)?;
+        proto = LinkProto::Direct { device: dev.to_string() };
+        rest = r;
+    } else {
+        ip = Some(first.parse::<IpAddr>().map_err(|_| format!("'{first}' is not an IP address (or 'direct <device>')"))?);
+    }
     let mut port = None;
-    if let Some((p, r)) = rest.split_first() {
+    if let (Some((p, r)), Some(_)) = (rest.split_first(), ip) {
         if p.chars().all(|c| c.is_ascii_digit()) {
             let n: u16 = p.parse().map_err(|_| format!("'{p}' is not a port"))?;
             if n == 0 {
@@ -436,32 +467,48 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
             rest = r;
         }
     }
-    let mut proto = LinkProto::Udp;
     let mut name = None;
     let mut mtu = None;
     while let Some((kw, r)) = rest.split_first() {
-        match kw.to_ascii_lowercase().as_str() {
-            "udp" => proto = LinkProto::Udp,
-            "tcp" => proto = LinkProto::Tcp,
-            "name" => {
-                let Some((n, r2)) = r.split_first() else { return Err("name needs a value".into()) };
-                name = Some(canonical_link_name(n)?);
-                rest = r2;
-                continue;
+        let kw = kw.to_ascii_lowercase();
+        let needs_value = matches!(kw.as_str(), "name" | "mtu" | "vni");
+        let (val, r2) = if needs_value {
+            match r.split_first() {
+                Some((v, r2)) => (Some(*v), r2),
+                None => return Err(format!("{kw} needs a value")),
             }
-            "mtu" => {
-                let Some((v, r2)) = r.split_first() else { return Err("mtu needs a value".into()) };
+        } else {
+            (None, r)
+        };
+        match (kw.as_str(), val) {
+            ("udp" | "tcp" | "vxlan", _) if matches!(proto, LinkProto::Direct { .. }) => {
+                return Err(format!("a direct link takes no '{kw}'"));
+            }
+            ("udp", _) => proto = LinkProto::Udp,
+            ("tcp", _) => proto = LinkProto::Tcp,
+            ("vxlan", _) => proto = LinkProto::Vxlan { vni: u32::MAX },
+            ("vni", Some(v)) => {
+                let LinkProto::Vxlan { vni } = &mut proto else { return Err("vni is only for vxlan links".into()) };
+                let n: u32 = v.parse().map_err(|_| format!("'{v}' is not a VNI"))?;
+                if n > 0xff_ffff {
+                    return Err(format!("VNI {n} is out of range 0..16777215"));
+                }
+                *vni = n;
+            }
+            ("name", Some(v)) => name = Some(canonical_link_name(v)?),
+            ("mtu", Some(v)) => {
                 let m: u32 = v.parse().map_err(|_| format!("'{v}' is not an MTU"))?;
                 if !(576..=65535).contains(&m) {
                     return Err(format!("link MTU {m} is out of range 576..65535"));
                 }
                 mtu = Some(m);
-                rest = r2;
-                continue;
             }
-            other => return Err(format!("unexpected '{other}' (want a port, udp, tcp, name <name> or mtu <bytes>)")),
+            (other, _) => return Err(format!("unexpected '{other}' (want a port, udp, tcp, vxlan vni <n>, name <name> or mtu <bytes>)")),
         }
-        rest = r;
+        rest = r2;
+    }
+    if proto == (LinkProto::Vxlan { vni: u32::MAX }) {
+        return Err("a vxlan link needs vni <0..16777215>".into());
     }
     Ok(Command::LinkAdd { ip, port, proto, name, mtu })
 }
@@ -490,15 +537,33 @@ mod tests {
         assert_eq!(one("Interface List"), Command::IfaceList);
         assert_eq!(
             one("LINK ADD 10.0.0.2 9000 udp"),
-            Command::LinkAdd { ip: "10.0.0.2".parse().unwrap(), port: Some(9000), proto: LinkProto::Udp, name: None, mtu: None }
+            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: Some(9000), proto: LinkProto::Udp, name: None, mtu: None }
         );
         assert_eq!(
             one("link add fd00::2 name peer-b"),
-            Command::LinkAdd { ip: "fd00::2".parse().unwrap(), port: None, proto: LinkProto::Udp, name: Some("peer-b".into()), mtu: None }
+            Command::LinkAdd { ip: Some("fd00::2".parse().unwrap()), port: None, proto: LinkProto::Udp, name: Some("peer-b".into()), mtu: None }
         );
         assert_eq!(
             one("link add 10.0.0.2 mtu 9000"),
-            Command::LinkAdd { ip: "10.0.0.2".parse().unwrap(), port: None, proto: LinkProto::Udp, name: None, mtu: Some(9000) }
+            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: None, proto: LinkProto::Udp, name: None, mtu: Some(9000) }
+        );
+        assert_eq!(
+            one("link add 10.0.0.2 tcp"),
+            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: None, proto: LinkProto::Tcp, name: None, mtu: None }
+        );
+        assert_eq!(
+            one("LINK ADD 10.0.0.2 4789 VXLAN VNI 42 name vx"),
+            Command::LinkAdd {
+                ip: Some("10.0.0.2".parse().unwrap()),
+                port: Some(4789),
+                proto: LinkProto::Vxlan { vni: 42 },
+                name: Some("vx".into()),
+                mtu: None
+            }
+        );
+        assert_eq!(
+            one("link add direct eth1 name lan"),
+            Command::LinkAdd { ip: None, port: None, proto: LinkProto::Direct { device: "eth1".into() }, name: Some("lan".into()), mtu: None }
         );
         assert_eq!(one("LINK DEL 3"), Command::LinkDel(LinkRef::Index(3)));
         assert_eq!(one("LINK DEL 10.0.0.2"), Command::LinkDel(LinkRef::Name("10.0.0.2".into())));
@@ -548,11 +613,17 @@ mod tests {
             ("frobnicate", "unknown command"),
             ("link", "needs a verb"),
             ("link twiddle", "not a LINK verb"),
-            ("link add", "needs <remote-ip>"),
+            ("link add", "LINK ADD needs"),
             ("link add 10.0.0.300", "not an IP address"),
             ("link add 10.0.0.2 70000", "not a port"),
             ("link add 10.0.0.2 0", "port 0"),
             ("link add 10.0.0.2 9000 sctp", "unexpected 'sctp'"),
+            ("link add 10.0.0.2 vxlan", "needs vni"),
+            ("link add 10.0.0.2 vxlan vni 16777216", "out of range"),
+            ("link add 10.0.0.2 vni 4", "only for vxlan"),
+            ("link add direct", "needs a device"),
+            ("link add direct eth1 tcp", "takes no 'tcp'"),
+            ("link add direct eth/1", "not a device name"),
             ("link add 10.0.0.2 name", "needs a value"),
             ("link del", "missing"),
             ("link list now", "unexpected"),

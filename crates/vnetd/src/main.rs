@@ -16,7 +16,7 @@ use control::{server, Control};
 use dispatch::Datapath;
 use link::UdpEndpoint;
 use signal_hook::consts::{SIGINT, SIGTERM};
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 use topology::Settings;
@@ -27,12 +27,16 @@ struct Args {
     /// Control-language file applied (all or nothing) at start.
     #[arg(short, long)]
     config: Option<PathBuf>,
-    /// Address the UDP link endpoint binds to.
-    #[arg(long, default_value = "0.0.0.0")]
-    udp_bind: IpAddr,
-    /// UDP port for links (ours, and the default remote port of a link).
+    /// Address the UDP link socket binds to (default: 0.0.0.0 and ::, each
+    /// family if the host has it).
+    #[arg(long)]
+    udp_bind: Option<IpAddr>,
+    /// Port for UDP and TCP links (ours, and the default remote port of a link).
     #[arg(long, default_value_t = 9000)]
     udp_port: u16,
+    /// Local UDP port of VXLAN links (bound when the first one is added).
+    #[arg(long, default_value_t = vnet_core::command::VXLAN_PORT)]
+    vxlan_port: u16,
     /// Control TCP address, or "none". Only loopback addresses are allowed.
     #[arg(long, default_value = "127.0.0.1:9001")]
     control_tcp: String,
@@ -86,20 +90,30 @@ fn run(args: Args) -> Result<()> {
     };
 
     // Bind everything first, so a busy port is reported before anything runs.
-    let udp = UdpEndpoint::bind(SocketAddr::new(args.udp_bind, args.udp_port))?;
+    let (udp4, udp6) = match args.udp_bind {
+        Some(ip) if ip.is_ipv4() => (Some(UdpEndpoint::bind(SocketAddr::new(ip, args.udp_port))?), None),
+        Some(ip) => (None, Some(UdpEndpoint::bind(SocketAddr::new(ip, args.udp_port))?)),
+        None => {
+            let v4 = UdpEndpoint::bind(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), args.udp_port))?;
+            // IPv6 is optional: a host without it still runs IPv4 links.
+            let v6 = match UdpEndpoint::bind(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), args.udp_port)) {
+                Ok(u) => Some(u),
+                Err(e) => {
+                    tracing::warn!("no IPv6 links: {e:#}");
+                    None
+                }
+            };
+            (Some(v4), v6)
+        }
+    };
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
     let unix_listener = control_unix.as_deref().map(server::bind_unix).transpose()?;
 
-    let settings = Settings {
-        default_link_port: args.udp_port,
-        default_mtu: args.default_mtu,
-        udp_is_ipv4: args.udp_bind.is_ipv4(),
-    };
-    let udp_addr = udp.local_addr();
+    let settings = Settings { default_link_port: args.udp_port, default_mtu: args.default_mtu };
     if !(1..=64).contains(&args.dispatchers) {
         bail!("--dispatchers {} is out of range 1..64", args.dispatchers);
     }
-    let dp = Arc::new(Datapath::new(udp, args.dispatchers, &args.cpus)?);
+    let dp = Arc::new(Datapath::new(udp4, udp6, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?);
     // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
     let dispatchers = dispatch::spawn(&dp, || {
         let _ = signal_hook::low_level::raise(SIGTERM);
@@ -128,7 +142,8 @@ fn run(args: Args) -> Result<()> {
         server::spawn_unix(ctl.clone(), l, p.clone());
     }
     tracing::info!(
-        "vnetd ready: udp {udp_addr}, control tcp {}, unix {}",
+        "vnetd ready: udp {}, control tcp {}, unix {}",
+        dp.udp_addrs(),
         control_tcp.map_or("none".into(), |a| a.to_string()),
         control_unix.as_ref().map_or("none".into(), |p| p.display().to_string())
     );

@@ -8,7 +8,8 @@
 //! Resources (TAPs) made by a failed request are dropped with the copy, so a
 //! bad request changes nothing.
 
-use crate::nic::{tap, Nic, Tap};
+use crate::link::tcp::TcpLink;
+use crate::nic::{tap, Nic, PacketPort, Tap};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -41,11 +42,37 @@ impl Interface {
     }
 }
 
+/// How a link carries frames, and what it needs to.
+pub enum LinkKind {
+    /// VNET/P: the bare frame as a UDP datagram (the daemon's UDP socket).
+    Udp,
+    /// RFC 7348 VXLAN with this VNI (the daemon's VXLAN socket).
+    Vxlan { vni: u32 },
+    /// A TCP connection with its own threads.
+    Tcp(Arc<TcpLink>),
+    /// Raw on a host device, through a packet socket.
+    Direct { port: PacketPort, device: String },
+}
+
+impl LinkKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            LinkKind::Udp => "udp",
+            LinkKind::Vxlan { .. } => "vxlan",
+            LinkKind::Tcp(_) => "tcp",
+            LinkKind::Direct { .. } => "direct",
+        }
+    }
+}
+
 pub struct Link {
     pub idx: u32,
     pub name: String,
-    pub remote: SocketAddr,
-    /// Underlay MTU toward the peer: given, or the kernel's path MTU.
+    pub kind: LinkKind,
+    /// The peer's address (none for a direct link).
+    pub remote: Option<SocketAddr>,
+    /// Underlay MTU toward the peer: given, or the kernel's path MTU (for a
+    /// direct link: its device's MTU).
     pub mtu: u32,
     /// Largest frame that crosses the underlay in one unfragmented datagram;
     /// TCP super-frames are cut to fit it.
@@ -55,6 +82,27 @@ pub struct Link {
 
 /// Smallest frame a link is sized for: room for TCP headers and some data.
 const ETH_MIN_FOR_TCP: usize = 256;
+
+impl Drop for Link {
+    /// A TCP link's threads hold the connection; stop them with the link.
+    fn drop(&mut self) {
+        if let LinkKind::Tcp(t) = &self.kind {
+            t.stop();
+        }
+    }
+}
+
+/// What adding a link needs from the daemon.
+pub trait LinkEnv {
+    /// The kernel's path MTU toward an address.
+    fn path_mtu(&self, to: SocketAddr) -> Option<u32>;
+    /// Whether vnetd has a UDP socket of that family (IPv4 if `v4`).
+    fn has_udp(&self, v4: bool) -> bool;
+    /// Makes sure the VXLAN socket of that family exists.
+    fn ensure_vxlan(&self, v4: bool) -> Result<(), String>;
+    /// Makes sure TCP link connections are accepted.
+    fn ensure_tcp_acceptor(&self) -> Result<(), String>;
+}
 
 pub struct Route {
     pub idx: u32,
@@ -69,8 +117,6 @@ pub struct Settings {
     pub default_link_port: u16,
     /// MTU of an interface added without one.
     pub default_mtu: u32,
-    /// Whether the UDP endpoint is IPv4 (links must be of the same family).
-    pub udp_is_ipv4: bool,
 }
 
 /// The dispatcher's tunables (`SET ...`), with the papers' and the original
@@ -133,12 +179,12 @@ pub struct Topology {
 
 impl Topology {
     /// Applies one mutating command; returns a line saying what it did.
-    /// `path_mtu` asks the kernel for the MTU toward an address.
+    /// `env` gives what adding a link needs (sockets, path MTUs).
     pub fn apply(
         &mut self,
         cmd: &Command,
         settings: &Settings,
-        path_mtu: &dyn Fn(SocketAddr) -> Option<u32>,
+        env: &dyn LinkEnv,
     ) -> Result<String, String> {
         match cmd {
             Command::Set(s) => {
@@ -221,36 +267,7 @@ impl Topology {
                 self.iface_modes.remove(&idx);
                 Ok(format!("deleted interface {idx} {name}"))
             }
-            Command::LinkAdd { ip, port, proto, name, mtu } => {
-                if *proto != LinkProto::Udp {
-                    return Err("only udp links are supported by this vnetd".into());
-                }
-                if ip.is_ipv4() != settings.udp_is_ipv4 {
-                    let fam = if settings.udp_is_ipv4 { "IPv4" } else { "IPv6" };
-                    return Err(format!("link address {ip} is not {fam}, the family vnetd's UDP endpoint is bound to (--udp-bind)"));
-                }
-                if ip.is_unspecified() || ip.is_multicast() {
-                    return Err(format!("{ip} is not a unicast address"));
-                }
-                let remote = SocketAddr::new(*ip, port.unwrap_or(settings.default_link_port));
-                let name = name.clone().unwrap_or_else(|| ip.to_string());
-                if let Some(l) = self.links.values().find(|l| l.name == name) {
-                    return Err(format!("a link named {name} exists (index {})", l.idx));
-                }
-                if let Some(l) = self.links.values().find(|l| l.remote == remote) {
-                    return Err(format!("link {} already goes to {remote}", l.name));
-                }
-                let mtu = mtu.or_else(|| path_mtu(remote)).unwrap_or(1500);
-                let overhead = if ip.is_ipv4() { 28 } else { 48 };
-                let max_frame = (mtu as usize).saturating_sub(overhead).max(ETH_MIN_FOR_TCP);
-                let idx = self.next_link;
-                self.next_link += 1;
-                self.links.insert(
-                    idx,
-                    Arc::new(Link { idx, name: name.clone(), remote, mtu, max_frame, stats: Counters::default() }),
-                );
-                Ok(format!("added link {idx} {name} udp {remote} mtu {mtu}"))
-            }
+            Command::LinkAdd { ip, port, proto, name, mtu } => self.add_link(*ip, *port, proto, name.clone(), *mtu, settings, env),
             Command::LinkDel(r) => {
                 let link = self.find_link(r)?;
                 let users = self.routes_using(|s| {
@@ -288,6 +305,88 @@ impl Topology {
             }
             _ => Err("not a state-changing command".into()),
         }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn add_link(
+        &mut self,
+        ip: Option<IpAddr>,
+        port: Option<u16>,
+        proto: &LinkProto,
+        name: Option<String>,
+        mtu: Option<u32>,
+        settings: &Settings,
+        env: &dyn LinkEnv,
+    ) -> Result<String, String> {
+        if let Some(ip) = ip {
+            if ip.is_unspecified() || ip.is_multicast() {
+                return Err(format!("{ip} is not a unicast address"));
+            }
+        }
+        let (kind, remote, name, mtu, overhead) = match (proto, ip) {
+            (LinkProto::Direct { device }, _) => {
+                let dev_mtu = std::fs::read_to_string(format!("/sys/class/net/{device}/mtu"))
+                    .ok()
+                    .and_then(|m| m.trim().parse::<u32>().ok())
+                    .ok_or_else(|| format!("no device {device} on this host"))?;
+                if self.links.values().any(|l| matches!(&l.kind, LinkKind::Direct { device: d, .. } if d == device)) {
+                    return Err(format!("device {device} already has a direct link"));
+                }
+                let port = PacketPort::bind(device).map_err(|e| format!("{e:#}"))?;
+                let kind = LinkKind::Direct { port, device: device.clone() };
+                // A direct link's MTU is its device's; frames carry only Ethernet.
+                (kind, None, name.unwrap_or_else(|| device.clone()), mtu.unwrap_or(dev_mtu), -14i64)
+            }
+            (_, None) => return Err("this link needs a remote address".into()),
+            (proto, Some(ip)) => {
+                let v4 = ip.is_ipv4();
+                let family = if v4 { 0 } else { 20 };
+                let (kind, default_port, overhead) = match proto {
+                    LinkProto::Udp => {
+                        if !env.has_udp(v4) {
+                            return Err(format!("vnetd has no UDP socket for {} (see --udp-bind)", if v4 { "IPv4" } else { "IPv6" }));
+                        }
+                        (LinkKind::Udp, settings.default_link_port, 28 + family)
+                    }
+                    LinkProto::Vxlan { vni } => {
+                        env.ensure_vxlan(v4)?;
+                        (LinkKind::Vxlan { vni: *vni }, vnet_core::command::VXLAN_PORT, 36 + family)
+                    }
+                    LinkProto::Tcp => {
+                        env.ensure_tcp_acceptor()?;
+                        let remote = SocketAddr::new(ip, port.unwrap_or(settings.default_link_port));
+                        (LinkKind::Tcp(TcpLink::new(remote)), settings.default_link_port, 40 + family)
+                    }
+                    LinkProto::Direct { .. } => unreachable!(),
+                };
+                let remote = SocketAddr::new(ip, port.unwrap_or(default_port));
+                let mtu = mtu.or_else(|| env.path_mtu(remote)).unwrap_or(1500);
+                (kind, Some(remote), name.unwrap_or_else(|| ip.to_string()), mtu, overhead as i64)
+            }
+        };
+        if let Some(l) = self.links.values().find(|l| l.name == name) {
+            return Err(format!("a link named {name} exists (index {})", l.idx));
+        }
+        if let (Some(r), Some(l)) = (remote, self.links.values().find(|l| l.remote == remote && l.kind.name() == kind.name())) {
+            let same_vni = match (&l.kind, &kind) {
+                (LinkKind::Vxlan { vni: a }, LinkKind::Vxlan { vni: b }) => a == b,
+                _ => true,
+            };
+            if same_vni {
+                return Err(format!("link {} already goes to {r} by {}", l.name, kind.name()));
+            }
+        }
+        if let (LinkKind::Tcp(_), Some(r)) = (&kind, remote) {
+            if self.links.values().any(|l| matches!(l.kind, LinkKind::Tcp(_)) && l.remote.map(|x| x.ip()) == Some(r.ip())) {
+                return Err(format!("a TCP link to {} exists (the peer is told apart by its address)", r.ip()));
+            }
+        }
+        let max_frame = ((mtu as i64 - overhead).max(ETH_MIN_FOR_TCP as i64)) as usize;
+        let idx = self.next_link;
+        self.next_link += 1;
+        let (kind_name, shown) = (kind.name(), remote.map_or(String::new(), |r| format!(" {r}")));
+        self.links.insert(idx, Arc::new(Link { idx, name: name.clone(), kind, remote, mtu, max_frame, stats: Counters::default() }));
+        Ok(format!("added link {idx} {name} {kind_name}{shown} mtu {mtu}"))
     }
 
     fn find_iface(&self, r: &IfaceRef) -> Result<&Arc<Interface>, String> {
@@ -358,9 +457,23 @@ impl Topology {
             .collect();
         let mut by_addr = HashMap::new();
         let mut by_ip: HashMap<IpAddr, Option<u32>> = HashMap::new();
+        let mut vxlan = HashMap::new();
+        let mut tcp = HashMap::new();
         for (slot, l) in links.iter().enumerate() {
-            by_addr.insert(l.remote, slot as u32);
-            by_ip.entry(l.remote.ip()).and_modify(|e| *e = None).or_insert(Some(slot as u32));
+            let Some(remote) = l.remote else { continue };
+            match &l.kind {
+                LinkKind::Udp => {
+                    by_addr.insert(remote, slot as u32);
+                    by_ip.entry(remote.ip()).and_modify(|e| *e = None).or_insert(Some(slot as u32));
+                }
+                LinkKind::Vxlan { vni } => {
+                    vxlan.insert((remote.ip(), *vni), slot as u32);
+                }
+                LinkKind::Tcp(t) => {
+                    tcp.insert(remote.ip(), t.clone());
+                }
+                LinkKind::Direct { .. } => {}
+            }
         }
         let modes = ifaces.iter().map(|i| self.iface_modes.get(&i.idx).copied().unwrap_or(self.dispatch.mode)).collect();
         Snapshot {
@@ -371,6 +484,8 @@ impl Topology {
             table: RouteTable::new(rules, generation),
             by_addr,
             by_ip,
+            vxlan,
+            tcp,
             dispatch: self.dispatch,
             modes,
         }
@@ -390,8 +505,12 @@ pub struct Snapshot {
     /// The configured mode of each interface (by slot).
     pub modes: Vec<Mode>,
     by_addr: HashMap<SocketAddr, u32>,
-    /// Links by remote IP alone, when exactly one link has that IP.
+    /// UDP links by remote IP alone, when exactly one has that IP.
     by_ip: HashMap<IpAddr, Option<u32>>,
+    /// VXLAN links by remote IP and VNI.
+    vxlan: HashMap<(IpAddr, u32), u32>,
+    /// TCP links by remote IP.
+    tcp: HashMap<IpAddr, Arc<TcpLink>>,
 }
 
 impl Snapshot {
@@ -399,15 +518,26 @@ impl Snapshot {
         Topology::default().snapshot(0)
     }
 
-    /// The link a datagram belongs to: the link whose remote address is the
-    /// sender's, or else the only link to the sender's IP (VNET/P matched by
-    /// IP alone; a peer behind NAT sends from another port).
+    /// The UDP link a datagram belongs to: the link whose remote address is
+    /// the sender's, or else the only link to the sender's IP (VNET/P matched
+    /// by IP alone; a peer behind NAT sends from another port).
     #[inline]
     pub fn link_for_sender(&self, from: SocketAddr) -> Option<u32> {
         if let Some(&slot) = self.by_addr.get(&from) {
             return Some(slot);
         }
         self.by_ip.get(&from.ip()).copied().flatten()
+    }
+
+    /// The VXLAN link for a datagram from `from` carrying `vni`.
+    #[inline]
+    pub fn vxlan_link_for(&self, from: IpAddr, vni: u32) -> Option<u32> {
+        self.vxlan.get(&(from, vni)).copied()
+    }
+
+    /// The TCP link whose peer has this address.
+    pub fn tcp_link_for(&self, from: IpAddr) -> Option<&Arc<TcpLink>> {
+        self.tcp.get(&from)
     }
 
     #[inline]

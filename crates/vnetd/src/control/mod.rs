@@ -7,7 +7,7 @@ pub mod server;
 
 use crate::dispatch::Datapath;
 use crate::stats::Drop;
-use crate::topology::{Settings, Topology};
+use crate::topology::{LinkKind, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use vnet_core::command::{parse_request, Attach, Command, Mode, StatsScope, HELP};
@@ -34,8 +34,7 @@ impl Control {
         let mut changed = false;
         for (line, cmd) in &cmds {
             if cmd.mutates() {
-                let udp = &self.dp.udp;
-                let msg = work.apply(cmd, &self.settings, &|to| udp.path_mtu(to)).map_err(|reason| {
+                let msg = work.apply(cmd, &self.settings, &self.dp).map_err(|reason| {
                     let text = request.lines().nth(line - 1).unwrap_or("").trim();
                     format!("line {line}: {reason}: {text}")
                 })?;
@@ -48,6 +47,12 @@ impl Control {
         if changed {
             *generation += 1;
             self.dp.publish(work.snapshot(*generation));
+            // New TCP links start connecting once they are in force.
+            for l in work.links.values() {
+                if let LinkKind::Tcp(t) = &l.kind {
+                    t.start(self.dp.clone(), Arc::downgrade(l));
+                }
+            }
             *current = work;
         }
         Ok(out)
@@ -60,9 +65,9 @@ impl Control {
             Command::RouteList => list_routes(t, out),
             Command::Stats(scope) => self.stats(*scope, t, out),
             Command::Show => {
-                let udp = self.dp.udp.local_addr();
+                let udp = self.dp.udp_addrs();
                 out.push(format!(
-                    "vnetd version={} udp={udp} default_mtu={} default_link_port={} dispatchers={}",
+                    "vnetd version={} sockets={udp} default_mtu={} default_link_port={} dispatchers={}",
                     env!("CARGO_PKG_VERSION"),
                     self.settings.default_mtu,
                     self.settings.default_link_port,
@@ -145,7 +150,24 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
 
 fn list_links(t: &Topology, out: &mut Vec<String>) {
     for l in t.links.values() {
-        out.push(format!("link {} name={} proto=udp remote={} mtu={} max_frame={}", l.idx, l.name, l.remote, l.mtu, l.max_frame));
+        let remote = l.remote.map_or(String::new(), |r| format!(" remote={r}"));
+        let extra = match &l.kind {
+            LinkKind::Vxlan { vni } => format!(" vni={vni}"),
+            LinkKind::Tcp(t) => {
+                let (state, since) = t.state();
+                format!(" state={} since={:.1}s", state.name(), since.as_secs_f64())
+            }
+            LinkKind::Direct { device, .. } => format!(" device={device}"),
+            LinkKind::Udp => String::new(),
+        };
+        out.push(format!(
+            "link {} name={} proto={}{remote} mtu={} max_frame={}{extra}",
+            l.idx,
+            l.name,
+            l.kind.name(),
+            l.mtu,
+            l.max_frame
+        ));
     }
 }
 

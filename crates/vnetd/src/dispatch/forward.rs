@@ -10,10 +10,14 @@
 //!   into a super-frame (`TcpCoalescer`) before the write.
 
 use super::Datapath;
-use crate::link::udp::{TxBatch, MAX_GSO_SEGMENTS};
-use crate::nic::MAX_PARTS;
+use crate::link::tcp::MAX_TCP_FRAME;
+use crate::link::udp::{TxBatch, UdpEndpoint, MAX_GSO_SEGMENTS};
+use crate::link::vxlan;
+use crate::nic::{send_vnet, MAX_PARTS};
 use crate::stats::{Counters, Drop};
-use crate::topology::Snapshot;
+use crate::topology::{LinkKind, Snapshot};
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::io::{self, IoSlice};
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
@@ -36,7 +40,9 @@ pub struct Forwarder {
     hits: Vec<Hit>,
     last: Option<(u64, Port, Mac, Mac)>,
     plan: SegmentPlan,
-    tx: TxBatch,
+    /// One batch per UDP socket: VNET/P v4, v6; VXLAN v4, v6.
+    tx: [TxBatch; 4],
+    seg: Vec<u8>,
     coalescer: TcpCoalescer,
     pending_dest: u32,
     /// Queue plain link sends for one `sendmmsg` per pass (VMM-driven).
@@ -51,7 +57,8 @@ impl Forwarder {
             hits: Vec::with_capacity(16),
             last: None,
             plan: SegmentPlan::default(),
-            tx: TxBatch::default(),
+            tx: Default::default(),
+            seg: Vec::new(),
             coalescer: TcpCoalescer::default(),
             pending_dest: 0,
             batching: false,
@@ -86,9 +93,10 @@ impl Forwarder {
         true
     }
 
-    /// A frame read from a guest's NIC, with its offload metadata.
-    pub fn from_nic(&mut self, snap: &Snapshot, slot: u32, frame: &mut [u8], mut vnet: VnetHdr) {
-        if !self.route(snap, Port::Interface(slot), frame) {
+    /// A frame read from a guest's NIC or a direct link, with its offload
+    /// metadata.
+    pub fn from_port(&mut self, snap: &Snapshot, origin: Port, frame: &mut [u8], mut vnet: VnetHdr) {
+        if !self.route(snap, origin, frame) {
             return;
         }
         let hits = std::mem::take(&mut self.hits);
@@ -172,6 +180,16 @@ impl Forwarder {
             }
             Port::Link(s) => {
                 let link = &snap.links[s as usize];
+                if let LinkKind::Direct { port, .. } = &link.kind {
+                    // Onto the LAN as it is; the kernel segments super-frames.
+                    if !vnet.is_gso() && frame.len() > link.max_frame {
+                        self.dp.drop_at(Some(&link.stats), Drop::Oversize);
+                        return;
+                    }
+                    let r = send_vnet(port.as_raw_fd(), vnet, &[frame]);
+                    self.account(&link.stats, r.map(|_| frame.len()));
+                    return;
+                }
                 // TCP that does not fit the link is cut to fit it (a guest
                 // with a big MTU sends big frames even without TSO).
                 if vnet.is_gso() || (frame.len() > link.max_frame && offload::tcp_payload_offset(frame).is_some()) {
@@ -186,28 +204,54 @@ impl Forwarder {
                     self.dp.offload.checksums.fetch_add(1, Relaxed);
                     vnet.flags &= !F_NEEDS_CSUM;
                 }
-                if frame.len() > self.dp.udp.max_payload() {
+                let Some(remote) = link.remote else { return };
+                let (ep, which, prefix) = match &link.kind {
+                    LinkKind::Tcp(t) => {
+                        if frame.len() > MAX_TCP_FRAME {
+                            self.dp.drop_at(Some(&link.stats), Drop::Oversize);
+                        } else if !t.enqueue(frame) {
+                            self.dp.drop_at(Some(&link.stats), Drop::QueueFull);
+                        }
+                        // Counted as sent when the link's writer sends it.
+                        return;
+                    }
+                    LinkKind::Udp => (self.dp.udp_for(&remote), if remote.is_ipv4() { 0 } else { 1 }, None),
+                    LinkKind::Vxlan { vni } => {
+                        (self.dp.vxlan_for(&remote), if remote.is_ipv4() { 2 } else { 3 }, Some(vxlan::header(*vni)))
+                    }
+                    LinkKind::Direct { .. } => unreachable!(),
+                };
+                let Some(ep) = ep else {
+                    self.dp.drop_at(Some(&link.stats), Drop::TxError);
+                    return;
+                };
+                let plen = prefix.map_or(0, |p| p.len());
+                if frame.len() + plen > ep.max_payload() {
                     self.dp.drop_at(Some(&link.stats), Drop::Oversize);
                     return;
                 }
                 if frame.len() > link.max_frame {
                     self.dp.offload.fragmented.fetch_add(1, Relaxed);
                 }
+                let pre = prefix.unwrap_or_default();
+                let parts: [&[u8]; 2] = [&pre[..plen], frame];
                 if self.batching {
-                    if !self.tx.push(frame, link.remote, s) {
+                    if !self.tx[which].push(&parts, remote, s) {
                         self.flush(snap);
-                        self.tx.push(frame, link.remote, s);
+                        self.tx[which].push(&parts, remote, s);
                     }
                 } else {
-                    let r = self.dp.udp.send(frame, link.remote);
+                    let iov = [IoSlice::new(parts[0]), IoSlice::new(parts[1])];
+                    let r = ep.send_iov(&iov, remote, None);
                     self.account(&link.stats, r.map(|_| frame.len()));
                 }
             }
         }
     }
 
-    /// Cuts a TCP super-frame to the link's frame size and sends the segments
-    /// with UDP GSO (one call per up to 64 segments).
+    /// Cuts a TCP super-frame to the link's frame size and sends the
+    /// segments: over UDP or VXLAN with UDP GSO (one call per up to 64
+    /// segments), over TCP into the link's queue.
     fn send_segmented(&mut self, snap: &Snapshot, slot: u32, frame: &[u8], vnet: &VnetHdr) {
         let link = &snap.links[slot as usize];
         let Some(hl) = offload::tcp_payload_offset(frame) else {
@@ -223,21 +267,50 @@ impl Forwarder {
         let n = self.plan.len();
         self.dp.offload.segmented.fetch_add(1, Relaxed);
         self.dp.offload.segments.fetch_add(n as u64, Relaxed);
-        let seg_size = hl + mss;
+        let Some(remote) = link.remote else { return };
+        let (ep, prefix) = match &link.kind {
+            LinkKind::Tcp(t) => {
+                for k in 0..n {
+                    self.seg.clear();
+                    self.seg.extend_from_slice(self.plan.header(k));
+                    self.seg.extend_from_slice(&frame[self.plan.payload[k].clone()]);
+                    if !t.enqueue(&self.seg) {
+                        self.dp.drop_at(Some(&link.stats), Drop::QueueFull);
+                    }
+                }
+                return;
+            }
+            LinkKind::Udp => (self.dp.udp_for(&remote), None),
+            LinkKind::Vxlan { vni } => (self.dp.vxlan_for(&remote), Some(vxlan::header(*vni))),
+            LinkKind::Direct { .. } => return,
+        };
+        let Some(ep) = ep else {
+            self.dp.drop_at(Some(&link.stats), Drop::TxError);
+            return;
+        };
+        let pre = prefix.unwrap_or_default();
+        let pre: &[u8] = if prefix.is_some() { &pre } else { &[] };
+        let seg_size = pre.len() + hl + mss;
         let per_call = (MAX_GSO_BYTES / seg_size).clamp(1, MAX_GSO_SEGMENTS);
         let mut i = 0;
         while i < n {
             let end = (i + per_call).min(n);
             let bytes: usize = (i..end).map(|k| self.plan.frame_len(k)).sum();
             let result = if end - i == 1 || !self.dp.gso_ok.load(Relaxed) {
-                self.send_each(frame, i, end, link.remote)
+                self.send_each(ep, pre, frame, i, end, remote)
             } else {
-                let mut iov = [IoSlice::new(&[]); 2 * MAX_GSO_SEGMENTS];
-                for (k, seg) in (i..end).enumerate() {
-                    iov[2 * k] = IoSlice::new(self.plan.header(seg));
-                    iov[2 * k + 1] = IoSlice::new(&frame[self.plan.payload[seg].clone()]);
+                let mut iov = [IoSlice::new(&[]); 3 * MAX_GSO_SEGMENTS];
+                let mut m = 0;
+                for seg in i..end {
+                    if !pre.is_empty() {
+                        iov[m] = IoSlice::new(pre);
+                        m += 1;
+                    }
+                    iov[m] = IoSlice::new(self.plan.header(seg));
+                    iov[m + 1] = IoSlice::new(&frame[self.plan.payload[seg].clone()]);
+                    m += 2;
                 }
-                match self.dp.udp.send_gso(&iov[..2 * (end - i)], link.remote, seg_size as u16) {
+                match ep.send_iov(&iov[..m], remote, Some(seg_size as u16)) {
                     Ok(_) => {
                         self.dp.offload.gso_sends.fetch_add(1, Relaxed);
                         Ok(())
@@ -247,7 +320,7 @@ impl Forwarder {
                     Err(e) if matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL)) => {
                         tracing::info!("UDP GSO unavailable ({e}); sending segments one by one");
                         self.dp.gso_ok.store(false, Relaxed);
-                        self.send_each(frame, i, end, link.remote)
+                        self.send_each(ep, pre, frame, i, end, remote)
                     }
                     Err(e) => Err(e),
                 }
@@ -267,13 +340,10 @@ impl Forwarder {
         }
     }
 
-    fn send_each(&self, frame: &[u8], from: usize, to: usize, remote: std::net::SocketAddr) -> io::Result<()> {
-        let mut seg = Vec::with_capacity(self.plan.frame_len(from));
+    fn send_each(&self, ep: &UdpEndpoint, pre: &[u8], frame: &[u8], from: usize, to: usize, remote: SocketAddr) -> io::Result<()> {
         for k in from..to {
-            seg.clear();
-            seg.extend_from_slice(self.plan.header(k));
-            seg.extend_from_slice(&frame[self.plan.payload[k].clone()]);
-            self.dp.udp.send(&seg, remote)?;
+            let iov = [IoSlice::new(pre), IoSlice::new(self.plan.header(k)), IoSlice::new(&frame[self.plan.payload[k].clone()])];
+            ep.send_iov(&iov, remote, None)?;
         }
         Ok(())
     }
@@ -295,26 +365,30 @@ impl Forwarder {
         }
     }
 
-    /// Sends the queued link datagrams (one `sendmmsg`).
+    /// Sends the queued link datagrams (one `sendmmsg` per socket).
     pub fn flush(&mut self, snap: &Snapshot) {
-        if self.tx.is_empty() {
-            return;
-        }
         let dp = &self.dp;
-        let mut n = 0u64;
-        dp.udp.flush(&mut self.tx, |slot, len, err| {
-            n += 1;
-            let Some(link) = snap.links.get(slot as usize) else { return };
-            match err {
-                None => {
-                    link.stats.sent(len);
-                    dp.global.sent(len);
-                }
-                Some(e) => dp.drop_at(Some(&link.stats), classify(&e)),
+        let eps = [dp.udp4.as_ref(), dp.udp6.as_ref(), dp.vxlan4.get(), dp.vxlan6.get()];
+        for (tx, ep) in self.tx.iter_mut().zip(eps) {
+            if tx.is_empty() {
+                continue;
             }
-        });
-        dp.dispatch.tx_batches.fetch_add(1, Relaxed);
-        dp.dispatch.tx_batched.fetch_add(n, Relaxed);
+            let Some(ep) = ep else { continue };
+            let mut n = 0u64;
+            ep.flush(tx, |slot, len, err| {
+                n += 1;
+                let Some(link) = snap.links.get(slot as usize) else { return };
+                match err {
+                    None => {
+                        link.stats.sent(len);
+                        dp.global.sent(len);
+                    }
+                    Some(e) => dp.drop_at(Some(&link.stats), classify(&e)),
+                }
+            });
+            dp.dispatch.tx_batches.fetch_add(1, Relaxed);
+            dp.dispatch.tx_batched.fetch_add(n, Relaxed);
+        }
     }
 }
 

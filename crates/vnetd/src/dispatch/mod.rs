@@ -9,7 +9,13 @@
 mod forward;
 mod worker;
 
+pub use forward::Forwarder;
+
+use crate::link::tcp::TcpAcceptor;
 use crate::link::UdpEndpoint;
+use crate::topology::LinkEnv;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::OnceLock;
 use crate::stats::{Counters, DispatchCounters, Drop, OffloadCounters};
 use crate::topology::Snapshot;
 use anyhow::{Context, Result};
@@ -27,7 +33,16 @@ pub struct Datapath {
     pub global: Counters,
     pub offload: OffloadCounters,
     pub dispatch: DispatchCounters,
-    pub udp: UdpEndpoint,
+    /// The VNET/P UDP sockets, IPv4 and IPv6 (either may be absent).
+    pub udp4: Option<UdpEndpoint>,
+    pub udp6: Option<UdpEndpoint>,
+    /// VXLAN sockets, made when the first VXLAN link of a family is added.
+    pub vxlan4: OnceLock<UdpEndpoint>,
+    pub vxlan6: OnceLock<UdpEndpoint>,
+    vxlan_port: u16,
+    /// Accepts TCP link connections, once a TCP link exists.
+    tcp_acceptor: OnceLock<TcpAcceptor>,
+    tcp_port: u16,
     /// Whether UDP GSO works on this underlay (cleared on the first refusal).
     pub gso_ok: AtomicBool,
     workers: Vec<WorkerLink>,
@@ -44,8 +59,16 @@ struct WorkerLink {
 
 impl Datapath {
     /// A datapath with `workers` dispatcher threads, thread `i` pinned to
-    /// `cpus[i]` when given.
-    pub fn new(udp: UdpEndpoint, workers: usize, cpus: &[usize]) -> Result<Datapath> {
+    /// `cpus[i]` when given. VXLAN sockets bind `vxlan_port`; TCP links
+    /// listen on `tcp_port`.
+    pub fn new(
+        udp4: Option<UdpEndpoint>,
+        udp6: Option<UdpEndpoint>,
+        vxlan_port: u16,
+        tcp_port: u16,
+        workers: usize,
+        cpus: &[usize],
+    ) -> Result<Datapath> {
         let workers = (0..workers.max(1))
             .map(|i| {
                 Ok(WorkerLink {
@@ -61,11 +84,47 @@ impl Datapath {
             global: Counters::default(),
             offload: OffloadCounters::default(),
             dispatch: DispatchCounters::default(),
-            udp,
+            udp4,
+            udp6,
+            vxlan4: OnceLock::new(),
+            vxlan6: OnceLock::new(),
+            vxlan_port,
+            tcp_acceptor: OnceLock::new(),
+            tcp_port,
             gso_ok: AtomicBool::new(true),
             workers,
             stop: AtomicBool::new(false),
         })
+    }
+
+    /// The VNET/P UDP socket for a peer's address family.
+    #[inline]
+    pub fn udp_for(&self, peer: &SocketAddr) -> Option<&UdpEndpoint> {
+        if peer.is_ipv4() {
+            self.udp4.as_ref()
+        } else {
+            self.udp6.as_ref()
+        }
+    }
+
+    /// The VXLAN socket for a peer's address family.
+    #[inline]
+    pub fn vxlan_for(&self, peer: &SocketAddr) -> Option<&UdpEndpoint> {
+        if peer.is_ipv4() {
+            self.vxlan4.get()
+        } else {
+            self.vxlan6.get()
+        }
+    }
+
+    /// Where the UDP sockets listen (for SHOW).
+    pub fn udp_addrs(&self) -> String {
+        let mut v: Vec<String> = [&self.udp4, &self.udp6].iter().filter_map(|u| u.as_ref()).map(|u| u.local_addr().to_string()).collect();
+        v.extend([&self.vxlan4, &self.vxlan6].iter().filter_map(|u| u.get()).map(|u| format!("vxlan:{}", u.local_addr())));
+        if let Some(t) = self.tcp_acceptor.get() {
+            v.push(format!("tcp:{}", t.local));
+        }
+        v.join(",")
     }
 
     pub fn worker_count(&self) -> usize {
@@ -134,4 +193,42 @@ pub fn spawn(dp: &Arc<Datapath>, on_failure: fn()) -> Result<Vec<JoinHandle<Resu
                 .context("cannot start a dispatcher thread")
         })
         .collect()
+}
+
+impl LinkEnv for Arc<Datapath> {
+    fn path_mtu(&self, to: SocketAddr) -> Option<u32> {
+        self.udp_for(&to).and_then(|u| u.path_mtu(to))
+    }
+
+    fn has_udp(&self, v4: bool) -> bool {
+        if v4 {
+            self.udp4.is_some()
+        } else {
+            self.udp6.is_some()
+        }
+    }
+
+    fn ensure_vxlan(&self, v4: bool) -> Result<(), String> {
+        let (cell, ip): (&OnceLock<UdpEndpoint>, IpAddr) =
+            if v4 { (&self.vxlan4, Ipv4Addr::UNSPECIFIED.into()) } else { (&self.vxlan6, Ipv6Addr::UNSPECIFIED.into()) };
+        if cell.get().is_some() {
+            return Ok(());
+        }
+        let ep = UdpEndpoint::bind(SocketAddr::new(ip, self.vxlan_port)).map_err(|e| format!("{e:#}"))?;
+        let _ = cell.set(ep);
+        // Thread 0 watches the new socket from its next snapshot on.
+        Ok(())
+    }
+
+    fn ensure_tcp_acceptor(&self) -> Result<(), String> {
+        if self.tcp_acceptor.get().is_some() {
+            return Ok(());
+        }
+        // One dual-stack listener: IPv4 peers arrive as mapped addresses.
+        let a = TcpAcceptor::start(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), self.tcp_port), self.clone())
+            .or_else(|_| TcpAcceptor::start(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), self.tcp_port), self.clone()))
+            .map_err(|e| format!("{e:#}"))?;
+        let _ = self.tcp_acceptor.set(a);
+        Ok(())
+    }
 }

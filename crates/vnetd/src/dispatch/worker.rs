@@ -16,9 +16,12 @@
 
 use super::forward::Forwarder;
 use super::Datapath;
-use crate::link::udp::RxBatch;
+use crate::link::udp::{RxBatch, UdpEndpoint};
+use crate::link::vxlan;
 use crate::stats::Drop;
-use crate::topology::Snapshot;
+use crate::topology::{LinkKind, Snapshot};
+use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
+use vnet_core::table::Port;
 use anyhow::{bail, Result};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -28,7 +31,10 @@ use std::time::{Duration, Instant};
 use vnet_core::command::{Mode, YieldStrategy};
 
 const TOKEN_WAKE: u64 = u64::MAX;
-const TOKEN_UDP: u64 = u64::MAX - 1;
+/// UDP sockets: `TOKEN_SOCKET + i` for VNET/P v4, v6, VXLAN v4, v6.
+const TOKEN_SOCKET: u64 = u64::MAX - 8;
+/// Direct links: `TOKEN_LINK + slot`; interfaces use their slot.
+const TOKEN_LINK: u64 = 1 << 32;
 /// Room for the largest frame plus its virtio-net header.
 const BUF_LEN: usize = 65536 + 128;
 
@@ -106,6 +112,7 @@ impl std::ops::Drop for Epoll {
 }
 
 /// This thread's view of one interface it owns.
+#[derive(Clone)]
 struct Owned {
     slot: u32,
     fd: RawFd,
@@ -122,6 +129,10 @@ struct Worker {
     epoll: Epoll,
     snap: Arc<Snapshot>,
     owned: Vec<Owned>,
+    /// Direct links this thread reads: (slot, fd).
+    direct: Vec<(u32, RawFd)>,
+    /// Which of the four UDP sockets are in the epoll set.
+    sockets: [bool; 4],
     fwd: Forwarder,
     buf: Vec<u8>,
     rx: RxBatch,
@@ -132,9 +143,6 @@ struct Worker {
 pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
     let epoll = Epoll::new()?;
     epoll.add(dp.workers[index].wake.as_raw_fd(), TOKEN_WAKE)?;
-    if index == 0 {
-        epoll.add(dp.udp.as_raw_fd(), TOKEN_UDP)?;
-    }
     let snap = Arc::new(Snapshot::empty());
     let mut w = Worker {
         fwd: Forwarder::new(dp.clone()),
@@ -143,6 +151,8 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         epoll,
         snap,
         owned: Vec::new(),
+        direct: Vec::new(),
+        sockets: [false; 4],
         buf: vec![0u8; BUF_LEN],
         rx: RxBatch::default(),
         window_start: Instant::now(),
@@ -194,11 +204,16 @@ impl Worker {
             }
             let mut woken = false;
             for i in 0..n {
-                match self.epoll.events[i].u64 {
+                let token = self.epoll.events[i].u64;
+                match token {
                     TOKEN_WAKE => woken = true,
-                    TOKEN_UDP => {
+                    t if t >= TOKEN_SOCKET => {
                         self.fwd.batching = polling;
-                        self.drain_udp();
+                        self.drain_socket((t - TOKEN_SOCKET) as usize);
+                    }
+                    t if t >= TOKEN_LINK => {
+                        self.fwd.batching = false;
+                        self.drain_direct((t - TOKEN_LINK) as u32);
                     }
                     slot => {
                         self.fwd.batching = false;
@@ -227,7 +242,11 @@ impl Worker {
             }
         }
         if self.index == 0 {
-            work += self.drain_udp();
+            for i in 0..4 {
+                if self.sockets[i] {
+                    work += self.drain_socket(i);
+                }
+            }
         }
         self.fwd.flush(&self.snap);
         work
@@ -243,7 +262,7 @@ impl Worker {
             match iface.nic.recv(&mut self.buf) {
                 Ok(rx) => {
                     n += 1;
-                    self.fwd.from_nic(snap, slot, &mut self.buf[rx.start..rx.end], rx.vnet);
+                    self.fwd.from_port(snap, Port::Interface(slot), &mut self.buf[rx.start..rx.end], rx.vnet);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
@@ -262,14 +281,18 @@ impl Worker {
         n
     }
 
-    /// Takes up to `quota` datagrams from the UDP socket (GRO runs count as
+
+    /// Takes up to `quota` datagrams from UDP socket `i` (GRO runs count as
     /// their datagrams); returns how many.
-    fn drain_udp(&mut self) -> usize {
+    fn drain_socket(&mut self, i: usize) -> usize {
+        let dp = self.dp.clone();
+        let Some(ep) = socket(&dp, i) else { return 0 };
+        let is_vxlan = i >= 2;
         let snap = &self.snap;
         let quota = snap.dispatch.quota as usize;
         let mut frames = 0;
         while frames < quota {
-            let n = match self.dp.udp.recv_batch(&mut self.rx) {
+            let n = match ep.recv_batch(&mut self.rx) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 // ICMP errors for earlier sends surface here; they concern
@@ -280,38 +303,81 @@ impl Worker {
                     break;
                 }
             };
-            for i in 0..n {
-                let len = self.rx.lens[i];
-                let seg = if self.rx.seg[i] == 0 { len.max(1) } else { self.rx.seg[i] };
+            for m in 0..n {
+                let len = self.rx.lens[m];
+                let seg = if self.rx.seg[m] == 0 { len.max(1) } else { self.rx.seg[m] };
                 let count = len.div_ceil(seg).max(1);
                 frames += count;
-                let link = self.rx.from[i].and_then(|from| snap.link_for_sender(from));
-                let Some(link) = link else {
+                let Some(from) = self.rx.from[m] else { continue };
+                let udp_link = if is_vxlan { None } else { snap.link_for_sender(from) };
+                if !is_vxlan && udp_link.is_none() {
                     for _ in 0..count {
-                        self.dp.global.received(seg.min(len));
-                        self.dp.drop_at(None, Drop::UnknownSender);
+                        dp.global.received(seg.min(len));
+                        dp.drop_at(None, Drop::UnknownSender);
                     }
-                    tracing::debug!(from = ?self.rx.from[i], "datagram from an address with no link dropped");
-                    continue;
-                };
-                if self.rx.truncated[i] {
-                    self.dp.drop_at(Some(&snap.links[link as usize].stats), Drop::Oversize);
+                    tracing::debug!(%from, "datagram from an address with no link dropped");
                     continue;
                 }
                 if count > 1 {
-                    self.dp.offload.gro_runs.fetch_add(1, Relaxed);
+                    dp.offload.gro_runs.fetch_add(1, Relaxed);
                 }
-                let buf = self.rx.buf_mut(i);
+                let truncated = self.rx.truncated[m];
+                let buf = self.rx.buf_mut(m);
                 let mut at = 0;
                 while at < len {
                     let end = (at + seg).min(len);
-                    self.fwd.from_link(snap, link, buf, at..end);
+                    let (link, start) = if is_vxlan {
+                        match vxlan::parse(&buf[at..end]).and_then(|vni| snap.vxlan_link_for(from.ip(), vni)) {
+                            Some(l) => (l, at + vxlan::HDR_LEN),
+                            None => {
+                                dp.global.received(end - at);
+                                let why = if vxlan::parse(&buf[at..end]).is_some() { Drop::UnknownSender } else { Drop::Malformed };
+                                dp.drop_at(None, why);
+                                at = end;
+                                continue;
+                            }
+                        }
+                    } else {
+                        (udp_link.unwrap(), at)
+                    };
+                    if truncated {
+                        dp.drop_at(Some(&snap.links[link as usize].stats), Drop::Oversize);
+                        break;
+                    }
+                    self.fwd.from_link(snap, link, buf, start..end);
                     at = end;
                 }
                 self.fwd.end_run(snap, buf);
             }
         }
         frames
+    }
+
+    /// Takes up to `quota` frames from a direct link's device.
+    fn drain_direct(&mut self, slot: u32) -> usize {
+        let snap = &self.snap;
+        let Some(link) = snap.links.get(slot as usize) else { return 0 };
+        let LinkKind::Direct { port, .. } = &link.kind else { return 0 };
+        let quota = snap.dispatch.quota as usize;
+        let mut n = 0;
+        while n < quota {
+            match port.recv(&mut self.buf) {
+                Ok(len) => {
+                    n += 1;
+                    let Some(vnet) = VnetHdr::parse(&self.buf[..len]) else { continue };
+                    self.fwd.from_port(snap, Port::Link(slot), &mut self.buf[VNET_HDR_LEN..len], vnet);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
+                    self.dp.drop_at(Some(&link.stats), Drop::Oversize);
+                }
+                Err(e) => {
+                    tracing::warn!(link = %link.name, "read from device failed: {e}");
+                    break;
+                }
+            }
+        }
+        n
     }
 
     /// Picks up a new snapshot: which interfaces this thread owns, in which
@@ -346,6 +412,31 @@ impl Worker {
             owned.push(Owned { slot: slot as u32, fd, configured, polled, window_count: count });
         }
         self.owned = owned;
+        // Direct links, spread over threads like interfaces.
+        for &(_, fd) in &self.direct {
+            self.epoll.del(fd);
+        }
+        self.direct.clear();
+        for (slot, link) in next.links.iter().enumerate() {
+            if let LinkKind::Direct { port, .. } = &link.kind {
+                if link.idx as usize % workers == self.index {
+                    let fd = port.as_raw_fd();
+                    if self.epoll.add(fd, TOKEN_LINK + slot as u64).is_ok() {
+                        self.direct.push((slot as u32, fd));
+                    }
+                }
+            }
+        }
+        // Thread 0 serves the UDP sockets, VXLAN's once they exist.
+        if self.index == 0 {
+            for i in 0..4 {
+                if !self.sockets[i] {
+                    if let Some(fd) = socket(&self.dp, i).map(|e| e.as_raw_fd()) {
+                        self.sockets[i] = self.epoll.add(fd, TOKEN_SOCKET + i as u64).is_ok();
+                    }
+                }
+            }
+        }
         self.snap = next;
         self.dp.workers[self.index].running.store(self.snap.generation, Release);
     }
@@ -383,5 +474,15 @@ impl Worker {
             iface.mode_switches.fetch_add(1, Relaxed);
             tracing::debug!(iface = %iface.name, rate, polled = o.polled, "adaptive mode switch");
         }
+    }
+}
+
+/// The UDP socket `i`: VNET/P IPv4, IPv6, VXLAN IPv4, IPv6.
+fn socket(dp: &Datapath, i: usize) -> Option<&UdpEndpoint> {
+    match i {
+        0 => dp.udp4.as_ref(),
+        1 => dp.udp6.as_ref(),
+        2 => dp.vxlan4.get(),
+        _ => dp.vxlan6.get(),
     }
 }

@@ -125,15 +125,10 @@ impl UdpEndpoint {
         Ok(n)
     }
 
-    /// Sends one datagram.
-    #[inline]
-    pub fn send(&self, frame: &[u8], to: SocketAddr) -> io::Result<usize> {
-        self.socket.send_to(frame, to)
-    }
-
-    /// Sends the concatenation of `iov` as datagrams of `seg_size` bytes each
-    /// (the last may be shorter) in one call: UDP GSO.
-    pub fn send_gso(&self, iov: &[IoSlice], to: SocketAddr, seg_size: u16) -> io::Result<usize> {
+    /// Sends the concatenation of `iov` as one datagram, or with `seg_size`
+    /// as datagrams of `seg_size` bytes each (the last may be shorter) in one
+    /// call: UDP GSO.
+    pub fn send_iov(&self, iov: &[IoSlice], to: SocketAddr, seg_size: Option<u16>) -> io::Result<usize> {
         let addr = SockAddr::from(to);
         let mut cmsg = [0u64; 4];
         // SAFETY: msghdr is plain data; zeroed is valid. The control buffer
@@ -143,16 +138,18 @@ impl UdpEndpoint {
         h.msg_namelen = addr.len();
         h.msg_iov = iov.as_ptr() as *mut libc::iovec;
         h.msg_iovlen = iov.len();
-        h.msg_control = cmsg.as_mut_ptr().cast();
-        // SAFETY: CMSG_SPACE is a pure computation.
-        h.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<u16>() as u32) } as usize;
-        // SAFETY: h.msg_control has room for the header CMSG_FIRSTHDR returns.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&h);
-            (*c).cmsg_level = libc::SOL_UDP;
-            (*c).cmsg_type = UDP_SEGMENT;
-            (*c).cmsg_len = libc::CMSG_LEN(size_of::<u16>() as u32) as usize;
-            std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), seg_size);
+        if let Some(seg_size) = seg_size {
+            h.msg_control = cmsg.as_mut_ptr().cast();
+            // SAFETY: CMSG_SPACE is a pure computation.
+            h.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<u16>() as u32) } as usize;
+            // SAFETY: h.msg_control has room for the header CMSG_FIRSTHDR returns.
+            unsafe {
+                let c = libc::CMSG_FIRSTHDR(&h);
+                (*c).cmsg_level = libc::SOL_UDP;
+                (*c).cmsg_type = UDP_SEGMENT;
+                (*c).cmsg_len = libc::CMSG_LEN(size_of::<u16>() as u32) as usize;
+                std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), seg_size);
+            }
         }
         // SAFETY: h points at live buffers.
         let n = unsafe { libc::sendmsg(self.socket.as_raw_fd(), &h, 0) };
@@ -272,14 +269,18 @@ impl Default for TxBatch {
 }
 
 impl TxBatch {
-    /// Queues a copy of `frame`; false when the batch is full (flush first).
-    pub fn push(&mut self, frame: &[u8], to: SocketAddr, link: u32) -> bool {
-        if self.count == TX_BATCH || self.data.len() + frame.len() > 4 << 20 {
+    /// Queues a copy of the datagram made of `parts`; false when the batch
+    /// is full (flush first).
+    pub fn push(&mut self, parts: &[&[u8]], to: SocketAddr, link: u32) -> bool {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if self.count == TX_BATCH || self.data.len() + len > 4 << 20 {
             return false;
         }
         let off = self.data.len();
-        self.data.extend_from_slice(frame);
-        self.spans.push((off, frame.len()));
+        for p in parts {
+            self.data.extend_from_slice(p);
+        }
+        self.spans.push((off, len));
         self.addrs.push(SockAddr::from(to));
         self.links.push(link);
         self.count += 1;

@@ -60,21 +60,28 @@ impl Nic {
     /// zero for a plain frame); returns the frame's length.
     #[inline]
     pub fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        let mut hdr = [0u8; VNET_HDR_LEN];
-        vnet.write(&mut hdr);
-        let mut iov = [IoSlice::new(&[]); MAX_PARTS + 1];
-        iov[0] = IoSlice::new(&hdr);
-        let n_parts = parts.len().min(MAX_PARTS);
-        for (slot, p) in iov[1..].iter_mut().zip(&parts[..n_parts]) {
-            *slot = IoSlice::new(p);
-        }
-        let iov = &iov[..1 + n_parts];
-        let n = match self {
-            Nic::Tap(t) => t.send(iov)?,
-            Nic::Qemu { port, .. } => port.send(iov)?,
+        let fd = match self {
+            Nic::Tap(t) => t.as_raw_fd(),
+            Nic::Qemu { port, .. } => port.as_raw_fd(),
         };
-        Ok(n.saturating_sub(VNET_HDR_LEN))
+        send_vnet(fd, vnet, parts)
     }
+}
+
+/// Writes one frame made of `parts`, preceded by its virtio-net header, to a
+/// TAP or packet socket `fd`; returns the frame's length.
+#[inline]
+pub fn send_vnet(fd: RawFd, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+    let mut hdr = [0u8; VNET_HDR_LEN];
+    vnet.write(&mut hdr);
+    let mut iov = [IoSlice::new(&[]); MAX_PARTS + 1];
+    iov[0] = IoSlice::new(&hdr);
+    let n_parts = parts.len().min(MAX_PARTS);
+    for (slot, p) in iov[1..].iter_mut().zip(&parts[..n_parts]) {
+        *slot = IoSlice::new(p);
+    }
+    let n = tap::writev(fd, &iov[..1 + n_parts])?;
+    Ok(n.saturating_sub(VNET_HDR_LEN))
 }
 
 impl AsRawFd for Nic {

@@ -8,7 +8,7 @@
 
 use anyhow::{bail, Result};
 use std::ffi::CString;
-use std::io::{self, IoSlice};
+use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 const PACKET_VNET_HDR: libc::c_int = 15;
@@ -84,13 +84,6 @@ impl PacketPort {
         Ok(n as usize)
     }
 
-    /// Sends one frame: `iov` is its virtio-net header followed by the
-    /// frame's pieces (a super-frame leaves as one, the kernel segments it if
-    /// the guest cannot take it).
-    #[inline]
-    pub fn send(&self, iov: &[IoSlice]) -> io::Result<usize> {
-        super::tap::writev(self.fd.as_raw_fd(), iov)
-    }
 }
 
 impl AsRawFd for PacketPort {

@@ -136,12 +136,6 @@ impl Tap {
         }
     }
 
-    /// Writes one frame to the guest: `iov` is its virtio-net header followed
-    /// by the frame's pieces.
-    #[inline]
-    pub fn send(&self, iov: &[IoSlice]) -> io::Result<usize> {
-        writev(self.file.as_raw_fd(), iov)
-    }
 }
 
 impl AsRawFd for Tap {
