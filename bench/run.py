@@ -48,7 +48,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
 
-DEFAULT_CONFIGS = ["native", "vxlan", "vnet-guest", "vnet-vmm", "vnet-adaptive", "vnet-poll"]
+DEFAULT_CONFIGS = ["native", "vxlan", "vnet-guest", "vnet-vmm", "vnet-adaptive", "vnet-poll", "vnet-tcp",
+                   "vnet-vxlan"]
 # "vnet" (opt-in, --configs): vnetd as started, no SET mode (its default dispatch).
 ALL_CONFIGS = DEFAULT_CONFIGS + ["vnet"]
 # The SET commands that make each vnet configuration. The three modes run with
@@ -59,8 +60,15 @@ VNET_SETTINGS = {
     "vnet-vmm": [("mode", "vmm-driven"), ("yield", "adaptive")],
     "vnet-adaptive": [("mode", "adaptive"), ("yield", "adaptive")],
     "vnet-poll": [("mode", "vmm-driven"), ("yield", "immediate")],
+    # The other link kinds (issue 4), in the default (adaptive) mode: both
+    # vnetds have a UDP, a TCP and a VXLAN link to each other, and the routes
+    # to the peer's guest are swapped to the configuration's link at run time.
+    "vnet-tcp": [("mode", "adaptive"), ("yield", "adaptive")],
+    "vnet-vxlan": [("mode", "adaptive"), ("yield", "adaptive")],
     "vnet": None,
 }
+# Which link carries guest traffic in each vnet configuration (link names).
+VNET_LINK = {"vnet-tcp": "tcp", "vnet-vxlan": "vx"}
 VNET_MODES = {cfg: (s[0][1] if s else None) for cfg, s in VNET_SETTINGS.items()}
 PING_SIZES = [64, 256, 1024, 4096, 8192]
 
@@ -245,6 +253,7 @@ class Testbed:
         self.vnetds: dict[int, object] = {}
         self.vn_guests: dict[int, object] = {}
         self.vnet_starts = 0
+        self.vnet_link = "udp"
         self.vnet_logs: list[dict] = []
         self.closed = False
 
@@ -318,6 +327,7 @@ class Testbed:
         gmtu = self.mtu - VNET_OVERHEAD
         guests = {1: [("vg1", nl.guest_mac(1))], 2: [("vg2", nl.guest_mac(2))]}
         self.vnet_starts += 1
+        self.vnet_link = "udp"
         for i in (1, 2):
             h = self.hosts[i]
             name = h.removeprefix(self.lab.prefix)
@@ -325,9 +335,11 @@ class Testbed:
             sock = self.lab.tmp / f"{tag}.sock"
             logf = self.lab.tmp / f"{tag}-vnetd.log"
             conf = self.lab.tmp / f"{tag}.conf"
-            conf.write_text(nl.mesh_config(i, guests, mtu=gmtu))
+            conf.write_text(vnet_config(nl, i, guests, gmtu))
             cmd = ["ip", "netns", "exec", h, "taskset", "-c", str(self.cpus[i]), str(nl.VNETD),
-                   "--control-unix", str(sock), "--control-tcp", "none", "--config", str(conf)]
+                   "--control-unix", str(sock), "--control-tcp", "none", "--config", str(conf),
+                   # the kernel VXLAN configuration holds 4789 in the same host namespaces
+                   "--vxlan-port", "4790"]
             with open(logf, "w") as lf:
                 proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             d = nl.Vnetd(self.lab, h, sock, proc, logf)
@@ -364,7 +376,9 @@ class Testbed:
             return Endpoint(self.hosts[1], self.hosts[2], UNDERLAY[2], self.mtu)
         if cfg == "vxlan":
             return Endpoint(self.vx_guests[1], self.vx_guests[2], OVERLAY[2], self.mtu - VXLAN_OVERHEAD)
-        return Endpoint(self.vn_guests[1].ns, self.vn_guests[2].ns, OVERLAY[2], self.mtu - VNET_OVERHEAD)
+        # A VXLAN link's header takes 8 bytes more of each datagram.
+        extra = 8 if VNET_LINK.get(cfg) == "vx" else 0
+        return Endpoint(self.vn_guests[1].ns, self.vn_guests[2].ns, OVERLAY[2], self.mtu - VNET_OVERHEAD - extra)
 
     def close(self):
         if self.closed:
@@ -605,9 +619,54 @@ def measure_config(bed: Testbed, cfg: str, args) -> dict:
     return rec
 
 
+def vnet_config(nl, i: int, guests: dict, gmtu: int) -> str:
+    """Host i's vnetd config: its guest, a UDP, a TCP and a VXLAN link to the
+    other host, and routes over the UDP link."""
+    peer = 3 - i
+    mac, peer_mac = guests[i][0][1], guests[peer][0][1]
+    return (f"INTERFACE ADD {guests[i][0][0]} {mac} mtu {gmtu}\n"
+            f"LINK ADD {UNDERLAY[peer]} 9000 udp name udp\n"
+            f"LINK ADD {UNDERLAY[peer]} 9000 tcp name tcp\n"
+            f"LINK ADD {UNDERLAY[peer]} 4790 vxlan vni 42 name vx\n"
+            f"ROUTE ADD any {mac} interface {mac} any\n"
+            f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {mac} any\n"
+            + route_lines(peer_mac, "udp"))
+
+
+def route_lines(peer_mac: str, link: str, verb: str = "ADD") -> str:
+    return (f"ROUTE {verb} any {peer_mac} edge {link} any\n"
+            f"ROUTE {verb} any ff:ff:ff:ff:ff:ff edge {link} interface\n")
+
+
+def use_link(bed: Testbed, link: str) -> tuple[bool, str]:
+    """Moves the routes to the peer's guest onto `link`, on both hosts, each
+    in one all-or-nothing request."""
+    if bed.vnet_link == link:
+        return True, ""
+    for i in (1, 2):
+        peer_mac = bed.netlab.guest_mac(3 - i)
+        req = route_lines(peer_mac, bed.vnet_link, "DEL") + route_lines(peer_mac, link)
+        p = bed.vnetds[i].ctl_file(req, check=False)
+        if p.returncode != 0:
+            return False, f"h{i}: moving routes to link {link} refused: {p.stderr.strip()}"
+    bed.vnet_link = link
+    if link == "tcp":
+        # Wait for the TCP link to be up.
+        deadline = time.time() + 15
+        while time.time() < deadline:
+            if all("state=up" in bed.vnetds[i].ctl("LINK", "LIST").stdout for i in (1, 2)):
+                break
+            time.sleep(0.1)
+    return True, f"routes on link {link}"
+
+
 def set_mode(bed: Testbed, cfg: str) -> tuple[bool, str]:
-    """The configuration's SET commands on both vnetds. Returns (accepted, message)."""
-    msgs = []
+    """The configuration's SET commands on both vnetds, and its link.
+    Returns (accepted, message)."""
+    ok, msg = use_link(bed, VNET_LINK.get(cfg, "udp"))
+    if not ok:
+        return ok, msg
+    msgs = [msg] if msg else []
     for i in (1, 2):
         for key, value in VNET_SETTINGS[cfg]:
             try:
