@@ -779,6 +779,12 @@ def run_phase(netlab, mtu: int, args, cpus, state: dict) -> dict:
                             c["show"] = bed.vnetds[1].ctl("SHOW", check=False).stdout.splitlines()[:15]
                         except subprocess.TimeoutExpired:
                             c["show"] = ["SHOW timed out"]
+                elif bed.vnet_alive():
+                    # Not a vnet configuration: keep the idle vnetds from
+                    # polling (vnet-poll's setting) while it is measured.
+                    for d in bed.vnetds.values():
+                        d.ctl("SET", "mode", "guest-driven", check=False)
+                        d.ctl("SET", "yield", "adaptive", check=False)
                 log(f"[mtu {mtu}] repeat {r + 1}/{args.repeats} {cfg} ...")
                 try:
                     rec = measure_config(bed, cfg, args)

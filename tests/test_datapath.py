@@ -171,3 +171,27 @@ def test_non_tcp_frames_bigger_than_the_link_are_fragmented_and_counted(lab):
           f"import socket;socket.socket(socket.AF_INET,socket.SOCK_DGRAM).sendto(b'v'*8000,('{g[2].ip}',7000))")
     assert recv.communicate(timeout=10)[0].strip() == "8000"
     assert daemons[1].stats()["offload"]["fragmented"] >= 1
+
+
+def test_per_interface_adaptive_thresholds(lab):
+    _, daemons, g = build_mesh(lab, {1: [1, 3], 2: [2, 4]})
+    d = daemons[1]
+    # Global thresholds any transfer crosses; g3's own α_u is out of reach:
+    # under load g1 switches, g3 stays guest-driven.
+    d.ctl("SET", "alpha-lower", "10")
+    d.ctl("SET", "alpha-upper", "100")
+    d.ctl("INTERFACE", "SET", "g3", "alpha-upper", "100000000")
+    d.ctl("INTERFACE", "SET", "g3", "window-ms", "20")
+    assert "alpha-upper=100000000 window-ms=20" in d.ctl("INTERFACE", "LIST").stdout
+    for src, dst, port in ((g[1], g[2], 5001), (g[3], g[4], 5002)):
+        transfer(lab, src, dst, 30_000_000, port=port)
+    s = d.stats()
+    assert s["interface g1"]["mode_switches"] >= 1
+    assert s["interface g3"]["mode_switches"] == 0
+    # Refused whole: per-interface thresholds must stay ordered too.
+    r = d.ctl("INTERFACE", "SET", "g3", "alpha-lower", "100000000", check=False)
+    assert r.returncode == 1 and "interface" in r.stderr and "must be below" in r.stderr
+    d.ctl("INTERFACE", "SET", "g3", "alpha-upper", "default")
+    d.ctl("INTERFACE", "SET", "g3", "window-ms", "default")
+    assert "name=g3" in d.ctl("INTERFACE", "LIST").stdout
+    assert "mode=default alpha-lower=default alpha-upper=default window-ms=default" in d.ctl("INTERFACE", "LIST").stdout

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from netlab import guest_mac, mesh_config, overlay_ip, underlay_ip, underlay_ip6
+from netlab import REPO, guest_mac, mesh_config, overlay_ip, underlay_ip, underlay_ip6
+
+EXAMPLES = REPO / "examples" / "links"
 from test_datapath import transfer
 from test_overlay import build_mesh
 
@@ -36,7 +38,10 @@ def mesh(lab, layout, link, addr=underlay_ip, mtu=None):
 
 
 def test_tcp_link_carries_traffic_and_recovers_from_a_peer_restart(lab):
-    hosts, d, g, configs = mesh(lab, {1: [1], 2: [2]}, link="9000 tcp")
+    hosts = {h: lab.add_host(h) for h in (1, 2)}
+    configs = {h: EXAMPLES / f"tcp-h{h}.conf" for h in (1, 2)}
+    d = {h: lab.start_vnetd(hosts[h], configs[h]) for h in (1, 2)}
+    g = {h: lab.attach_guest(hosts[h], f"g{h}", h) for h in (1, 2)}
     wait_state(d[1], "198.18.0.2", "up")
     wait_state(d[2], "198.18.0.1", "up")
     assert lab.ping(g[1], g[2], count=5).returncode == 0
@@ -74,7 +79,7 @@ def test_tcp_link_from_an_unknown_address_is_refused(lab):
     assert lab.reaches(g[1], g[2])
 
 
-def kernel_vxlan_host(lab, h, remote, guest_n, mtu, v6=False):
+def kernel_vxlan_host(lab, h, remote, guest_n, mtu, v6=False, mac=None):
     """A host with no vnetd: a kernel vxlan device and a guest on a bridge."""
     host = lab.add_host(h)
     local = underlay_ip6(h) if v6 else underlay_ip(h)
@@ -83,7 +88,8 @@ def kernel_vxlan_host(lab, h, remote, guest_n, mtu, v6=False):
     lab.x(host, "ip", "link", "add", "br0", "type", "bridge")
     x = lab.ns(f"x{guest_n}")
     lab.x(x, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-    lab.x(host, "ip", "link", "add", "vg", "type", "veth", "peer", "name", "eth0", "netns", x)
+    peer_mac = ["address", mac] if mac else []
+    lab.x(host, "ip", "link", "add", "vg", "type", "veth", "peer", "name", "eth0", "netns", x, *peer_mac)
     for dev in ("vx0", "vg"):
         lab.x(host, "ip", "link", "set", dev, "master", "br0", "mtu", mtu, "up")
     lab.x(host, "ip", "link", "set", "br0", "up")
@@ -102,15 +108,11 @@ def test_vxlan_link_interoperates_with_the_kernels_vxlan(lab, v6):
     addr = underlay_ip6 if v6 else underlay_ip
     mtu = 1430 if v6 else 1450
     h1 = lab.add_host(1)
-    _, x2 = kernel_vxlan_host(lab, 2, addr(1), 2, mtu, v6=v6)
-    mac1 = guest_mac(1)
-    d1 = lab.start_vnetd(h1, (
-        f"INTERFACE ADD g1 {mac1} mtu {mtu}\n"
-        f"LINK ADD {addr(2)} vxlan vni 42 name vx\n"
-        f"ROUTE ADD any {mac1} interface {mac1} any\n"
-        f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {mac1} any\n"
-        f"ROUTE ADD any {x2.mac} edge vx any\n"
-        f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge vx interface\n"))
+    _, x2 = kernel_vxlan_host(lab, 2, addr(1), 2, mtu, v6=v6, mac=guest_mac(2))
+    config = (EXAMPLES / "vxlan.conf").read_text()
+    if v6:  # the same example over the IPv6 underlay (IPv6 costs 20 bytes more)
+        config = config.replace("LINK ADD 198.18.0.2", f"LINK ADD {addr(2)}").replace("mtu 1450", f"mtu {mtu}")
+    d1 = lab.start_vnetd(h1, config)
     g1 = lab.attach_guest(h1, "g1", 1)
     assert lab.reaches(g1, x2), d1.ctl("STATS").stdout
     assert lab.reaches(x2, g1)
@@ -151,21 +153,8 @@ def test_direct_link_puts_a_plain_lan_host_on_the_overlay(lab):
     lab.x(p, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
     lab.x(p, "ip", "addr", "add", f"{overlay_ip(50)}/24", "dev", "eth0")
     lab.x(p, "ip", "link", "set", "eth0", "up")
-    mac2 = guest_mac(2)
-    d1 = lab.start_vnetd(h1, (
-        "LINK ADD direct eth1 name lan\n"
-        "LINK ADD 198.18.0.2\n"
-        f"ROUTE ADD any {p_mac} edge lan edge 198.18.0.2\n"
-        "ROUTE ADD any ff:ff:ff:ff:ff:ff edge lan edge 198.18.0.2\n"
-        f"ROUTE ADD any {mac2} edge 198.18.0.2 edge lan\n"
-        "ROUTE ADD any ff:ff:ff:ff:ff:ff edge 198.18.0.2 edge lan\n"))
-    lab.start_vnetd(h2, (
-        f"INTERFACE ADD g2 {mac2}\n"
-        "LINK ADD 198.18.0.1\n"
-        f"ROUTE ADD any {mac2} interface {mac2} any\n"
-        f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {mac2} any\n"
-        f"ROUTE ADD any {p_mac} edge 198.18.0.1 any\n"
-        "ROUTE ADD any ff:ff:ff:ff:ff:ff edge 198.18.0.1 interface\n"))
+    d1 = lab.start_vnetd(h1, EXAMPLES / "direct.conf")
+    lab.start_vnetd(h2, EXAMPLES / "direct-h2.conf")
     g2 = lab.attach_guest(h2, "g2", 2)
     pg = type("LanHost", (), {"ns": p, "ip": overlay_ip(50), "mac": p_mac})()
     assert "proto=direct" in d1.ctl("LINK", "LIST").stdout
@@ -178,16 +167,27 @@ def test_direct_link_puts_a_plain_lan_host_on_the_overlay(lab):
     assert s["in_frames"] > 0 and s["out_frames"] > 0
 
 
-@pytest.mark.parametrize("link", ["9000 udp", "9000 tcp"])
-def test_ipv6_underlay(lab, link):
-    _, d, g, _ = mesh(lab, {1: [1], 2: [2]}, link=link, addr=underlay_ip6)
-    if "tcp" in link:
-        wait_state(d[1], underlay_ip6(2), "up")
+def test_ipv6_underlay_udp_then_tcp_switched_at_run_time(lab):
+    hosts = {h: lab.add_host(h) for h in (1, 2)}
+    d = {h: lab.start_vnetd(hosts[h], EXAMPLES / f"ipv6-h{h}.conf") for h in (1, 2)}
+    g = {h: lab.attach_guest(hosts[h], f"g{h}", h) for h in (1, 2)}
+    line = link_line(d[1], "v6-udp")
+    assert f"remote=[{underlay_ip6(2)}]:9000" in line and "max_frame=1452" in line  # 1500 - 48
     assert lab.reaches(g[1], g[2]), d[1].ctl("STATS").stdout
     transfer(lab, g[1], g[2], 20_000_000)
-    line = link_line(d[1], underlay_ip6(2))
-    assert f"remote=[{underlay_ip6(2)}]:9000" in line
-    assert "max_frame=1452" in line or "tcp" in link  # 1500 - 48 (IPv6 + UDP)
+    assert d[1].stats()["link v6-udp"]["out_frames"] > 10_000
+    # Move the guests' traffic onto the TCP link, on both hosts, while running.
+    wait_state(d[1], "v6-tcp", "up")
+    for h in (1, 2):
+        peer = guest_mac(3 - h)
+        d[h].ctl_file(f"ROUTE DEL any {peer} edge v6-udp any\n"
+                      "ROUTE DEL any ff:ff:ff:ff:ff:ff edge v6-udp interface\n"
+                      f"ROUTE ADD any {peer} edge v6-tcp any\n"
+                      "ROUTE ADD any ff:ff:ff:ff:ff:ff edge v6-tcp interface\n")
+    udp_before = d[1].stats()["link v6-udp"]["out_frames"]
+    transfer(lab, g[1], g[2], 20_000_000, port=5002)
+    assert d[1].stats()["link v6-tcp"]["out_frames"] > 10_000
+    assert d[1].stats()["link v6-udp"]["out_frames"] == udp_before
 
 
 def test_per_link_mtu_is_advertised_and_enforced(lab):

@@ -15,7 +15,7 @@
 //! ROUTE LIST
 //! STATS [interfaces | links | routes | global]
 //! SET <mode | yield | sleep-us | nowork-us | alpha-lower | alpha-upper | window-ms | quota> <value>
-//! INTERFACE SET <tap-name | guest-MAC> mode <guest-driven | vmm-driven | adaptive | default>
+//! INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
 //! SHOW
 //! HELP
 //! ```
@@ -158,6 +158,43 @@ impl YieldStrategy {
     }
 }
 
+/// What `INTERFACE SET` sets: `None` means "follow the global value".
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum IfaceSetting {
+    Mode(Option<Mode>),
+    AlphaLower(Option<u32>),
+    AlphaUpper(Option<u32>),
+    WindowMs(Option<u32>),
+}
+
+impl IfaceSetting {
+    pub fn parse(key: &str, value: &str) -> Result<IfaceSetting, String> {
+        let default = value.eq_ignore_ascii_case("default");
+        let per_iface = "an interface takes mode, alpha-lower, alpha-upper or window-ms \
+                         (yield, sleep-us, nowork-us and quota belong to the dispatcher threads: use SET)";
+        let num = |s: Setting| -> Option<u32> {
+            match s {
+                Setting::AlphaLower(v) | Setting::AlphaUpper(v) | Setting::WindowMs(v) => Some(v),
+                _ => None,
+            }
+        };
+        let parsed = |k: &str| -> Result<Option<u32>, String> {
+            if default {
+                Ok(None)
+            } else {
+                Ok(num(Setting::parse(k, value)?))
+            }
+        };
+        Ok(match key.to_ascii_lowercase().as_str() {
+            "mode" => IfaceSetting::Mode(if default { None } else { Some(Mode::parse(value)?) }),
+            "alpha-lower" => IfaceSetting::AlphaLower(parsed("alpha-lower")?),
+            "alpha-upper" => IfaceSetting::AlphaUpper(parsed("alpha-upper")?),
+            "window-ms" => IfaceSetting::WindowMs(parsed("window-ms")?),
+            other => return Err(format!("'{other}' is not an interface setting: {per_iface}")),
+        })
+    }
+}
+
 /// One `SET key value`.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Setting {
@@ -209,8 +246,9 @@ pub enum Command {
     IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach },
     IfaceDel(IfaceRef),
     IfaceList,
-    /// `INTERFACE SET <ref> mode <mode|default>`: `None` follows the global mode.
-    IfaceSetMode(IfaceRef, Option<Mode>),
+    /// `INTERFACE SET <ref> <key> <value|default>`: an interface's own mode
+    /// or adaptive thresholds; `default` follows the global setting again.
+    IfaceSet(IfaceRef, IfaceSetting),
     Set(Setting),
     LinkAdd { ip: Option<IpAddr>, port: Option<u16>, proto: LinkProto, name: Option<String>, mtu: Option<u32> },
     LinkDel(LinkRef),
@@ -231,7 +269,7 @@ impl Command {
             self,
             Command::IfaceAdd { .. }
                 | Command::IfaceDel(_)
-                | Command::IfaceSetMode(..)
+                | Command::IfaceSet(..)
                 | Command::Set(_)
                 | Command::LinkAdd { .. }
                 | Command::LinkDel(_)
@@ -246,7 +284,7 @@ INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
                                                      create a TAP for a guest (qemu: for QEMU to open)
 INTERFACE DEL <tap-name | guest-MAC>
 INTERFACE LIST
-INTERFACE SET <tap-name | guest-MAC> mode <guest-driven | vmm-driven | adaptive | default>
+INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
 LINK ADD <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <underlay-MTU>]
                                                      a link to another vnetd (or VXLAN endpoint)
 LINK ADD direct <device> [name <name>] [mtu <bytes>]  frames raw onto a host device's LAN
@@ -316,11 +354,8 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
             Some("del") | Some("delete") => Ok(Some(Command::IfaceDel(parse_iface_ref(one_arg(args, "an interface name or MAC")?)?))),
             Some("list") => no_args(Command::IfaceList),
             Some("set") => match args {
-                [r, kw, m] if kw.eq_ignore_ascii_case("mode") => {
-                    let mode = if m.eq_ignore_ascii_case("default") { None } else { Some(Mode::parse(m)?) };
-                    Ok(Some(Command::IfaceSetMode(parse_iface_ref(r)?, mode)))
-                }
-                _ => Err("INTERFACE SET needs <tap-name | guest-MAC> mode <guest-driven | vmm-driven | adaptive | default>".into()),
+                [r, k, v] => Ok(Some(Command::IfaceSet(parse_iface_ref(r)?, IfaceSetting::parse(k, v)?))),
+                _ => Err("INTERFACE SET needs <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>".into()),
             },
             _ => Err(bad_verb("INTERFACE", toks.get(1))),
         },
@@ -581,11 +616,11 @@ mod tests {
         assert_eq!(one("set yield timed"), Command::Set(Setting::Yield(YieldStrategy::Timed)));
         assert_eq!(one("set window-ms 10"), Command::Set(Setting::WindowMs(10)));
         assert_eq!(one("set alpha-upper 20000"), Command::Set(Setting::AlphaUpper(20000)));
-        assert_eq!(
-            one("interface set g1 mode adaptive"),
-            Command::IfaceSetMode(IfaceRef::Name("g1".into()), Some(Mode::Adaptive))
-        );
-        assert_eq!(one("interface set g1 mode default"), Command::IfaceSetMode(IfaceRef::Name("g1".into()), None));
+        let g1 = || IfaceRef::Name("g1".into());
+        assert_eq!(one("interface set g1 mode adaptive"), Command::IfaceSet(g1(), IfaceSetting::Mode(Some(Mode::Adaptive))));
+        assert_eq!(one("interface set g1 mode default"), Command::IfaceSet(g1(), IfaceSetting::Mode(None)));
+        assert_eq!(one("interface set g1 alpha-upper 50000"), Command::IfaceSet(g1(), IfaceSetting::AlphaUpper(Some(50000))));
+        assert_eq!(one("interface set g1 window-ms default"), Command::IfaceSet(g1(), IfaceSetting::WindowMs(None)));
         assert_eq!(one("help"), Command::Help);
     }
 
@@ -646,6 +681,8 @@ mod tests {
             ("set quota 0", "out of range"),
             ("set colour blue", "not a setting"),
             ("interface set g1 mode", "INTERFACE SET needs"),
+            ("interface set g1 yield timed", "belong to the dispatcher threads"),
+            ("interface set g1 alpha-lower 0", "out of range"),
         ];
         for (s, want) in cases {
             let e = parse_line(s).unwrap_err();

@@ -15,7 +15,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicU8};
-use vnet_core::command::{Attach, Command, IfaceRef, LinkProto, LinkRef, Mode, RouteRef, Setting, YieldStrategy};
+use vnet_core::command::{
+    Attach, Command, IfaceRef, IfaceSetting, LinkProto, LinkRef, Mode, RouteRef, Setting, YieldStrategy,
+};
 use vnet_core::rule::{DstSpec, RuleSpec, SrcSpec};
 use vnet_core::table::{Port, Rule, RouteTable, SrcMatch};
 use vnet_core::Mac;
@@ -164,11 +166,54 @@ impl DispatchSettings {
     }
 }
 
+/// An interface's own dispatch settings (`INTERFACE SET`); `None` follows
+/// the global one.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct IfaceOverrides {
+    pub mode: Option<Mode>,
+    pub alpha_lower: Option<u32>,
+    pub alpha_upper: Option<u32>,
+    pub window_ms: Option<u32>,
+}
+
+/// What an interface's dispatch runs by: its overrides over the globals.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IfaceDispatch {
+    pub mode: Mode,
+    pub alpha_lower: u32,
+    pub alpha_upper: u32,
+    pub window_ms: u32,
+}
+
+impl IfaceOverrides {
+    pub fn effective(&self, d: &DispatchSettings) -> IfaceDispatch {
+        IfaceDispatch {
+            mode: self.mode.unwrap_or(d.mode),
+            alpha_lower: self.alpha_lower.unwrap_or(d.alpha_lower),
+            alpha_upper: self.alpha_upper.unwrap_or(d.alpha_upper),
+            window_ms: self.window_ms.unwrap_or(d.window_ms),
+        }
+    }
+
+    /// `mode=.. alpha-lower=.. alpha-upper=.. window-ms=..`, "default" where
+    /// the interface follows the global value.
+    pub fn render(&self) -> String {
+        let n = |v: Option<u32>| v.map_or("default".to_string(), |v| v.to_string());
+        format!(
+            "mode={} alpha-lower={} alpha-upper={} window-ms={}",
+            self.mode.map_or("default", |m| m.name()),
+            n(self.alpha_lower),
+            n(self.alpha_upper),
+            n(self.window_ms)
+        )
+    }
+}
+
 #[derive(Clone, Default)]
 pub struct Topology {
     pub dispatch: DispatchSettings,
-    /// Interfaces (by index) whose mode is set apart from the global one.
-    pub iface_modes: BTreeMap<u32, Mode>,
+    /// Interfaces (by index) with dispatch settings of their own.
+    pub iface_settings: BTreeMap<u32, IfaceOverrides>,
     pub ifaces: BTreeMap<u32, Arc<Interface>>,
     pub links: BTreeMap<u32, Arc<Link>>,
     pub routes: BTreeMap<u32, Arc<Route>>,
@@ -199,23 +244,25 @@ impl Topology {
                     Setting::WindowMs(v) => d.window_ms = v,
                     Setting::Quota(v) => d.quota = v,
                 }
-                if d.alpha_lower >= d.alpha_upper {
-                    return Err(format!(
-                        "alpha-lower ({}) must be below alpha-upper ({})",
-                        d.alpha_lower, d.alpha_upper
-                    ));
-                }
-                Ok(format!("set {}", d.render()))
+                self.check_thresholds()?;
+                Ok(format!("set {}", self.dispatch.render()))
             }
-            Command::IfaceSetMode(r, mode) => {
+            Command::IfaceSet(r, setting) => {
                 let iface = self.find_iface(r)?;
                 let (idx, name) = (iface.idx, iface.name.clone());
-                match mode {
-                    Some(m) => self.iface_modes.insert(idx, *m),
-                    None => self.iface_modes.remove(&idx),
-                };
-                let shown = mode.map_or("default".to_string(), |m| m.name().to_string());
-                Ok(format!("interface {idx} {name} mode {shown}"))
+                let o = self.iface_settings.entry(idx).or_default();
+                match *setting {
+                    IfaceSetting::Mode(v) => o.mode = v,
+                    IfaceSetting::AlphaLower(v) => o.alpha_lower = v,
+                    IfaceSetting::AlphaUpper(v) => o.alpha_upper = v,
+                    IfaceSetting::WindowMs(v) => o.window_ms = v,
+                }
+                let shown = o.render();
+                if *o == IfaceOverrides::default() {
+                    self.iface_settings.remove(&idx);
+                }
+                self.check_thresholds()?;
+                Ok(format!("interface {idx} {name} {shown}"))
             }
             Command::IfaceAdd { name, mac, mtu, attach } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
@@ -264,7 +311,7 @@ impl Topology {
                 }
                 let (idx, name) = (iface.idx, iface.name.clone());
                 self.ifaces.remove(&idx);
-                self.iface_modes.remove(&idx);
+                self.iface_settings.remove(&idx);
                 Ok(format!("deleted interface {idx} {name}"))
             }
             Command::LinkAdd { ip, port, proto, name, mtu } => self.add_link(*ip, *port, proto, name.clone(), *mtu, settings, env),
@@ -305,6 +352,24 @@ impl Topology {
             }
             _ => Err("not a state-changing command".into()),
         }
+    }
+
+    /// α_l must stay below α_u, globally and for every interface.
+    fn check_thresholds(&self) -> Result<(), String> {
+        let d = &self.dispatch;
+        if d.alpha_lower >= d.alpha_upper {
+            return Err(format!("alpha-lower ({}) must be below alpha-upper ({})", d.alpha_lower, d.alpha_upper));
+        }
+        for (idx, o) in &self.iface_settings {
+            let e = o.effective(d);
+            if e.alpha_lower >= e.alpha_upper {
+                return Err(format!(
+                    "interface {idx}: alpha-lower ({}) must be below alpha-upper ({})",
+                    e.alpha_lower, e.alpha_upper
+                ));
+            }
+        }
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -475,7 +540,10 @@ impl Topology {
                 LinkKind::Direct { .. } => {}
             }
         }
-        let modes = ifaces.iter().map(|i| self.iface_modes.get(&i.idx).copied().unwrap_or(self.dispatch.mode)).collect();
+        let iface_dispatch = ifaces
+            .iter()
+            .map(|i| self.iface_settings.get(&i.idx).copied().unwrap_or_default().effective(&self.dispatch))
+            .collect();
         Snapshot {
             generation,
             ifaces,
@@ -487,7 +555,7 @@ impl Topology {
             vxlan,
             tcp,
             dispatch: self.dispatch,
-            modes,
+            iface_dispatch,
         }
     }
 }
@@ -502,8 +570,8 @@ pub struct Snapshot {
     pub routes: Vec<Arc<Route>>,
     pub table: RouteTable,
     pub dispatch: DispatchSettings,
-    /// The configured mode of each interface (by slot).
-    pub modes: Vec<Mode>,
+    /// What each interface's dispatch runs by (by slot).
+    pub iface_dispatch: Vec<IfaceDispatch>,
     by_addr: HashMap<SocketAddr, u32>,
     /// UDP links by remote IP alone, when exactly one has that IP.
     by_ip: HashMap<IpAddr, Option<u32>>,

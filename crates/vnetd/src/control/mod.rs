@@ -92,7 +92,7 @@ impl Control {
         }
         if all || scope == StatsScope::Interfaces {
             for i in t.ifaces.values() {
-                let configured = t.iface_modes.get(&i.idx).copied().unwrap_or(t.dispatch.mode);
+                let configured = t.iface_settings.get(&i.idx).copied().unwrap_or_default().effective(&t.dispatch).mode;
                 let running = if i.running_mode.load(Relaxed) == Mode::VmmDriven as u8 { Mode::VmmDriven } else { Mode::GuestDriven };
                 out.push(format!(
                     "interface {} name={} mode={} running={} mode_switches={} {}",
@@ -139,12 +139,12 @@ impl Control {
 
 fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
     for i in t.ifaces.values() {
-        let mode = t.iface_modes.get(&i.idx).map_or("default", |m| m.name());
+        let own = t.iface_settings.get(&i.idx).copied().unwrap_or_default().render();
         let attach = match i.attach {
             Attach::Netns => "netns",
             Attach::Qemu => "qemu",
         };
-        out.push(format!("interface {} name={} mac={} mtu={} attach={attach} mode={mode}", i.idx, i.name, i.mac, i.mtu));
+        out.push(format!("interface {} name={} mac={} mtu={} attach={attach} {own}", i.idx, i.name, i.mac, i.mtu));
     }
 }
 

@@ -19,7 +19,7 @@ use super::Datapath;
 use crate::link::udp::{RxBatch, UdpEndpoint};
 use crate::link::vxlan;
 use crate::stats::Drop;
-use crate::topology::{LinkKind, Snapshot};
+use crate::topology::{IfaceDispatch, LinkKind, Snapshot};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
 use vnet_core::table::Port;
 use anyhow::{bail, Result};
@@ -116,11 +116,12 @@ impl std::ops::Drop for Epoll {
 struct Owned {
     slot: u32,
     fd: RawFd,
-    configured: Mode,
+    settings: IfaceDispatch,
     /// Running VMM-driven (polled) right now.
     polled: bool,
-    /// Frames in + out at the start of the adaptive window.
+    /// Frames in + out at the start of the adaptive window, and when it began.
     window_count: u64,
+    window_start: Instant,
 }
 
 struct Worker {
@@ -136,7 +137,6 @@ struct Worker {
     fwd: Forwarder,
     buf: Vec<u8>,
     rx: RxBatch,
-    window_start: Instant,
     last_work: Instant,
 }
 
@@ -155,7 +155,6 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         sockets: [false; 4],
         buf: vec![0u8; BUF_LEN],
         rx: RxBatch::default(),
-        window_start: Instant::now(),
         last_work: Instant::now(),
     };
     w.reload();
@@ -395,10 +394,11 @@ impl Worker {
             if iface.idx as usize % workers != self.index {
                 continue;
             }
-            let configured = next.modes[slot];
+            let settings = next.iface_dispatch[slot];
             // An interface keeps its running mode across unrelated changes.
-            let was_polled = self.owned.iter().find(|o| std::ptr::eq(&*self.snap.ifaces[o.slot as usize], &**iface)).map(|o| o.polled);
-            let polled = match configured {
+            let was = self.owned.iter().find(|o| std::ptr::eq(&*self.snap.ifaces[o.slot as usize], &**iface));
+            let was_polled = was.map(|o| o.polled);
+            let polled = match settings.mode {
                 Mode::GuestDriven => false,
                 Mode::VmmDriven => true,
                 Mode::Adaptive => was_polled.unwrap_or(false),
@@ -409,7 +409,8 @@ impl Worker {
             }
             iface.running_mode.store(if polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);
             let count = iface.stats.in_frames.load(Relaxed) + iface.stats.out_frames.load(Relaxed);
-            owned.push(Owned { slot: slot as u32, fd, configured, polled, window_count: count });
+            let window_start = was.map_or_else(Instant::now, |o| o.window_start);
+            owned.push(Owned { slot: slot as u32, fd, settings, polled, window_count: count, window_start });
         }
         self.owned = owned;
         // Direct links, spread over threads like interfaces.
@@ -441,23 +442,22 @@ impl Worker {
         self.dp.workers[self.index].running.store(self.snap.generation, Release);
     }
 
-    /// Adaptive mode: at the end of each window ω, switch interfaces whose
-    /// packet rate crossed α_u (up) or α_l (down).
+    /// Adaptive mode: at the end of each interface's window ω, switch it if
+    /// its packet rate crossed α_u (up) or α_l (down).
     fn adapt(&mut self) {
-        let d = self.snap.dispatch;
-        let elapsed = self.window_start.elapsed();
-        let window = Duration::from_millis(d.window_ms as u64);
-        if elapsed < window {
-            return;
-        }
-        self.window_start = Instant::now();
-        let secs = elapsed.as_secs_f64();
+        let now = Instant::now();
         for o in &mut self.owned {
+            let d = o.settings;
+            let elapsed = now.duration_since(o.window_start);
+            if elapsed < Duration::from_millis(d.window_ms as u64) {
+                continue;
+            }
+            o.window_start = now;
             let iface = &self.snap.ifaces[o.slot as usize];
             let count = iface.stats.in_frames.load(Relaxed) + iface.stats.out_frames.load(Relaxed);
-            let rate = (count - o.window_count) as f64 / secs;
+            let rate = (count - o.window_count) as f64 / elapsed.as_secs_f64();
             o.window_count = count;
-            if o.configured != Mode::Adaptive {
+            if d.mode != Mode::Adaptive {
                 continue;
             }
             let switch = if o.polled { rate < d.alpha_lower as f64 } else { rate > d.alpha_upper as f64 };
