@@ -79,9 +79,9 @@ def test_control_over_tcp_and_unix_socket(lab):
     assert via_unix == via_tcp and "198.18.0.2" in via_tcp
     # The Unix socket is for its owner only.
     assert oct(d.sock.stat().st_mode & 0o777) == "0o600"
-    # A non-loopback control address is refused at start.
+    # A non-loopback control address without authentication is refused at start.
     line = start_fails(lab, h, "--control-tcp", "198.18.0.1:9001", "--udp-port", "9300")
-    assert "not a loopback address" in line
+    assert "not a loopback address" in line and "--control-token-file" in line
 
 
 def test_raw_protocol_begin_commit_abort(lab):
@@ -117,3 +117,43 @@ def test_vnetctl_exit_codes(lab):
     assert d.ctl("LINK", "DEL", "9", check=False).returncode == 1
     p = run([VNETCTL, "--socket", lab.tmp / "nobody-here.sock", "SHOW"], check=False)
     assert p.returncode == 2 and "cannot connect" in p.stderr
+
+
+def test_remote_control_needs_the_token(lab):
+    h1, h2 = lab.add_host(1), lab.add_host(2)
+    token = lab.tmp / "token"
+    token.write_text("s3cret-token-0123456789\n")
+    token.chmod(0o644)
+    line = start_fails(lab, h1, "--control-tcp", "198.18.0.1:9101", "--control-token-file", token)
+    assert "readable by others" in line
+    token.chmod(0o600)
+    lab.start_vnetd(h1, CONFIG, "--control-tcp", "198.18.0.1:9101", "--control-token-file", token)
+    # From another host, with the token: works.
+    ok = lab.x(h2, VNETCTL, "--tcp", "198.18.0.1:9101", "--token-file", token, "LINK", "LIST")
+    assert "198.18.0.2" in ok.stdout
+    # Without it, or with a wrong one: refused, and nothing changes.
+    bad = lab.tmp / "bad"
+    bad.write_text("not-the-token-at-all-000\n")
+    for extra in ([], ["--token-file", bad]):
+        r = lab.x(h2, VNETCTL, "--tcp", "198.18.0.1:9101", *extra, "LINK", "ADD", "198.18.0.9", check=False)
+        assert r.returncode == 1 and "authentication required" in r.stderr, r.stderr
+    assert "198.18.0.9" not in lab.x(h2, VNETCTL, "--tcp", "198.18.0.1:9101", "--token-file", token,
+                                     "LINK", "LIST").stdout
+
+
+def test_control_requests_are_rate_bounded(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(d.sock))
+    f = s.makefile("rw")
+    start = time.time()
+    n = 2500
+    f.write("route list\n" * n)
+    f.flush()
+    for _ in range(n):
+        assert f.readline().startswith("OK ")
+        f.readline()
+    elapsed = time.time() - start
+    assert elapsed >= 2.0, f"{n} requests took {elapsed:.2f}s: not bounded to 1000/s"
+    s.close()

@@ -23,6 +23,9 @@ struct Args {
     /// vnetd's control TCP address (instead of the Unix socket).
     #[arg(short, long, env = "VNETD_TCP")]
     tcp: Option<String>,
+    /// A file holding vnetd's control token (for --tcp).
+    #[arg(long, env = "VNETD_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
     /// Send this file ("-" for standard input) as one all-or-nothing request.
     #[arg(short, long, conflicts_with = "command")]
     file: Option<PathBuf>,
@@ -58,13 +61,24 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let mut request = request;
+    if let Some(p) = &args.token_file {
+        match std::fs::read_to_string(p) {
+            Ok(t) => request = format!("AUTH {}\n{request}", t.trim()),
+            Err(e) => {
+                eprintln!("vnetctl: cannot read {}: {e}", p.display());
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let authenticating = args.token_file.is_some();
     let result = match &args.tcp {
         Some(addr) => TcpStream::connect(addr)
             .map_err(|e| format!("cannot connect to vnetd at {addr}: {e}"))
-            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request)),
+            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, authenticating)),
         None => UnixStream::connect(&args.socket)
             .map_err(|e| format!("cannot connect to vnetd at {}: {e}", args.socket.display()))
-            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request)),
+            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, authenticating)),
     };
     match result {
         Ok(Ok(lines)) => {
@@ -85,11 +99,27 @@ fn main() -> ExitCode {
     }
 }
 
-/// Sends the request and reads its one reply: `OK n` + n lines, or `ERR msg`.
-fn exchange<R: Read, W: Write>(r: R, mut w: W, request: &str) -> Result<Result<Vec<String>, String>, String> {
+/// Sends the request and reads its one reply: `OK n` + n lines, or `ERR msg`
+/// (after the reply to `AUTH` when `authenticating`).
+fn exchange<R: Read, W: Write>(
+    r: R,
+    mut w: W,
+    request: &str,
+    authenticating: bool,
+) -> Result<Result<Vec<String>, String>, String> {
     w.write_all(request.as_bytes()).map_err(|e| format!("send failed: {e}"))?;
     w.flush().map_err(|e| format!("send failed: {e}"))?;
     let mut r = BufReader::new(r);
+    if authenticating {
+        match read_reply(&mut r)? {
+            Ok(_) => {}
+            Err(e) => return Ok(Err(e)),
+        }
+    }
+    read_reply(&mut r)
+}
+
+fn read_reply<R: BufRead>(r: &mut R) -> Result<Result<Vec<String>, String>, String> {
     let mut status = String::new();
     if r.read_line(&mut status).map_err(|e| format!("receive failed: {e}"))? == 0 {
         return Err("vnetd closed the connection without replying".into());

@@ -37,9 +37,14 @@ struct Args {
     /// Local UDP port of VXLAN links (bound when the first one is added).
     #[arg(long, default_value_t = vnet_core::command::VXLAN_PORT)]
     vxlan_port: u16,
-    /// Control TCP address, or "none". Only loopback addresses are allowed.
+    /// Control TCP address, or "none". Any address but loopback needs
+    /// --control-token-file.
     #[arg(long, default_value = "127.0.0.1:9001")]
     control_tcp: String,
+    /// A file (mode 600) holding the shared token TCP control sessions must
+    /// give first (`AUTH <token>`).
+    #[arg(long)]
+    control_token_file: Option<PathBuf>,
     /// Control Unix socket path, or "none".
     #[arg(long, default_value = "/run/vnetd.sock")]
     control_unix: String,
@@ -77,13 +82,14 @@ fn run(args: Args) -> Result<()> {
         "none" => None,
         s => {
             let a: SocketAddr = s.parse().with_context(|| format!("--control-tcp '{s}' is not ADDR:PORT"))?;
-            if !a.ip().is_loopback() {
-                bail!("--control-tcp {a} is not a loopback address; the control port has no authentication, so it only listens on loopback");
+            if !a.ip().is_loopback() && args.control_token_file.is_none() {
+                bail!("--control-tcp {a} is not a loopback address: give --control-token-file to require authentication");
             }
             Some(a)
         }
     };
     let control_unix = (args.control_unix != "none").then(|| PathBuf::from(&args.control_unix));
+    let token = args.control_token_file.as_deref().map(server::read_token).transpose()?;
     let config = match &args.config {
         Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?),
         None => None,
@@ -136,7 +142,7 @@ fn run(args: Args) -> Result<()> {
         }
     }
     if let Some(l) = tcp_listener {
-        server::spawn_tcp(ctl.clone(), l);
+        server::spawn_tcp(ctl.clone(), l, token);
     }
     if let (Some(l), Some(p)) = (unix_listener, &control_unix) {
         server::spawn_unix(ctl.clone(), l, p.clone());

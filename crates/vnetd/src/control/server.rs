@@ -8,6 +8,10 @@
 //! OK <n>            followed by n lines of output
 //! ERR <message>     one line; nothing was changed
 //! ```
+//!
+//! When vnetd has a control token, a TCP session's first line must be
+//! `AUTH <token>`; anything else, or a wrong token, ends the session. The
+//! Unix socket is guarded by its file permissions (owner only) instead.
 
 use super::Control;
 use anyhow::{Context, Result};
@@ -25,6 +29,8 @@ pub const MAX_LINE: usize = 4096;
 pub const MAX_REQUEST_LINES: usize = 100_000;
 /// Most control sessions at once; further connections are refused.
 pub const MAX_SESSIONS: usize = 64;
+/// Most requests one session may make per second; beyond, it is slowed down.
+pub const MAX_REQUESTS_PER_SEC: u32 = 1000;
 
 static SESSIONS: AtomicUsize = AtomicUsize::new(0);
 
@@ -51,14 +57,29 @@ pub fn bind_unix(path: &Path) -> Result<UnixListener> {
     Ok(l)
 }
 
-pub fn spawn_tcp(ctl: Arc<Control>, l: TcpListener) {
+/// Reads a control token from a file only its owner can read.
+pub fn read_token(path: &Path) -> Result<String> {
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read control token {}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        anyhow::bail!("control token {} is readable by others (chmod 600 it)", path.display());
+    }
+    let token = std::fs::read_to_string(path).with_context(|| format!("cannot read control token {}", path.display()))?;
+    let token = token.trim().to_string();
+    if token.len() < 16 || token.contains(char::is_whitespace) {
+        anyhow::bail!("control token {} must be at least 16 characters, without spaces", path.display());
+    }
+    Ok(token)
+}
+
+pub fn spawn_tcp(ctl: Arc<Control>, l: TcpListener, token: Option<String>) {
+    let token: Option<Arc<str>> = token.map(Into::into);
     std::thread::Builder::new()
         .name("control-tcp".into())
         .spawn(move || {
             for conn in l.incoming().flatten() {
                 let _ = conn.set_nodelay(true);
                 let Ok(w) = conn.try_clone() else { continue };
-                spawn_session(ctl.clone(), conn, w);
+                spawn_session(ctl.clone(), conn, w, token.clone());
             }
         })
         .expect("spawn control thread");
@@ -70,21 +91,26 @@ pub fn spawn_unix(ctl: Arc<Control>, l: UnixListener, path: PathBuf) {
         .spawn(move || {
             for conn in l.incoming().flatten() {
                 let Ok(w) = conn.try_clone() else { continue };
-                spawn_session(ctl.clone(), conn, w);
+                spawn_session(ctl.clone(), conn, w, None);
             }
             let _ = std::fs::remove_file(path);
         })
         .expect("spawn control thread");
 }
 
-fn spawn_session<R: Read + Send + 'static, W: Write + Send + 'static>(ctl: Arc<Control>, r: R, mut w: W) {
+fn spawn_session<R: Read + Send + 'static, W: Write + Send + 'static>(
+    ctl: Arc<Control>,
+    r: R,
+    mut w: W,
+    token: Option<Arc<str>>,
+) {
     if SESSIONS.fetch_add(1, Ordering::AcqRel) >= MAX_SESSIONS {
         SESSIONS.fetch_sub(1, Ordering::AcqRel);
         let _ = writeln!(w, "ERR too many control sessions (at most {MAX_SESSIONS})");
         return;
     }
     let spawned = std::thread::Builder::new().name("control-session".into()).spawn(move || {
-        serve(&ctl, BufReader::new(r), w);
+        serve(&ctl, BufReader::new(r), w, token.as_deref());
         SESSIONS.fetch_sub(1, Ordering::AcqRel);
     });
     if spawned.is_err() {
@@ -92,10 +118,33 @@ fn spawn_session<R: Read + Send + 'static, W: Write + Send + 'static>(ctl: Arc<C
     }
 }
 
-/// Serves one session until the peer closes it.
-pub fn serve<R: BufRead, W: Write>(ctl: &Control, mut r: R, mut w: W) {
+/// Compares two strings in time that depends only on their lengths.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Serves one session until the peer closes it. With a `token`, the first
+/// line must be `AUTH <token>`.
+pub fn serve<R: BufRead, W: Write>(ctl: &Control, mut r: R, mut w: W, token: Option<&str>) {
     let mut pending: Option<Vec<String>> = None;
     let mut line = Vec::new();
+    if let Some(token) = token {
+        let ok = (&mut r).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut line).is_ok()
+            && std::str::from_utf8(&line)
+                .ok()
+                .and_then(|l| l.trim_end().strip_prefix("AUTH "))
+                .is_some_and(|t| same_secret(t, token));
+        if !ok {
+            tracing::warn!("control session refused: bad or missing AUTH");
+            // Slow down guessing.
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let _ = writeln!(w, "ERR authentication required (first line: AUTH <token>)");
+            return;
+        }
+        let _ = writeln!(w, "OK 0");
+    }
+    let mut window = std::time::Instant::now();
+    let mut in_window = 0u32;
     loop {
         line.clear();
         match (&mut r).take(MAX_LINE as u64 + 1).read_until(b'\n', &mut line) {
@@ -140,6 +189,16 @@ pub fn serve<R: BufRead, W: Write>(ctl: &Control, mut r: R, mut w: W) {
             ("", None) => continue,
             (_, None) => ctl.execute(text),
         };
+        // Requests are rate-bounded: past the limit, a session waits.
+        in_window += 1;
+        if in_window > MAX_REQUESTS_PER_SEC {
+            let left = std::time::Duration::from_secs(1).saturating_sub(window.elapsed());
+            std::thread::sleep(left);
+        }
+        if window.elapsed() >= std::time::Duration::from_secs(1) {
+            window = std::time::Instant::now();
+            in_window = 0;
+        }
         let mut msg = String::new();
         match reply {
             Ok(lines) => {
