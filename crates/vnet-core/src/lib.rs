@@ -6,6 +6,7 @@
 //!   split horizon).
 //! - [`cache`]: the per-thread route cache in front of the table.
 //! - [`command`]: the control language.
+//! - [`wire`]: VXLAN headers, TCP-link framing, GRO runs.
 //! - [`offload`]: checksum completion and TCP segmentation for offloaded frames.
 
 pub mod cache;
@@ -14,6 +15,7 @@ pub mod mac;
 pub mod offload;
 pub mod rule;
 pub mod table;
+pub mod wire;
 
 pub use cache::RouteCache;
 pub use mac::Mac;

@@ -12,7 +12,6 @@
 use super::Datapath;
 use crate::link::tcp::MAX_TCP_FRAME;
 use crate::link::udp::{TxBatch, UdpEndpoint, MAX_GSO_SEGMENTS};
-use crate::link::vxlan;
 use crate::nic::{send_vnet, MAX_PARTS};
 use crate::stats::{Counters, Drop};
 use crate::topology::{LinkKind, Snapshot};
@@ -217,7 +216,7 @@ impl Forwarder {
                     }
                     LinkKind::Udp => (self.dp.udp_for(&remote), if remote.is_ipv4() { 0 } else { 1 }, None),
                     LinkKind::Vxlan { vni } => {
-                        (self.dp.vxlan_for(&remote), if remote.is_ipv4() { 2 } else { 3 }, Some(vxlan::header(*vni)))
+                        (self.dp.vxlan_for(&remote), if remote.is_ipv4() { 2 } else { 3 }, Some(vnet_core::wire::vxlan_header(*vni)))
                     }
                     LinkKind::Direct { .. } => unreachable!(),
                 };
@@ -281,7 +280,7 @@ impl Forwarder {
                 return;
             }
             LinkKind::Udp => (self.dp.udp_for(&remote), None),
-            LinkKind::Vxlan { vni } => (self.dp.vxlan_for(&remote), Some(vxlan::header(*vni))),
+            LinkKind::Vxlan { vni } => (self.dp.vxlan_for(&remote), Some(vnet_core::wire::vxlan_header(*vni))),
             LinkKind::Direct { .. } => return,
         };
         let Some(ep) = ep else {

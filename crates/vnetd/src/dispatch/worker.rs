@@ -17,7 +17,7 @@
 use super::forward::Forwarder;
 use super::Datapath;
 use crate::link::udp::{RxBatch, UdpEndpoint};
-use crate::link::vxlan;
+use vnet_core::wire::{gro_segments, parse_vxlan, VXLAN_HDR_LEN};
 use crate::stats::Drop;
 use crate::topology::{IfaceDispatch, LinkKind, Snapshot};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
@@ -304,14 +304,14 @@ impl Worker {
             };
             for m in 0..n {
                 let len = self.rx.lens[m];
-                let seg = if self.rx.seg[m] == 0 { len.max(1) } else { self.rx.seg[m] };
-                let count = len.div_ceil(seg).max(1);
+                let seg = self.rx.seg[m];
+                let count = gro_segments(len, seg).count();
                 frames += count;
                 let Some(from) = self.rx.from[m] else { continue };
                 let udp_link = if is_vxlan { None } else { snap.link_for_sender(from) };
                 if !is_vxlan && udp_link.is_none() {
-                    for _ in 0..count {
-                        dp.global.received(seg.min(len));
+                    for r in gro_segments(len, seg) {
+                        dp.global.received(r.len());
                         dp.drop_at(None, Drop::UnknownSender);
                     }
                     tracing::debug!(%from, "datagram from an address with no link dropped");
@@ -322,29 +322,25 @@ impl Worker {
                 }
                 let truncated = self.rx.truncated[m];
                 let buf = self.rx.buf_mut(m);
-                let mut at = 0;
-                while at < len {
-                    let end = (at + seg).min(len);
+                for r in gro_segments(len, seg) {
                     let (link, start) = if is_vxlan {
-                        match vxlan::parse(&buf[at..end]).and_then(|vni| snap.vxlan_link_for(from.ip(), vni)) {
-                            Some(l) => (l, at + vxlan::HDR_LEN),
+                        let vni = parse_vxlan(&buf[r.clone()]);
+                        match vni.and_then(|vni| snap.vxlan_link_for(from.ip(), vni)) {
+                            Some(l) => (l, r.start + VXLAN_HDR_LEN),
                             None => {
-                                dp.global.received(end - at);
-                                let why = if vxlan::parse(&buf[at..end]).is_some() { Drop::UnknownSender } else { Drop::Malformed };
-                                dp.drop_at(None, why);
-                                at = end;
+                                dp.global.received(r.len());
+                                dp.drop_at(None, if vni.is_some() { Drop::UnknownSender } else { Drop::Malformed });
                                 continue;
                             }
                         }
                     } else {
-                        (udp_link.unwrap(), at)
+                        (udp_link.unwrap(), r.start)
                     };
                     if truncated {
                         dp.drop_at(Some(&snap.links[link as usize].stats), Drop::Oversize);
                         break;
                     }
-                    self.fwd.from_link(snap, link, buf, start..end);
-                    at = end;
+                    self.fwd.from_link(snap, link, buf, start..r.end);
                 }
                 self.fwd.end_run(snap, buf);
             }

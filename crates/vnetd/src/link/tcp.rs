@@ -21,8 +21,7 @@ use std::time::{Duration, Instant};
 
 /// Frames waiting to be sent on one link, at most.
 pub const QUEUE_FRAMES: usize = 4096;
-/// Largest frame a TCP link carries (64 KiB MTU plus Ethernet and VLAN headers).
-pub const MAX_TCP_FRAME: usize = 65535 + 18;
+pub use vnet_core::wire::MAX_TCP_FRAME;
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
@@ -289,14 +288,13 @@ impl TcpLink {
             if r.read_exact(&mut len).is_err() {
                 break;
             }
-            let n = u32::from_be_bytes(len) as usize;
             let Some(l) = link.upgrade() else { break };
-            if !(14..=MAX_TCP_FRAME).contains(&n) {
+            let Some(n) = vnet_core::wire::tcp_frame_len(len) else {
                 // The stream is out of step: nothing after this can be trusted.
                 dp.drop_at(Some(&l.stats), Drop::Malformed);
-                tracing::warn!(remote = %self.remote, len = n, "bad frame length on TCP link; reconnecting");
+                tracing::warn!(remote = %self.remote, "bad frame length on TCP link; reconnecting");
                 break;
-            }
+            };
             if r.read_exact(&mut batch[at..at + n]).is_err() {
                 break;
             }
