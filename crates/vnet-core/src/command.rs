@@ -3,8 +3,8 @@
 //! and any error names its line, so nothing is applied from a bad request.
 //!
 //! ```text
-//! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
-//! INTERFACE DEL <tap-name | guest-MAC>
+//! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [netns <name> | qemu]
+//! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
 //! LINK ADD <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <bytes>]
 //! LINK ADD direct <device> [name <name>] [mtu <bytes>]
@@ -243,8 +243,11 @@ impl Setting {
 
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum Command {
-    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach },
-    IfaceDel(IfaceRef),
+    /// `netns`: create the TAP persistent, inside this named network
+    /// namespace (the guest's), so it survives vnetd restarts.
+    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach, netns: Option<String> },
+    /// `detach`: let go of the TAP but leave the device (for migration).
+    IfaceDel(IfaceRef, bool),
     IfaceList,
     /// `INTERFACE SET <ref> <key> <value|default>`: an interface's own mode
     /// or adaptive thresholds; `default` follows the global setting again.
@@ -268,7 +271,7 @@ impl Command {
         matches!(
             self,
             Command::IfaceAdd { .. }
-                | Command::IfaceDel(_)
+                | Command::IfaceDel(..)
                 | Command::IfaceSet(..)
                 | Command::Set(_)
                 | Command::LinkAdd { .. }
@@ -280,9 +283,10 @@ impl Command {
 }
 
 pub const HELP: &str = "\
-INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [qemu]
-                                                     create a TAP for a guest (qemu: for QEMU to open)
-INTERFACE DEL <tap-name | guest-MAC>
+INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [netns <name> | qemu]
+                                                     create a TAP for a guest (netns: persistent, in
+                                                     that namespace; qemu: for QEMU to open)
+INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
 LINK ADD <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <underlay-MTU>]
@@ -351,7 +355,11 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
     match first.to_ascii_lowercase().as_str() {
         "interface" | "iface" => match verb.as_deref() {
             Some("add") => parse_iface_add(args).map(Some),
-            Some("del") | Some("delete") => Ok(Some(Command::IfaceDel(parse_iface_ref(one_arg(args, "an interface name or MAC")?)?))),
+            Some("del") | Some("delete") => match args {
+                [r] => Ok(Some(Command::IfaceDel(parse_iface_ref(r)?, false))),
+                [r, d] if d.eq_ignore_ascii_case("detach") => Ok(Some(Command::IfaceDel(parse_iface_ref(r)?, true))),
+                _ => Err("INTERFACE DEL needs <tap-name | guest-MAC> [detach]".into()),
+            },
             Some("list") => no_args(Command::IfaceList),
             Some("set") => match args {
                 [r, k, v] => Ok(Some(Command::IfaceSet(parse_iface_ref(r)?, IfaceSetting::parse(k, v)?))),
@@ -446,6 +454,21 @@ pub fn check_ifname(name: &str) -> Result<(), String> {
     }
 }
 
+/// A named network namespace (as `ip netns` makes them, in /run/netns): a
+/// plain name, never a path.
+pub fn check_netns_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name != "."
+        && name != ".."
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("'{name}' is not a network namespace name (1-64 of A-Z a-z 0-9 _ . -)"))
+    }
+}
+
 fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     let [name, mac, rest @ ..] = args else {
         return Err("INTERFACE ADD needs <tap-name> <guest-MAC> [mtu <bytes>] [qemu]".into());
@@ -455,7 +478,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     if mac.is_multicast() {
         return Err(format!("guest MAC {mac} is a multicast address"));
     }
-    let (mut mtu, mut attach) = (None, Attach::Netns);
+    let (mut mtu, mut attach, mut netns) = (None, Attach::Netns, None);
     let mut rest = rest;
     while let Some((kw, r)) = rest.split_first() {
         match kw.to_ascii_lowercase().as_str() {
@@ -470,12 +493,21 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 continue;
             }
             "qemu" => attach = Attach::Qemu,
-            "netns" => attach = Attach::Netns,
-            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, qemu or netns)")),
+            "netns" => {
+                let Some((n, r2)) = r.split_first() else { return Err("netns needs a namespace name".into()) };
+                check_netns_name(n)?;
+                netns = Some(n.to_string());
+                rest = r2;
+                continue;
+            }
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name> or qemu)")),
         }
         rest = r;
     }
-    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach })
+    if netns.is_some() && attach == Attach::Qemu {
+        return Err("a qemu interface's TAP stays on the host: it takes no netns".into());
+    }
+    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns })
 }
 
 fn parse_link_add(args: &[&str]) -> Result<Command, String> {
@@ -561,14 +593,19 @@ mod tests {
     fn parses_every_command() {
         assert_eq!(
             one("interface add vg1 02:00:00:00:00:01 mtu 9000"),
-            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns }
+            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns, netns: None }
         );
         assert_eq!(
             one("interface add vm1 52:54:00:12:34:56 QEMU mtu 1500"),
-            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu }
+            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu, netns: None }
         );
-        assert_eq!(one("IFACE DEL vg1"), Command::IfaceDel(IfaceRef::Name("vg1".into())));
-        assert_eq!(one("iface del 02:00:00:00:00:01"), Command::IfaceDel(IfaceRef::Mac("02:00:00:00:00:01".parse().unwrap())));
+        assert_eq!(
+            one("interface add g1 02:00:00:00:00:01 netns guest-1"),
+            Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()) }
+        );
+        assert_eq!(one("interface del g1 detach"), Command::IfaceDel(IfaceRef::Name("g1".into()), true));
+        assert_eq!(one("IFACE DEL vg1"), Command::IfaceDel(IfaceRef::Name("vg1".into()), false));
+        assert_eq!(one("iface del 02:00:00:00:00:01"), Command::IfaceDel(IfaceRef::Mac("02:00:00:00:00:01".parse().unwrap()), false));
         assert_eq!(one("Interface List"), Command::IfaceList);
         assert_eq!(
             one("LINK ADD 10.0.0.2 9000 udp"),
@@ -670,6 +707,10 @@ mod tests {
             ("interface add vg1 02:00:00:00:00:01 mtu 67", "out of range"),
             ("interface add vg1 02:00:00:00:00:01 mtu", "needs a value"),
             ("interface add vg1 02:00:00:00:00:01 xen", "unexpected 'xen'"),
+            ("interface add vg1 02:00:00:00:00:01 netns ../etc", "not a network namespace name"),
+            ("interface add vg1 02:00:00:00:00:01 netns /run/x", "not a network namespace name"),
+            ("interface add vg1 02:00:00:00:00:01 netns g qemu", "takes no netns"),
+            ("interface del g1 now", "INTERFACE DEL needs"),
             ("route add any any", "too short"),
             ("route del", "needs a route index"),
             ("route del x", "not a route index"),

@@ -28,6 +28,8 @@ pub struct Interface {
     pub mac: Mac,
     pub mtu: u32,
     pub attach: Attach,
+    /// The guest's network namespace, when vnetd made the TAP there.
+    pub netns: Option<String>,
     pub nic: Nic,
     pub stats: Counters,
     /// The mode the dispatcher runs the interface in now (`Mode as u8`):
@@ -217,6 +219,9 @@ pub struct Topology {
     pub ifaces: BTreeMap<u32, Arc<Interface>>,
     pub links: BTreeMap<u32, Arc<Link>>,
     pub routes: BTreeMap<u32, Arc<Route>>,
+    /// Interfaces the request being applied deleted, and whether only
+    /// detached (their TAPs' fate is settled when it commits).
+    pub deleted: Vec<(Arc<Interface>, bool)>,
     next_iface: u32,
     next_link: u32,
     next_route: u32,
@@ -264,7 +269,7 @@ impl Topology {
                 self.check_thresholds()?;
                 Ok(format!("interface {idx} {name} {shown}"))
             }
-            Command::IfaceAdd { name, mac, mtu, attach } => {
+            Command::IfaceAdd { name, mac, mtu, attach, netns } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
                     return Err(format!("interface {name} exists (index {})", i.idx));
                 }
@@ -273,13 +278,14 @@ impl Topology {
                 }
                 // A QEMU TAP may be left from an earlier vnetd and is taken over.
                 let reusable = *attach == Attach::Qemu && tap::is_tap(name);
-                if tap::device_exists(name) && !reusable {
+                if netns.is_none() && tap::device_exists(name) && !reusable {
                     return Err(format!("a device named {name} already exists on this host"));
                 }
                 let mtu = mtu.unwrap_or(settings.default_mtu);
-                let nic = match attach {
-                    Attach::Netns => Tap::create(name, mtu, *mac).map(Nic::Tap),
-                    Attach::Qemu => Nic::qemu(name, mtu),
+                let nic = match (attach, netns) {
+                    (Attach::Netns, None) => Tap::create(name, mtu, *mac).map(Nic::Tap),
+                    (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, *mac, ns).map(|(t, _)| Nic::Tap(t)),
+                    (Attach::Qemu, _) => Nic::qemu(name, mtu),
                 }
                 .map_err(|e| format!("{e:#}"))?;
                 let idx = self.next_iface;
@@ -293,6 +299,7 @@ impl Topology {
                         mac: *mac,
                         mtu,
                         attach,
+                        netns: netns.clone(),
                         nic,
                         stats: Counters::default(),
                         running_mode: AtomicU8::new(Mode::GuestDriven as u8),
@@ -301,7 +308,7 @@ impl Topology {
                 );
                 Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{}", if attach == Attach::Qemu { " qemu" } else { "" }))
             }
-            Command::IfaceDel(r) => {
+            Command::IfaceDel(r, detach) => {
                 let iface = self.find_iface(r)?;
                 let users = self.routes_using(|s| {
                     s.dst == DstSpec::Interface(iface.mac) || s.src == SrcSpec::Interface(Some(iface.mac))
@@ -310,9 +317,10 @@ impl Topology {
                     return Err(format!("interface {} is used by routes {} (delete them first)", iface.name, users));
                 }
                 let (idx, name) = (iface.idx, iface.name.clone());
-                self.ifaces.remove(&idx);
+                let iface = self.ifaces.remove(&idx).expect("found above");
                 self.iface_settings.remove(&idx);
-                Ok(format!("deleted interface {idx} {name}"))
+                self.deleted.push((iface, *detach));
+                Ok(format!("{} interface {idx} {name}", if *detach { "detached" } else { "deleted" }))
             }
             Command::LinkAdd { ip, port, proto, name, mtu } => self.add_link(*ip, *port, proto, name.clone(), *mtu, settings, env),
             Command::LinkDel(r) => {

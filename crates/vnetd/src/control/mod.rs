@@ -7,6 +7,7 @@ pub mod server;
 
 use crate::dispatch::Datapath;
 use crate::stats::Drop;
+use crate::nic::Nic;
 use crate::topology::{LinkKind, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
@@ -47,6 +48,20 @@ impl Control {
         if changed {
             *generation += 1;
             self.dp.publish(work.snapshot(*generation));
+            // Persistent TAPs: those in force stay when vnetd exits; deleted
+            // ones go (unless detached).
+            for i in work.ifaces.values() {
+                if let Nic::Tap(t) = &i.nic {
+                    t.keep();
+                }
+            }
+            for (i, detach) in work.deleted.drain(..) {
+                if let Nic::Tap(t) = &i.nic {
+                    if !detach {
+                        t.remove_on_close();
+                    }
+                }
+            }
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
                 if let LinkKind::Tcp(t) = &l.kind {
@@ -144,7 +159,8 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
             Attach::Netns => "netns",
             Attach::Qemu => "qemu",
         };
-        out.push(format!("interface {} name={} mac={} mtu={} attach={attach} {own}", i.idx, i.name, i.mac, i.mtu));
+        let netns = i.netns.as_ref().map_or(String::new(), |n| format!(" netns={n}"));
+        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns} {own}", i.idx, i.name, i.mac, i.mtu));
     }
 }
 

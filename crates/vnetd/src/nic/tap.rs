@@ -7,6 +7,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use vnet_core::Mac;
 
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
@@ -56,6 +57,11 @@ fn ifname_bytes(name: &str) -> [u8; libc::IFNAMSIZ] {
 /// ones.
 pub struct Tap {
     file: File,
+    /// Made with TUNSETPERSIST: the device outlives this descriptor.
+    persistent: bool,
+    /// Remove a persistent device when this descriptor closes (its interface
+    /// was deleted, or the request that made it failed).
+    remove_on_close: AtomicBool,
 }
 
 impl Tap {
@@ -63,6 +69,59 @@ impl Tap {
     /// virtio-net headers and offloads.
     pub fn create(name: &str, mtu: u32, mac: Mac) -> Result<Tap> {
         let tap = Tap::open(name, IFF_VNET_HDR)?;
+        tap.enable_offloads(name)?;
+        configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
+        Ok(tap)
+    }
+
+    /// Creates the TAP `name` inside the named network namespace `netns`
+    /// (/run/netns/<netns>), persistent, so that it outlives vnetd: a vnetd
+    /// started again attaches to it as it is, and the guest sees no change.
+    /// Returns the TAP and whether it already existed.
+    pub fn create_in_netns(name: &str, mtu: u32, mac: Mac, netns: &str) -> Result<(Tap, bool)> {
+        let path = format!("/run/netns/{netns}");
+        let ns = File::open(&path).map_err(|e| anyhow::anyhow!("no network namespace {netns} ({path}: {e})"))?;
+        // setns changes only the calling thread: do it in one of our own.
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| -> Result<(Tap, bool)> {
+                    // SAFETY: setns on a namespace file we opened.
+                    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
+                        bail!("cannot enter network namespace {netns}: {}", io::Error::last_os_error());
+                    }
+                    let existed = device_exists(name);
+                    let mut tap = Tap::open(name, IFF_VNET_HDR)?;
+                    tap.enable_offloads(name)?;
+                    if !existed {
+                        // SAFETY: TUNSETPERSIST takes an int argument.
+                        if unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETPERSIST, 1 as libc::c_ulong) } < 0 {
+                            bail!("cannot make TAP {name} persistent: {}", io::Error::last_os_error());
+                        }
+                        tap.persistent = true;
+                        // Until its request commits, a new TAP goes if it fails.
+                        tap.remove_on_close.store(true, Relaxed);
+                        configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
+                    }
+                    tap.persistent = true;
+                    Ok((tap, existed))
+                })
+                .join()
+                .map_err(|_| anyhow::anyhow!("TAP creation thread panicked"))?
+        })
+    }
+
+    /// Keep a persistent device when this descriptor closes.
+    pub fn keep(&self) {
+        self.remove_on_close.store(false, Relaxed);
+    }
+
+    /// Remove a persistent device when this descriptor closes.
+    pub fn remove_on_close(&self) {
+        self.remove_on_close.store(true, Relaxed);
+    }
+
+    fn enable_offloads(&self, name: &str) -> Result<()> {
+        let tap = self;
         let offloads = TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN;
         // SAFETY: TUNSETOFFLOAD takes an unsigned int argument.
         if unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETOFFLOAD, offloads) } < 0 {
@@ -71,8 +130,7 @@ impl Tap {
         if let Err(e) = set_gso_max_size(name, GUEST_GSO_MAX_SIZE) {
             tracing::debug!("cannot set gso_max_size on TAP {name}: {e}");
         }
-        configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
-        Ok(tap)
+        Ok(())
     }
 
     /// Creates (or, when it exists, takes over) a persistent TAP for another
@@ -120,7 +178,7 @@ impl Tap {
             };
             bail!("cannot create TAP {name}: {e}{hint}");
         }
-        Ok(Tap { file })
+        Ok(Tap { file, persistent: false, remove_on_close: AtomicBool::new(false) })
     }
 
     /// Reads one frame with its virtio-net header; `WouldBlock` when none is
@@ -136,6 +194,16 @@ impl Tap {
         }
     }
 
+}
+
+impl Drop for Tap {
+    fn drop(&mut self) {
+        if self.persistent && self.remove_on_close.load(Relaxed) {
+            // SAFETY: TUNSETPERSIST takes an int argument; the device goes
+            // when the descriptor closes right after.
+            unsafe { libc::ioctl(self.file.as_raw_fd(), TUNSETPERSIST, 0 as libc::c_ulong) };
+        }
+    }
 }
 
 impl AsRawFd for Tap {
