@@ -147,6 +147,8 @@ pub struct DispatchCounters {
     /// Frames read per NIC read pass: sum and count, for the mean batch.
     pub rx_frames: AtomicU64,
     pub rx_passes: AtomicU64,
+    /// Extra copies made by fan-out (a frame to n destinations counts n-1).
+    pub fanout_copies: AtomicU64,
 }
 
 impl DispatchCounters {
@@ -154,7 +156,7 @@ impl DispatchCounters {
         let v = |a: &AtomicU64| a.load(Relaxed);
         let passes = v(&self.rx_passes).max(1);
         format!(
-            "busy_passes={} idle_passes={} yields={} sleeps={} wakeups={} tx_batches={} tx_batched={} rx_batch_mean={:.1}",
+            "busy_passes={} idle_passes={} yields={} sleeps={} wakeups={} tx_batches={} tx_batched={} rx_batch_mean={:.1} fanout_copies={}",
             v(&self.busy_passes),
             v(&self.idle_passes),
             v(&self.yields),
@@ -162,7 +164,8 @@ impl DispatchCounters {
             v(&self.wakeups),
             v(&self.tx_batches),
             v(&self.tx_batched),
-            v(&self.rx_frames) as f64 / passes as f64
+            v(&self.rx_frames) as f64 / passes as f64,
+            v(&self.fanout_copies)
         )
     }
 }

@@ -89,6 +89,9 @@ impl Forwarder {
         for h in &self.hits {
             snap.routes[h.rule as usize].stats.sent(frame.len());
         }
+        if self.hits.len() > 1 {
+            self.dp.dispatch.fanout_copies.fetch_add(self.hits.len() as u64 - 1, Relaxed);
+        }
         true
     }
 
