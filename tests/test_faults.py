@@ -110,6 +110,11 @@ def test_route_and_link_churn_under_traffic_loses_nothing(lab):
     g1, g2 = configure_guest(lab, netns[1], "g1", 1), configure_guest(lab, netns[2], "g2", 2)
     assert lab.reaches(g1, g2)
     recv, send = start_stream(lab, g1, g2, 6)
+    # And full-rate traffic the other way: 300 MB as fast as TCP goes.
+    xfer = REPO / "tests" / "tools" / "xfer.py"
+    full_recv = lab.popen(g1.ns, "python3", xfer, "recv", 5002, stdout=subprocess.PIPE, text=True)
+    assert full_recv.stdout.readline().strip() == "listening"
+    full_send = lab.popen(g2.ns, "python3", xfer, "send", g1.ip, 5002, 300_000_000, stdout=subprocess.PIPE, text=True)
     # 300 rounds of adding and deleting an unrelated link and route, over one
     # control session, while the stream runs: about 1200 topology changes.
     s = socket.socket(socket.AF_UNIX)
@@ -130,6 +135,8 @@ def test_route_and_link_churn_under_traffic_loses_nothing(lab):
     changes_per_s = rounds * 4 / (time.monotonic() - t0)
     s.close()
     gap_ms = finish_stream(recv, send)
+    sent = full_send.communicate(timeout=300)[0].split()
+    assert full_recv.communicate(timeout=60)[0].split() == sent and sent[0] == "300000000"
     for key in ("interface g1", "link 198.18.0.2", "global"):
         st = d[1].stats()[key]
         assert all(v == 0 for k, v in st.items() if k.startswith("drop_")), (key, st)
