@@ -440,33 +440,29 @@ fn parse_iface_ref(tok: &str) -> Result<IfaceRef, String> {
     Ok(IfaceRef::Name(tok.to_string()))
 }
 
-/// Linux interface names: 1 to 15 bytes, no '/', ':' or whitespace.
-pub fn check_ifname(name: &str) -> Result<(), String> {
+/// A plain name: 1 to `max` of `A-Za-z0-9_.-`, never `.` or `..` (so never
+/// a path).
+fn check_plain_name(name: &str, max: usize, what: &str) -> Result<(), String> {
     let ok = !name.is_empty()
-        && name.len() <= 15
+        && name.len() <= max
         && name != "."
         && name != ".."
         && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
     if ok {
         Ok(())
     } else {
-        Err(format!("'{name}' is not a device name (1-15 of A-Z a-z 0-9 _ . -)"))
+        Err(format!("'{name}' is not a {what} (1-{max} of A-Z a-z 0-9 _ . -)"))
     }
 }
 
-/// A named network namespace (as `ip netns` makes them, in /run/netns): a
-/// plain name, never a path.
+/// Linux interface names: 1 to 15 bytes.
+pub fn check_ifname(name: &str) -> Result<(), String> {
+    check_plain_name(name, 15, "device name")
+}
+
+/// A named network namespace (as `ip netns` makes them, in /run/netns).
 pub fn check_netns_name(name: &str) -> Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name != "."
-        && name != ".."
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("'{name}' is not a network namespace name (1-64 of A-Z a-z 0-9 _ . -)"))
-    }
+    check_plain_name(name, 64, "network namespace name")
 }
 
 fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
