@@ -106,7 +106,7 @@ impl TcpLink {
         if let Some(c) = s.conn.take() {
             let _ = c.stream.shutdown(Shutdown::Both);
         }
-        s.queue.clear();
+        // The manager counts what is still queued as it exits.
         self.wake.notify_all();
     }
 
@@ -162,7 +162,17 @@ impl TcpLink {
     }
 
     /// The manager: keeps a connection up and writes queued frames to it.
+    /// When the link is deleted, the frames it still held are counted as
+    /// dropped (`down`, in the global counters: the link's go with it).
     fn manage(self: Arc<TcpLink>, dp: Arc<Datapath>, link: Weak<Link>) {
+        self.manage_until_stopped(&dp, link);
+        let left = std::mem::take(&mut self.shared.lock().unwrap().queue);
+        for _ in &left {
+            dp.drop_at(None, Drop::Down);
+        }
+    }
+
+    fn manage_until_stopped(self: &Arc<TcpLink>, dp: &Arc<Datapath>, link: Weak<Link>) {
         let mut backoff = BACKOFF_MIN;
         let mut next_attempt = Instant::now();
         let mut reader_for = 0u64;
