@@ -57,7 +57,7 @@ def main():
             (4, 2, ["-u", "-b", "200M", "-l", "1400"]),  # full-size UDP
             (2, 4, ["-u", "-b", "20M", "-l", "64"]),     # small UDP
         ], start=5201):
-            procs.append(lab.popen(g[dst].ns, "iperf3", "-s", "-p", port, stdout=subprocess.DEVNULL))
+            procs.append(lab.popen(g[dst].ns, "iperf3", "-s", "-1", "-p", port, stdout=subprocess.DEVNULL))
             time.sleep(0.3)
             procs.append(lab.popen(g[src].ns, "iperf3", "-c", g[dst].ip, "-p", port, "-t", seconds, *extra,
                                    stdout=subprocess.DEVNULL))
