@@ -54,6 +54,9 @@ struct Conn {
 
 struct Shared {
     queue: VecDeque<Vec<u8>>,
+    /// Buffers of frames already sent, reused for the next ones, so that
+    /// queueing a frame does not allocate.
+    free: Vec<Vec<u8>>,
     conn: Option<Conn>,
     state: State,
     since: Instant,
@@ -76,6 +79,7 @@ impl TcpLink {
             local_ip: Mutex::new(None),
             shared: Mutex::new(Shared {
                 queue: VecDeque::new(),
+                free: Vec::new(),
                 conn: None,
                 state: State::Connecting,
                 since: Instant::now(),
@@ -121,7 +125,10 @@ impl TcpLink {
         if s.queue.len() >= QUEUE_FRAMES {
             return false;
         }
-        s.queue.push_back(frame.to_vec());
+        let mut buf = s.free.pop().unwrap_or_default();
+        buf.clear();
+        buf.extend_from_slice(frame);
+        s.queue.push_back(buf);
         drop(s);
         self.wake.notify_one();
         true
@@ -254,11 +261,18 @@ impl TcpLink {
             let Some((_, w)) = writer.as_mut() else { continue };
             let len = (frame.len() as u32).to_be_bytes();
             let ok = w.write_all(&len).and_then(|_| w.write_all(&frame)).is_ok();
+            let n = frame.len();
+            {
+                let mut s = self.shared.lock().unwrap();
+                if s.free.len() < 256 {
+                    s.free.push(frame);
+                }
+            }
             let stats = link.upgrade();
             if ok {
                 if let Some(l) = &stats {
-                    l.stats.sent(frame.len());
-                    dp.global.sent(frame.len());
+                    l.stats.sent(n);
+                    dp.global.sent(n);
                 }
             } else {
                 if let Some(l) = &stats {
