@@ -48,6 +48,10 @@ struct Args {
     /// Control Unix socket path, or "none".
     #[arg(long, default_value = "/run/vnetd.sock")]
     control_unix: String,
+    /// A host device that `LINK ADD direct <device>` may use (repeat, or
+    /// comma-separate). No other device can be bridged onto the overlay.
+    #[arg(long = "allow-direct", value_name = "DEVICE", value_delimiter = ',')]
+    allow_direct: Vec<String>,
     /// MTU of interfaces added without one.
     #[arg(long, default_value_t = 1500)]
     default_mtu: u32,
@@ -115,7 +119,14 @@ fn run(args: Args) -> Result<()> {
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
     let unix_listener = control_unix.as_deref().map(server::bind_unix).transpose()?;
 
-    let settings = Settings { default_link_port: args.udp_port, default_mtu: args.default_mtu };
+    for dev in &args.allow_direct {
+        vnet_core::command::check_ifname(dev).map_err(|e| anyhow::anyhow!("--allow-direct: {e}"))?;
+    }
+    let settings = Settings {
+        default_link_port: args.udp_port,
+        default_mtu: args.default_mtu,
+        direct_devices: args.allow_direct.clone(),
+    };
     if !(1..=64).contains(&args.dispatchers) {
         bail!("--dispatchers {} is out of range 1..64", args.dispatchers);
     }

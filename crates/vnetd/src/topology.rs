@@ -121,6 +121,9 @@ pub struct Settings {
     pub default_link_port: u16,
     /// MTU of an interface added without one.
     pub default_mtu: u32,
+    /// Host devices the administrator allowed direct links on
+    /// (`--allow-direct`); no other device can be named by `LINK ADD direct`.
+    pub direct_devices: Vec<String>,
 }
 
 /// The dispatcher's tunables (`SET ...`), with the papers' and the original
