@@ -13,17 +13,18 @@ use std::process::ExitCode;
 #[command(version, about = "Send control commands to vnetd", after_help = "\
 Examples:
   vnetctl ROUTE LIST
-  vnetctl --tcp 127.0.0.1:9001 LINK ADD 198.18.0.2
+  vnetctl --tcp 127.0.0.1:9001 --token-file /etc/vnet/token LINK ADD 198.18.0.2
   vnetctl -f changes.conf        # the whole file, all or nothing
   vnetctl HELP                   # the control language")]
 struct Args {
     /// vnetd's Unix control socket.
     #[arg(short, long, env = "VNETD_SOCKET", default_value = "/run/vnetd.sock")]
     socket: PathBuf,
-    /// vnetd's control TCP address (instead of the Unix socket).
-    #[arg(short, long, env = "VNETD_TCP")]
+    /// vnetd's control TCP address (instead of the Unix socket); needs
+    /// --token-file.
+    #[arg(short, long, env = "VNETD_TCP", requires = "token_file")]
     tcp: Option<String>,
-    /// A file holding vnetd's control token (for --tcp).
+    /// A file holding vnetd's control token (admin or read), for --tcp.
     #[arg(long, env = "VNETD_TOKEN_FILE")]
     token_file: Option<PathBuf>,
     /// Send this file ("-" for standard input) as one all-or-nothing request.
@@ -61,24 +62,32 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut request = request;
-    if let Some(p) = &args.token_file {
-        match std::fs::read_to_string(p) {
-            Ok(t) => request = format!("AUTH {}\n{request}", t.trim()),
-            Err(e) => {
-                eprintln!("vnetctl: cannot read {}: {e}", p.display());
-                return ExitCode::from(2);
-            }
-        }
-    }
-    let authenticating = args.token_file.is_some();
     let result = match &args.tcp {
-        Some(addr) => TcpStream::connect(addr)
-            .map_err(|e| format!("cannot connect to vnetd at {addr}: {e}"))
-            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, authenticating)),
+        Some(addr) => {
+            // vnetd's TCP control asks every session for a token first.
+            let p = args.token_file.as_ref().expect("clap requires --token-file with --tcp");
+            let token = match std::fs::read_to_string(p) {
+                Ok(t) => t.trim().to_string(),
+                Err(e) => {
+                    eprintln!("vnetctl: cannot read {}: {e}", p.display());
+                    return ExitCode::from(2);
+                }
+            };
+            let request = format!("AUTH {token}\n{request}");
+            TcpStream::connect(addr)
+                .map_err(|e| format!("cannot connect to vnetd at {addr}: {e}"))
+                .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, true))
+        }
         None => UnixStream::connect(&args.socket)
-            .map_err(|e| format!("cannot connect to vnetd at {}: {e}", args.socket.display()))
-            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, authenticating)),
+            .map_err(|e| {
+                let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    " (the control socket is for root, and for the group vnetd names with --control-group)"
+                } else {
+                    ""
+                };
+                format!("cannot connect to vnetd at {}: {e}{hint}", args.socket.display())
+            })
+            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, false)),
     };
     match result {
         Ok(Ok(lines)) => {
@@ -107,16 +116,21 @@ fn exchange<R: Read, W: Write>(
     request: &str,
     authenticating: bool,
 ) -> Result<Result<Vec<String>, String>, String> {
-    w.write_all(request.as_bytes()).map_err(|e| format!("send failed: {e}"))?;
-    w.flush().map_err(|e| format!("send failed: {e}"))?;
+    // vnetd may refuse a session (and close it) before reading a word of it:
+    // its one-line reason is then the answer, not the broken pipe.
+    let sent = w.write_all(request.as_bytes()).and_then(|_| w.flush());
     let mut r = BufReader::new(r);
+    let reply = |r: &mut BufReader<R>| match (read_reply(r), &sent) {
+        (Err(_), Err(e)) => Err(format!("send failed: {e}")),
+        (reply, _) => reply,
+    };
     if authenticating {
-        match read_reply(&mut r)? {
+        match reply(&mut r)? {
             Ok(_) => {}
             Err(e) => return Ok(Err(e)),
         }
     }
-    read_reply(&mut r)
+    reply(&mut r)
 }
 
 fn read_reply<R: BufRead>(r: &mut R) -> Result<Result<Vec<String>, String>, String> {
@@ -132,7 +146,8 @@ fn read_reply<R: BufRead>(r: &mut R) -> Result<Result<Vec<String>, String>, Stri
         .strip_prefix("OK ")
         .and_then(|n| n.parse().ok())
         .ok_or_else(|| format!("unexpected reply '{status}'"))?;
-    let mut lines = Vec::with_capacity(n);
+    // The count is the server's word: no allocation is sized by it.
+    let mut lines = Vec::with_capacity(n.min(1024));
     for _ in 0..n {
         let mut l = String::new();
         if r.read_line(&mut l).map_err(|e| format!("receive failed: {e}"))? == 0 {

@@ -12,6 +12,7 @@ mod topology;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use control::access::{Caller, Role, Tokens, UnixPolicy};
 use control::{server, Control};
 use dispatch::Datapath;
 use link::UdpEndpoint;
@@ -37,17 +38,31 @@ struct Args {
     /// Local UDP port of VXLAN links (bound when the first one is added).
     #[arg(long, default_value_t = vnet_core::command::VXLAN_PORT)]
     vxlan_port: u16,
-    /// Control TCP address, or "none". Any address but loopback needs
-    /// --control-token-file.
-    #[arg(long, default_value = "127.0.0.1:9001")]
+    /// Control over TCP on this ADDR:PORT (off by default). Every TCP
+    /// session must begin with `AUTH <token>`, on loopback too: give
+    /// --control-token-file and/or --control-read-token-file.
+    #[arg(long, default_value = "none", value_name = "ADDR:PORT")]
     control_tcp: String,
-    /// A file (mode 600) holding the shared token TCP control sessions must
-    /// give first (`AUTH <token>`).
-    #[arg(long)]
+    /// A file (mode 600) holding the token that TCP sessions give to change
+    /// vnetd (`AUTH <token>`; at least 16 characters).
+    #[arg(long, value_name = "FILE")]
     control_token_file: Option<PathBuf>,
-    /// Control Unix socket path, or "none".
+    /// A file (mode 600) holding the token that TCP sessions give to read
+    /// vnetd's state only (SHOW, STATS, LIST), e.g. for monitoring.
+    #[arg(long, value_name = "FILE")]
+    control_read_token_file: Option<PathBuf>,
+    /// Control Unix socket path, or "none". Only root (and vnetd's own user)
+    /// may use it, unless --control-group names a group.
     #[arg(long, default_value = "/run/vnetd.sock")]
     control_unix: String,
+    /// A group (name or gid) whose members may use the Unix socket too (it
+    /// is then mode 0660, that group's), with --control-group-role.
+    #[arg(long, value_name = "GROUP")]
+    control_group: Option<String>,
+    /// What --control-group's members may do: read (SHOW, STATS, LIST,
+    /// HELP) or admin (everything).
+    #[arg(long, default_value = "read", value_name = "read|admin")]
+    control_group_role: String,
     /// A host device that `LINK ADD direct <device>` may use (repeat, or
     /// comma-separate). No other device can be bridged onto the overlay.
     #[arg(long = "allow-direct", value_name = "DEVICE", value_delimiter = ',')]
@@ -84,16 +99,26 @@ fn run(args: Args) -> Result<()> {
     }
     let control_tcp = match args.control_tcp.as_str() {
         "none" => None,
-        s => {
-            let a: SocketAddr = s.parse().with_context(|| format!("--control-tcp '{s}' is not ADDR:PORT"))?;
-            if !a.ip().is_loopback() && args.control_token_file.is_none() {
-                bail!("--control-tcp {a} is not a loopback address: give --control-token-file to require authentication");
-            }
-            Some(a)
-        }
+        s => Some(s.parse::<SocketAddr>().with_context(|| format!("--control-tcp '{s}' is not ADDR:PORT"))?),
+    };
+    let admin_token = args.control_token_file.as_deref().map(server::read_token).transpose()?;
+    let read_token = args.control_read_token_file.as_deref().map(server::read_token).transpose()?;
+    let tokens = match (control_tcp, admin_token.is_some() || read_token.is_some()) {
+        (Some(a), false) => bail!(
+            "--control-tcp {a} needs --control-token-file and/or --control-read-token-file: \
+             every TCP control session must authenticate, on loopback too"
+        ),
+        (None, true) => bail!("--control-token-file and --control-read-token-file are for --control-tcp, which is not given"),
+        (None, false) => None,
+        (Some(_), true) => Some(Tokens::new(admin_token, read_token).map_err(|e| anyhow::anyhow!("control tokens: {e}"))?),
     };
     let control_unix = (args.control_unix != "none").then(|| PathBuf::from(&args.control_unix));
-    let token = args.control_token_file.as_deref().map(server::read_token).transpose()?;
+    let group_role = Role::parse(&args.control_group_role).map_err(|e| anyhow::anyhow!("--control-group-role: {e}"))?;
+    let control_group = args.control_group.as_deref().map(lookup_group).transpose()?;
+    let unix_policy = UnixPolicy {
+        daemon_uid: nix::unistd::geteuid().as_raw(),
+        group: control_group.map(|gid| (gid, group_role)),
+    };
     let config = match &args.config {
         Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?),
         None => None,
@@ -117,7 +142,7 @@ fn run(args: Args) -> Result<()> {
         }
     };
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
-    let unix_listener = control_unix.as_deref().map(server::bind_unix).transpose()?;
+    let unix_listener = control_unix.as_deref().map(|p| server::bind_unix(p, control_group)).transpose()?;
 
     for dev in &args.allow_direct {
         vnet_core::command::check_ifname(dev).map_err(|e| anyhow::anyhow!("--allow-direct: {e}"))?;
@@ -144,7 +169,7 @@ fn run(args: Args) -> Result<()> {
         }
     };
     if let (Some(text), Some(path)) = (&config, &args.config) {
-        match ctl.execute(text) {
+        match ctl.execute(text, &Caller::config(path)) {
             Ok(lines) => tracing::info!("config {}: {} changes applied", path.display(), lines.len()),
             Err(e) => {
                 cleanup(&dp);
@@ -152,17 +177,18 @@ fn run(args: Args) -> Result<()> {
             }
         }
     }
-    if let Some(l) = tcp_listener {
-        server::spawn_tcp(ctl.clone(), l, token);
+    if let (Some(l), Some(tokens)) = (tcp_listener, tokens) {
+        server::spawn_tcp(ctl.clone(), l, tokens);
     }
     if let (Some(l), Some(p)) = (unix_listener, &control_unix) {
-        server::spawn_unix(ctl.clone(), l, p.clone());
+        server::spawn_unix(ctl.clone(), l, p.clone(), unix_policy);
     }
     tracing::info!(
-        "vnetd ready: udp {}, control tcp {}, unix {}",
+        "vnetd ready: udp {}, control tcp {}, unix {}{}",
         dp.udp_addrs(),
         control_tcp.map_or("none".into(), |a| a.to_string()),
-        control_unix.as_ref().map_or("none".into(), |p| p.display().to_string())
+        control_unix.as_ref().map_or("none".into(), |p| p.display().to_string()),
+        control_group.map_or(String::new(), |g| format!(" (group {g}: {})", group_role.name()))
     );
 
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
@@ -185,4 +211,16 @@ fn run(args: Args) -> Result<()> {
         ctl.total_drops(stats::Drop::UnknownSender)
     );
     Ok(())
+}
+
+/// A group given by name or number, as its gid.
+fn lookup_group(g: &str) -> Result<u32> {
+    if let Ok(gid) = g.parse::<u32>() {
+        return Ok(gid);
+    }
+    match nix::unistd::Group::from_name(g) {
+        Ok(Some(group)) => Ok(group.gid.as_raw()),
+        Ok(None) => bail!("--control-group: no group named {g}"),
+        Err(e) => bail!("--control-group: cannot look up {g}: {e}"),
+    }
 }

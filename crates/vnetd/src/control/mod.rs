@@ -3,6 +3,7 @@
 //!
 //! Output lines are `kind key=value ...`, readable by people and by scripts.
 
+pub mod access;
 pub mod server;
 
 use crate::dispatch::Datapath;
@@ -10,6 +11,7 @@ use crate::stats::Drop;
 use crate::nic::Nic;
 use crate::topology::{LinkKind, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
+use access::{Caller, Role};
 use std::sync::{Arc, Mutex};
 use vnet_core::command::{parse_request, Attach, Command, Mode, StatsScope, HELP};
 
@@ -24,10 +26,22 @@ impl Control {
         Control { topo: Mutex::new((Topology::default(), 0)), dp, settings }
     }
 
-    /// Executes a request (one or more lines). On success returns the output
-    /// lines; on failure returns `line N: reason: text` and nothing changed.
-    pub fn execute(&self, request: &str) -> Result<Vec<String>, String> {
+    /// Executes a request (one or more lines) for `caller`. On success
+    /// returns the output lines; on failure returns `line N: reason: text`
+    /// and nothing changed. A request with any change in it needs the admin
+    /// role, and every applied change is logged with who made it.
+    pub fn execute(&self, request: &str, caller: &Caller) -> Result<Vec<String>, String> {
         let cmds = parse_request(request).map_err(|e| e.to_string())?;
+        let line_text = |line: usize| request.lines().nth(line - 1).unwrap_or("").trim();
+        if caller.role != Role::Admin {
+            if let Some((line, _)) = cmds.iter().find(|(_, c)| c.mutates()) {
+                tracing::warn!("control: {caller}: refused a change: {}", line_text(*line));
+                return Err(format!(
+                    "line {line}: permission denied: {caller} may only read (SHOW, STATS, LIST, HELP): {}",
+                    line_text(*line)
+                ));
+            }
+        }
         let mut guard = self.topo.lock().unwrap_or_else(|p| p.into_inner());
         let (current, generation) = &mut *guard;
         let mut work = current.clone();
@@ -35,10 +49,9 @@ impl Control {
         let mut changed = false;
         for (line, cmd) in &cmds {
             if cmd.mutates() {
-                let msg = work.apply(cmd, &self.settings, &self.dp).map_err(|reason| {
-                    let text = request.lines().nth(line - 1).unwrap_or("").trim();
-                    format!("line {line}: {reason}: {text}")
-                })?;
+                let msg = work
+                    .apply(cmd, &self.settings, &self.dp)
+                    .map_err(|reason| format!("line {line}: {reason}: {}", line_text(*line)))?;
                 out.push(msg);
                 changed = true;
             } else {
@@ -69,6 +82,7 @@ impl Control {
                 }
             }
             *current = work;
+            log_changes(caller, &cmds, line_text);
         }
         Ok(out)
     }
@@ -150,6 +164,18 @@ impl Control {
     pub fn total_drops(&self, why: Drop) -> u64 {
         self.dp.global.drops(why)
     }
+}
+
+/// Logs the changes a request applied, and who made them (the first few
+/// lines in full, then a count).
+fn log_changes<'a>(caller: &Caller, cmds: &[(usize, Command)], line_text: impl Fn(usize) -> &'a str) {
+    const SHOWN: usize = 10;
+    let changes: Vec<usize> = cmds.iter().filter(|(_, c)| c.mutates()).map(|(l, _)| *l).collect();
+    let mut text = changes.iter().take(SHOWN).map(|l| line_text(*l)).collect::<Vec<_>>().join("; ");
+    if changes.len() > SHOWN {
+        text.push_str(&format!("; and {} more", changes.len() - SHOWN));
+    }
+    tracing::info!("control: {caller} applied {} change(s): {text}", changes.len());
 }
 
 fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
