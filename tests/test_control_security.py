@@ -1,0 +1,306 @@
+"""Who may drive vnetd: the control plane is closed to other local users by
+default, read and change are separate roles, no client can shut root out,
+bad tokens are locked out, and every change is logged with who made it.
+
+The unprivileged user is uid/gid 65534 (nobody), run with setpriv; the
+control group is gid 4242, given to it with --groups (no /etc/group entry
+is needed: vnetd takes a numeric gid)."""
+
+import socket
+import textwrap
+import time
+
+import subprocess
+
+from netlab import VNETCTL, VNETD, Lab, run
+
+CONFIG = "INTERFACE ADD g1 02:00:00:00:00:01\nLINK ADD 198.18.0.2\nROUTE ADD any any edge 198.18.0.2 interface\n"
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--inh-caps=-all"]
+GID = 4242
+
+
+def as_nobody(lab: Lab, ns: str, *cmd, groups: bool = False, timeout=60):
+    """Runs cmd in namespace ns as uid 65534, with or without the control group."""
+    grp = [f"--groups={GID}"] if groups else ["--clear-groups"]
+    return lab.x(ns, *NOBODY, *grp, *cmd, check=False, timeout=timeout)
+
+
+def open_to_nobody(lab: Lab):
+    """Lets uid 65534 reach the lab's files (the control socket's directory, scripts)."""
+    lab.tmp.chmod(0o755)
+
+
+def links_of(d) -> str:
+    return d.ctl("LINK", "LIST").stdout
+
+
+def start_fails(lab, ns, *args):
+    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *args, check=False, timeout=10)
+    assert p.returncode == 1, p
+    lines = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def tcp_listening(lab, ns, port) -> bool:
+    out = lab.x(ns, "ss", "-Hltn", f"sport = :{port}").stdout
+    return str(port) in out
+
+
+def test_by_default_only_root_may_use_the_control_plane(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    open_to_nobody(lab)
+    before = links_of(d)
+    # No TCP control port unless asked for.
+    assert not tcp_listening(lab, h, 9001)
+    assert lab.x(h, "ss", "-Hltn").stdout.strip() == "", "vnetd listens on no TCP port by default"
+    # The socket is root's alone...
+    st = d.sock.stat()
+    assert oct(st.st_mode & 0o777) == "0o600" and st.st_uid == 0
+    r = as_nobody(lab, h, VNETCTL, "--socket", d.sock, "LINK", "ADD", "198.18.77.99")
+    assert r.returncode == 2 and "Permission denied" in r.stderr, r
+    # ...and the peer's credentials decide, whatever the file mode says.
+    d.sock.chmod(0o666)
+    for words in (["LINK", "ADD", "198.18.77.99"], ["SHOW"]):
+        r = as_nobody(lab, h, VNETCTL, "--socket", d.sock, *words)
+        assert r.returncode == 1, r
+        assert "permission denied: uid 65534 is not root" in r.stderr, r.stderr
+    # Nothing changed, and the refusal is in the log with the peer.
+    assert links_of(d) == before
+    assert "refused pid" in d.log_text() and "uid 65534 is not root" in d.log_text()
+    # Root still can, and its change is logged with who made it.
+    d.ctl("LINK", "ADD", "198.18.0.3")
+    assert "198.18.0.3" in links_of(d)
+    log = d.log_text()
+    assert "uid 0 pid" in log and "(role admin) applied 1 change(s): LINK ADD 198.18.0.3" in log, log
+
+
+def test_the_control_group_reads_and_changes_only_when_granted(lab):
+    h = lab.add_host(1)
+    open_to_nobody(lab)
+    d = lab.start_vnetd(h, CONFIG, "--control-group", str(GID))
+    st = d.sock.stat()
+    assert oct(st.st_mode & 0o777) == "0o660" and st.st_gid == GID
+    before = links_of(d)
+    # A member reads...
+    for words in (["SHOW"], ["STATS"], ["LINK", "LIST"], ["ROUTE", "LIST"], ["HELP"]):
+        r = as_nobody(lab, h, VNETCTL, "--socket", d.sock, *words, groups=True)
+        assert r.returncode == 0, (words, r)
+    assert "198.18.0.2" in as_nobody(lab, h, VNETCTL, "--socket", d.sock, "LINK", "LIST", groups=True).stdout
+    # ...but changes nothing, not even inside a request that also reads.
+    r = as_nobody(lab, h, VNETCTL, "--socket", d.sock, "LINK", "ADD", "198.18.0.7", groups=True)
+    assert r.returncode == 1 and "permission denied" in r.stderr and "may only read" in r.stderr, r
+    req = lab.tmp / "mixed.conf"
+    req.write_text("LINK LIST\nLINK ADD 198.18.0.7\nROUTE ADD any 02:00:00:00:00:07 edge 198.18.0.7 any\n")
+    req.chmod(0o644)
+    r = as_nobody(lab, h, VNETCTL, "--socket", d.sock, "--file", req, groups=True)
+    assert r.returncode == 1 and "line 2: permission denied" in r.stderr, r
+    # A non-member is refused by the file mode, and by its credentials too.
+    r = as_nobody(lab, h, VNETCTL, "--socket", d.sock, "SHOW")
+    assert r.returncode == 2 and "Permission denied" in r.stderr, r
+    assert links_of(d) == before
+    assert "refused a change: LINK ADD 198.18.0.7" in d.log_text()
+    d.stop()
+
+    # Granted the admin role, the same member may change the overlay.
+    d = lab.start_vnetd(h, CONFIG, "--control-group", str(GID), "--control-group-role", "admin")
+    r = as_nobody(lab, h, VNETCTL, "--socket", d.sock, "--file", req, groups=True)
+    assert r.returncode == 0, r
+    assert "198.18.0.7" in links_of(d)
+    assert "(unix) (role admin) applied 2 change(s): LINK ADD 198.18.0.7; ROUTE ADD" in d.log_text()
+    assert "uid 65534 pid" in d.log_text()
+
+
+def raw_tcp(ns_lab, ns, text: str, addr="127.0.0.1", port=9101, nobody=True, groups=False) -> str:
+    """Sends text over TCP from namespace ns and returns all vnetd answers until it closes."""
+    script = ns_lab.tmp / f"raw-{time.monotonic_ns()}.py"
+    script.write_text(textwrap.dedent(f"""
+        import socket, sys
+        s = socket.create_connection(({addr!r}, {port}), timeout=15)
+        s.sendall(sys.stdin.buffer.read())
+        out = b""
+        while True:
+            try:
+                b = s.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not b:
+                break
+            out += b
+        sys.stdout.write(out.decode())
+    """))
+    script.chmod(0o644)
+    prefix = NOBODY + ["--clear-groups"] if nobody else []
+    p = run(["ip", "netns", "exec", ns, *prefix, "python3", script], input=text, check=False, timeout=30)
+    assert p.returncode == 0, p
+    return p.stdout
+
+
+def tokens(lab):
+    admin, read = lab.tmp / "admin.token", lab.tmp / "read.token"
+    admin.write_text("admin-token-0123456789abcdef\n")
+    read.write_text("read-token-0123456789abcdef\n")
+    admin.chmod(0o600)
+    read.chmod(0o600)
+    return admin, read
+
+
+def test_tcp_control_always_needs_a_token_even_on_loopback(lab):
+    h = lab.add_host(1)
+    open_to_nobody(lab)
+    admin, read = tokens(lab)
+    line = start_fails(lab, h, "--control-tcp", "127.0.0.1:9101")
+    assert "--control-tcp 127.0.0.1:9101 needs --control-token-file" in line and "loopback too" in line
+    line = start_fails(lab, h, "--control-token-file", admin)
+    assert "--control-tcp" in line and "not given" in line
+    d = lab.start_vnetd(h, CONFIG, "--control-tcp", "127.0.0.1:9101",
+                        "--control-token-file", admin, "--control-read-token-file", read)
+    before = links_of(d)
+
+    # A web page's form POST (text/plain) from any local user: the first line
+    # is not AUTH, so the session ends there and the body is never run.
+    post = ("POST / HTTP/1.1\r\nHost: 127.0.0.1:9101\r\nContent-Type: text/plain\r\n"
+            "Content-Length: 31\r\n\r\nLINK ADD 127.0.0.9 name pwn #=x\n")
+    out = raw_tcp(lab, h, post)
+    assert out == "ERR authentication required (first line: AUTH <token>)\n", out
+    # Without AUTH, a plain command is refused the same way.
+    assert raw_tcp(lab, h, "LINK ADD 127.0.0.9\n").startswith("ERR authentication required")
+    # vnetctl will not even try TCP without a token.
+    r = as_nobody(lab, h, VNETCTL, "--tcp", "127.0.0.1:9101", "LINK", "LIST")
+    assert r.returncode == 2 and "--token-file" in r.stderr, r
+    assert links_of(d) == before
+
+    # The read token reads, and changes nothing.
+    ok = lab.x(h, VNETCTL, "--tcp", "127.0.0.1:9101", "--token-file", read, "LINK", "LIST")
+    assert "198.18.0.2" in ok.stdout
+    r = lab.x(h, VNETCTL, "--tcp", "127.0.0.1:9101", "--token-file", read, "LINK", "ADD", "198.18.0.8", check=False)
+    assert r.returncode == 1 and "permission denied" in r.stderr and "role read" in r.stderr, r
+    assert links_of(d) == before
+    # The admin token changes, and the log names the TCP peer.
+    lab.x(h, VNETCTL, "--tcp", "127.0.0.1:9101", "--token-file", admin, "LINK", "ADD", "198.18.0.8")
+    assert "198.18.0.8" in links_of(d)
+    log = d.log_text()
+    assert "(tcp) (role admin) applied 1 change(s): LINK ADD 198.18.0.8" in log and "127.0.0.1:" in log, log
+
+
+def test_bad_tokens_are_slowed_then_the_address_is_locked_out(lab):
+    h1, h2 = lab.add_host(1), lab.add_host(2)
+    admin, _ = tokens(lab)
+    d = lab.start_vnetd(h1, CONFIG, "--control-tcp", "0.0.0.0:9101", "--control-token-file", admin)
+    right = admin.read_text().strip()
+    for i in range(5):
+        t0 = time.monotonic()
+        out = raw_tcp(lab, h1, f"AUTH wrong-token-{i:02d}-0123456789\nLINK ADD 198.18.0.9\n", nobody=False)
+        took = time.monotonic() - t0
+        assert out == "ERR authentication required (first line: AUTH <token>): bad token\n", out
+        assert took >= 0.2, f"a bad token must be answered slowly, took {took:.3f}s"
+    # Locked out: even the right token is refused from that address now.
+    out = raw_tcp(lab, h1, f"AUTH {right}\nLINK LIST\n", nobody=False)
+    assert out.startswith("ERR locked out after too many bad tokens; try again in"), out
+    # Another address is not: h2 reaches the same port with the right token.
+    out = raw_tcp(lab, h2, f"AUTH {right}\nLINK LIST\n", addr="198.18.0.1", nobody=False)
+    assert out.startswith("OK 0\nOK 1\nlink 0"), out
+    assert "198.18.0.9" not in links_of(d)
+    log = d.log_text()
+    assert log.count("bad token from 127.0.0.1") == 5 and "locked out for 60s" in log, log
+
+
+HOLD = """
+import socket, sys, time
+path_or_port = sys.argv[1]
+n = int(sys.argv[2])
+socks = []
+for _ in range(n):
+    if path_or_port.isdigit():
+        s = socket.create_connection(("127.0.0.1", int(path_or_port)))
+    else:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path_or_port)
+    socks.append(s)
+time.sleep(1.0)
+refused = 0
+for s in socks:
+    s.setblocking(False)
+    try:
+        data = s.recv(4096)
+        if data.startswith(b"ERR too many"):
+            refused += 1
+    except BlockingIOError:
+        pass
+print(refused, flush=True)
+sys.stdin.read()   # hold the rest until told to let go
+"""
+
+
+def test_a_flood_of_idle_sessions_does_not_lock_root_out(lab):
+    h = lab.add_host(1)
+    open_to_nobody(lab)
+    admin, _ = tokens(lab)
+    d = lab.start_vnetd(h, CONFIG, "--control-group", str(GID),
+                        "--control-tcp", "127.0.0.1:9101", "--control-token-file", admin)
+    script = lab.tmp / "hold.py"
+    script.write_text(HOLD)
+    script.chmod(0o644)
+    holders = []
+    for target in (str(d.sock), "9101"):
+        p = lab.popen(h, *NOBODY, f"--groups={GID}", "python3", script, target, 100,
+                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holders.append(p)
+        refused = int(p.stdout.readline())
+        assert refused == 92, f"{target}: 100 sessions from one client, {refused} refused (want 92: 8 per client)"
+    # With 16 sessions held by the flood, root is still served at once, and may change things.
+    t0 = time.monotonic()
+    d.ctl("LINK", "ADD", "198.18.0.3")
+    assert time.monotonic() - t0 < 2
+    assert "198.18.0.3" in links_of(d)
+    # The flood's TCP sessions never authenticated: they are closed after 10 s.
+    time.sleep(11)
+    tcp_estab = lab.x(h, "ss", "-Htn", "state", "established", "sport = :9101").stdout.strip()
+    assert tcp_estab == "", f"unauthenticated TCP sessions still open after 11 s:\n{tcp_estab}"
+    assert "too many control sessions from this client" in d.log_text()
+    for p in holders:
+        p.stdin.close()
+        p.wait(timeout=10)
+
+
+def test_half_finished_requests_time_out_and_change_nothing(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    before = links_of(d)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(d.sock))
+    s.sendall(b"BEGIN\nLINK ADD 198.18.0.7\n")
+    s.settimeout(40)
+    t0 = time.monotonic()
+    out = s.recv(4096)
+    took = time.monotonic() - t0
+    assert out == b"ERR request not finished within 30 s; closing the session\n", out
+    assert 29 <= took <= 32, took
+    assert s.recv(4096) == b"", "the session is closed"
+    assert links_of(d) == before
+
+
+def test_request_size_bounds(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(d.sock))
+    f = s.makefile("rwb")
+    # 100 000 lines is the most one request may have...
+    f.write(b"BEGIN\n" + b"#\n" * 100_001 + b"COMMIT\n")
+    f.flush()
+    assert f.readline().startswith(b"ERR request longer than 100000 lines or 16777216 bytes; discarded")
+    # (the COMMIT that followed the discarded request has no BEGIN)
+    assert f.readline() == b"ERR COMMIT without BEGIN\n"
+    # ...and 16 MiB the most bytes.
+    line = b"# " + b"x" * 4000 + b"\n"
+    f.write(b"BEGIN\n" + line * (16 * 1024 * 1024 // len(line) + 1) + b"ABORT\n")
+    f.flush()
+    assert f.readline().startswith(b"ERR request longer than")
+    assert f.readline() == b"ERR ABORT without BEGIN\n"
+    # The session goes on.
+    f.write(b"LINK LIST\n")
+    f.flush()
+    assert f.readline() == b"OK 1\n"
+    s.close()
