@@ -103,9 +103,17 @@ pub fn csum_fold(mut sum: u64) -> u16 {
 
 /// Finishes a checksum the sender left partial (`F_NEEDS_CSUM`): the field at
 /// `start + offset` holds the pseudo-header sum; sum from `start` to the end
-/// and store the result there.
+/// and store the result there. The sum and its field must lie past the
+/// Ethernet header (and VLAN tag): a guest's offsets never rewrite the MACs
+/// or type the frame was routed by.
 pub fn complete_checksum(frame: &mut [u8], start: usize, offset: usize) -> Result<(), OffloadError> {
-    if start >= frame.len() || start + offset + 2 > frame.len() {
+    let l3 = match frame.get(12..14) {
+        Some([0x81, 0x00] | [0x88, 0xa8]) => 18,
+        Some(_) => 14,
+        None => return Err(OffloadError::Malformed),
+    };
+    let field_end = start.checked_add(offset).and_then(|x| x.checked_add(2));
+    if start < l3 || start >= frame.len() || field_end.is_none_or(|e| e > frame.len()) {
         return Err(OffloadError::Malformed);
     }
     let c = csum_fold(csum_add(0, &frame[start..]));
@@ -151,6 +159,10 @@ fn tcp_layout(frame: &[u8]) -> Result<TcpLayout, OffloadError> {
     }
     Ok(TcpLayout { l3, ipv4, l4, payload: l4 + thl })
 }
+
+/// Smallest `gso_size` accepted from a guest (IPv4's default MSS): a smaller
+/// one would make vnetd cut one 64 KiB super-frame into thousands of frames.
+pub const MIN_GSO_SIZE: usize = 536;
 
 /// How a TCP super-frame is cut: for segment `i`, headers `header(i)`
 /// (`hdr_len` bytes, with lengths, IDs, sequence numbers, flags and checksums
@@ -293,6 +305,21 @@ impl TcpCoalescer {
         }
         if t.ipv4 && (t.l4 - t.l3 != 20 || f[t.l3 + 6] & 0x3f != 0 || f[t.l3 + 7] != 0) {
             return false; // IP options or a fragment
+        }
+        // The frame must be exactly its IP packet: Ethernet padding (or a
+        // truncated packet) would otherwise enter the merged stream.
+        let ip_len = if t.ipv4 {
+            u16::from_be_bytes([f[t.l3 + 2], f[t.l3 + 3]]) as usize
+        } else {
+            40 + u16::from_be_bytes([f[t.l3 + 4], f[t.l3 + 5]]) as usize
+        };
+        if t.l3 + ip_len != f.len() {
+            return false;
+        }
+        // A merged frame reaches the guest as CHECKSUM_PARTIAL, which it does
+        // not verify: so verify every segment that goes into one here.
+        if csum_fold(csum_add(pseudo_header_sum(f, &t, f.len() - t.l4), &f[t.l4..])) != 0 {
+            return false;
         }
         let seq = u32::from_be_bytes(f[t.l4 + 4..t.l4 + 8].try_into().unwrap());
         match self.layout {
@@ -439,14 +466,22 @@ mod tests {
         tcp[12] = 5 << 4;
         tcp[13] = flags;
         f.extend_from_slice(payload);
+        set_checksums(&mut f);
+        f
+    }
+
+    /// Sets a TCP/IPv4 frame's IP and TCP checksums (the IP packet is the
+    /// frame's IP total length; anything after it is padding).
+    fn set_checksums(f: &mut [u8]) {
+        f[24..26].copy_from_slice(&[0, 0]);
+        f[50..52].copy_from_slice(&[0, 0]);
         let c = csum_fold(csum_add(0, &f[14..34]));
         f[24..26].copy_from_slice(&c.to_be_bytes());
-        let l4_len = f.len() - 34;
+        let end = 14 + u16::from_be_bytes([f[16], f[17]]) as usize;
         let mut s = csum_add(0, &f[26..34]);
-        s += 6 + l4_len as u64;
-        let c = csum_fold(csum_add(s, &f[34..]));
+        s += 6 + (end - 34) as u64;
+        let c = csum_fold(csum_add(s, &f[34..end]));
         f[50..52].copy_from_slice(&c.to_be_bytes());
-        f
     }
 
     fn valid(f: &[u8]) -> bool {
@@ -494,6 +529,16 @@ mod tests {
         complete_checksum(&mut partial, 34, 16).unwrap();
         assert_eq!(partial, good);
         assert_eq!(complete_checksum(&mut partial, 60, 16), Err(OffloadError::Malformed));
+        // Review M5: offsets inside the Ethernet header would rewrite the
+        // MACs after routing. Refused, and the frame is untouched.
+        for (start, offset) in [(0, 0), (0, 6), (6, 0), (12, 0), (13, 0), (34, 42), (34, usize::MAX - 40)] {
+            let mut f = good.clone();
+            assert_eq!(complete_checksum(&mut f, start, offset), Err(OffloadError::Malformed), "{start}+{offset}");
+            assert_eq!(f, good);
+        }
+        let mut tagged = good.clone();
+        tagged.splice(12..12, [0x81, 0x00, 0x00, 0x05]);
+        assert_eq!(complete_checksum(&mut tagged, 14, 0), Err(OffloadError::Malformed), "inside the VLAN tag");
     }
 
     #[test]
@@ -559,10 +604,13 @@ mod tests {
         let a = tcp4(&[1u8; 100], 0x10);
         let mut b = tcp4(&[2u8; 100], 0x10);
         b[38..42].copy_from_slice(&1100u32.to_be_bytes()); // follows a
+        set_checksums(&mut b);
         let mut gap = b.clone();
         gap[38..42].copy_from_slice(&9999u32.to_be_bytes());
+        set_checksums(&mut gap);
         let mut other = b.clone();
         other[34..36].copy_from_slice(&5002u16.to_be_bytes()); // another source port
+        set_checksums(&mut other);
         let syn = tcp4(&[], 0x02);
         let buf = [a.clone(), b.clone(), gap, other, syn].concat();
         let r = |i: usize| i * a.len()..(i + 1) * a.len();
@@ -575,6 +623,38 @@ mod tests {
         assert!(!c.offer(&buf, 4 * a.len()..buf.len()), "SYN");
         assert!(c.offer(&buf, r(0)));
         assert!(matches!(c.take(), Run::Single(x) if x == r(0)));
+    }
+
+    /// Review H3: a short segment padded to Ethernet's 60 bytes used to be
+    /// merged with its padding as payload, and the guest, told the checksum
+    /// was partial, never noticed.
+    #[test]
+    fn coalescer_merges_only_exact_packets_with_valid_checksums() {
+        let a = tcp4(&[1u8; 100], 0x10);
+        let mut b = tcp4(&[2u8; 3], 0x10);
+        b[38..42].copy_from_slice(&1100u32.to_be_bytes());
+        set_checksums(&mut b);
+        assert_eq!(b.len(), 57);
+        let mut padded = b.clone();
+        padded.extend_from_slice(&[0xee; 3]); // to the 60-byte minimum
+        let mut corrupt = b.clone();
+        corrupt[56] ^= 0x40; // one payload bit flipped on the way
+        let mut truncated = a.clone();
+        truncated.truncate(a.len() - 1);
+        for (what, frame, merges) in [("padded", &padded, false), ("corrupt", &corrupt, false), ("exact", &b, true)] {
+            let buf = [a.clone(), frame.clone()].concat();
+            let mut c = TcpCoalescer::default();
+            assert!(c.offer(&buf, 0..a.len()));
+            assert_eq!(c.offer(&buf, a.len()..buf.len()), merges, "{what}");
+            if merges {
+                let Run::Merged { header, payloads, .. } = c.take() else { panic!("not merged") };
+                let ip_len = u16::from_be_bytes([header[16], header[17]]) as usize;
+                let payload: usize = payloads.iter().map(|p| p.len()).sum();
+                assert_eq!((ip_len, payload), (143, 103), "IP length and payload count no padding");
+            }
+        }
+        let mut c = TcpCoalescer::default();
+        assert!(!c.offer(&truncated, 0..truncated.len()), "shorter than its IP length");
     }
 
     #[test]

@@ -261,6 +261,10 @@ impl Forwarder {
             return;
         };
         let gso_size = if vnet.is_gso() { vnet.gso_size as usize } else { usize::MAX };
+        if gso_size < offload::MIN_GSO_SIZE {
+            self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+            return;
+        }
         let mss = gso_size.min(link.max_frame.saturating_sub(hl)).max(8);
         if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
             self.dp.drop_at(Some(&link.stats), Drop::Malformed);
