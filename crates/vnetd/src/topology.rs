@@ -6,10 +6,12 @@
 //! command, each checked against the state the previous ones left; only when
 //! every command succeeded is the copy kept and a new snapshot published.
 //! Resources (TAPs) made by a failed request are dropped with the copy, so a
-//! bad request changes nothing.
+//! bad request changes nothing. Building the snapshot to publish is the
+//! request's commit point: only then are the fates of persistent TAPs
+//! settled (`Nic::in_force`, `Nic::deleted`).
 
 use crate::link::tcp::TcpLink;
-use crate::nic::{tap, Nic, PacketPort, Tap};
+use crate::nic::{rtnl, tap, Nic, PacketPort, Tap};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -279,10 +281,19 @@ impl Topology {
                 if let Some(i) = self.ifaces.values().find(|i| &i.mac == mac) {
                     return Err(format!("MAC {mac} is already interface {}", i.name));
                 }
-                // A QEMU TAP may be left from an earlier vnetd and is taken over.
-                let reusable = *attach == Attach::Qemu && tap::is_tap(name);
-                if netns.is_none() && tap::device_exists(name) && !reusable {
-                    return Err(format!("a device named {name} already exists on this host"));
+                if self.deleted.iter().any(|(i, detach)| &i.name == name && !detach) {
+                    // Its TAP goes when this request commits: it cannot also be taken over.
+                    return Err(format!("interface {name} is deleted by this request; add it again in another one"));
+                }
+                // A QEMU TAP or a netns TAP that vnetd made may be taken over
+                // (Tap::create_for_qemu, Tap::create_in_netns); a plain TAP is
+                // always new.
+                if *attach == Attach::Netns && netns.is_none() {
+                    match rtnl::device(name).map_err(|e| format!("cannot look up {name}: {e}"))? {
+                        Some(d) if d.is_vnetds() => return Err(format!("a device named {name} already exists on this host")),
+                        Some(_) => return Err(tap::not_vnetds(name)),
+                        None => {}
+                    }
                 }
                 let mtu = mtu.unwrap_or(settings.default_mtu);
                 let nic = match (attach, netns) {
@@ -506,8 +517,17 @@ impl Topology {
         }
     }
 
-    /// The datapath's view of this topology.
+    /// The datapath's view of this topology, to publish: the request that
+    /// made it commits. Persistent TAPs' fates are settled here: those of
+    /// interfaces in force stay with them, those of deleted interfaces go,
+    /// unless only detached.
     pub fn snapshot(&self, generation: u64) -> Snapshot {
+        for i in self.ifaces.values() {
+            i.nic.in_force();
+        }
+        for (i, detach) in &self.deleted {
+            i.nic.deleted(*detach);
+        }
         let ifaces: Vec<Arc<Interface>> = self.ifaces.values().cloned().collect();
         let links: Vec<Arc<Link>> = self.links.values().cloned().collect();
         let routes: Vec<Arc<Route>> = self.routes.values().cloned().collect();
@@ -627,3 +647,4 @@ impl Snapshot {
         }
     }
 }
+

@@ -5,8 +5,12 @@
 //!   guest's NIC (moved into a guest namespace or container).
 //! - `Nic::Qemu`: QEMU holds the file side (`-netdev tap,ifname=..`); vnetd
 //!   reads and writes the TAP device through a packet socket.
+//!
+//! Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
+//! only marked ones are taken over, un-persisted or deleted.
 
 pub mod packet;
+pub mod rtnl;
 pub mod tap;
 
 use anyhow::Result;
@@ -19,11 +23,11 @@ pub use packet::PacketPort;
 /// Most pieces one frame is sent in (a merged super-frame: its headers and
 /// up to `vnet_core::offload::MAX_RUN` payloads).
 pub const MAX_PARTS: usize = 64;
-pub use tap::Tap;
+pub use tap::{QemuTap, Tap};
 
 pub enum Nic {
     Tap(Tap),
-    Qemu { port: PacketPort, device: String },
+    Qemu { port: PacketPort, tap: QemuTap },
 }
 
 /// One received frame: `buf[start..end]`, and its offload metadata.
@@ -34,14 +38,33 @@ pub struct Received {
 }
 
 impl Nic {
+    /// A QEMU TAP: made (or, if vnetd made it earlier, taken over) and
+    /// read through a packet socket. If the socket cannot be bound, a TAP
+    /// made here goes again and one taken over stays.
     pub fn qemu(device: &str, mtu: u32) -> Result<Nic> {
-        Tap::create_for_qemu(device, mtu)?;
-        match PacketPort::bind(device) {
-            Ok(port) => Ok(Nic::Qemu { port, device: device.to_string() }),
-            Err(e) => {
-                let _ = tap::delete_device(device);
-                Err(e)
-            }
+        let tap = Tap::create_for_qemu(device, mtu)?;
+        let port = PacketPort::bind(device)?;
+        Ok(Nic::Qemu { port, tap })
+    }
+
+    /// The request that holds this NIC committed with it in force: a
+    /// persistent TAP stays when vnetd exits (a QEMU TAP goes with vnetd,
+    /// as it goes with its interface).
+    pub fn in_force(&self) {
+        match self {
+            Nic::Tap(t) => t.keep(),
+            Nic::Qemu { tap, .. } => tap.remove_on_drop(true),
+        }
+    }
+
+    /// The request that deleted this NIC's interface committed: its
+    /// persistent TAP goes with it, unless only detached (the device stays
+    /// for another vnetd, e.g. after a migration).
+    pub fn deleted(&self, detach: bool) {
+        match self {
+            Nic::Tap(t) if !detach => t.remove_on_close(),
+            Nic::Tap(_) => {}
+            Nic::Qemu { tap, .. } => tap.remove_on_drop(!detach),
         }
     }
 
@@ -89,17 +112,6 @@ impl AsRawFd for Nic {
         match self {
             Nic::Tap(t) => t.as_raw_fd(),
             Nic::Qemu { port, .. } => port.as_raw_fd(),
-        }
-    }
-}
-
-impl Drop for Nic {
-    /// A TAP made for QEMU is persistent: remove it with its interface.
-    fn drop(&mut self) {
-        if let Nic::Qemu { device, .. } = self {
-            if let Err(e) = tap::delete_device(device) {
-                tracing::warn!("cannot delete TAP {device}: {e}");
-            }
         }
     }
 }

@@ -1,11 +1,21 @@
 //! TAP devices through the raw `/dev/net/tun` ioctls (the interface is five
 //! ioctls; a crate would add more surface than it saves).
+//!
+//! vnetd runs as root, and control requests name devices and namespaces on
+//! the host, so what it may touch is confined here:
+//! - every persistent TAP vnetd makes (`netns` and `qemu` kinds) carries
+//!   vnetd's mark (its ifalias, see `rtnl`); an existing device is taken over
+//!   only if it is a TAP with that mark, and only marked devices are ever
+//!   un-persisted or deleted;
+//! - a new TAP is made with IFF_TUN_EXCL, so it never attaches to a device
+//!   that appeared in the meantime.
 
-use anyhow::{bail, Context, Result};
+use super::rtnl;
+use anyhow::{anyhow, bail, Context, Result};
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use vnet_core::Mac;
@@ -16,6 +26,8 @@ const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 const IFF_VNET_HDR: libc::c_short = 0x4000;
+/// TUNSETIFF fails (EBUSY) rather than attach to an existing device.
+const IFF_TUN_EXCL: libc::c_short = 0x8000u16 as libc::c_short;
 const TUN_F_CSUM: libc::c_ulong = 0x01;
 const TUN_F_TSO4: libc::c_ulong = 0x02;
 const TUN_F_TSO6: libc::c_ulong = 0x04;
@@ -67,20 +79,24 @@ pub struct Tap {
 impl Tap {
     /// Creates the TAP `name` with the given MTU and MAC, non-blocking, with
     /// virtio-net headers and offloads.
+    /// The device is new: an existing device of that name is refused.
     pub fn create(name: &str, mtu: u32, mac: Mac) -> Result<Tap> {
-        let tap = Tap::open(name, IFF_VNET_HDR)?;
+        let tap = Tap::open(name, IFF_VNET_HDR | IFF_TUN_EXCL)?;
         tap.enable_offloads(name)?;
         configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
         Ok(tap)
     }
 
     /// Creates the TAP `name` inside the named network namespace `netns`
-    /// (/run/netns/<netns>), persistent, so that it outlives vnetd: a vnetd
-    /// started again attaches to it as it is, and the guest sees no change.
+    /// (/run/netns/<netns>), persistent and marked as vnetd's, so that it
+    /// outlives vnetd: a vnetd started again (or another host's vnetd, after
+    /// a migration) attaches to it as it is, and the guest sees no change.
+    /// An existing device of that name is attached to only if it is a TAP
+    /// vnetd made; any other is refused and left alone.
     /// Returns the TAP and whether it already existed.
     pub fn create_in_netns(name: &str, mtu: u32, mac: Mac, netns: &str) -> Result<(Tap, bool)> {
         let path = format!("/run/netns/{netns}");
-        let ns = File::open(&path).map_err(|e| anyhow::anyhow!("no network namespace {netns} ({path}: {e})"))?;
+        let ns = File::open(&path).map_err(|e| anyhow!("no network namespace {netns} ({path}: {e})"))?;
         // setns changes only the calling thread: do it in one of our own.
         std::thread::scope(|scope| {
             scope
@@ -89,25 +105,40 @@ impl Tap {
                     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
                         bail!("cannot enter network namespace {netns}: {}", io::Error::last_os_error());
                     }
-                    let existed = device_exists(name);
-                    let mut tap = Tap::open(name, IFF_VNET_HDR)?;
-                    tap.enable_offloads(name)?;
-                    if !existed {
-                        // SAFETY: TUNSETPERSIST takes an int argument.
-                        if unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETPERSIST, 1 as libc::c_ulong) } < 0 {
-                            bail!("cannot make TAP {name} persistent: {}", io::Error::last_os_error());
+                    let existing = rtnl::device(name).with_context(|| format!("cannot look up {name} in {netns}"))?;
+                    if let Some(d) = existing {
+                        if !d.is_vnetds() {
+                            bail!("{} (in network namespace {netns})", not_vnetds(name));
                         }
+                        let mut tap = Tap::open(name, IFF_VNET_HDR)?;
+                        tap.enable_offloads(name)?;
                         tap.persistent = true;
-                        // Until its request commits, a new TAP goes if it fails.
-                        tap.remove_on_close.store(true, Relaxed);
-                        configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
+                        return Ok((tap, true));
                     }
-                    tap.persistent = true;
-                    Ok((tap, existed))
+                    let mut tap = Tap::open(name, IFF_VNET_HDR | IFF_TUN_EXCL)?;
+                    tap.make_persistent(name)?;
+                    tap.enable_offloads(name)?;
+                    configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
+                    Ok((tap, false))
                 })
                 .join()
-                .map_err(|_| anyhow::anyhow!("TAP creation thread panicked"))?
+                .map_err(|_| anyhow!("TAP creation thread panicked"))?
         })
+    }
+
+    /// Makes a TAP this descriptor just created persistent and marks it as
+    /// vnetd's. Until its request commits (`keep`), it goes when the
+    /// descriptor closes, as it does if marking fails.
+    fn make_persistent(&mut self, name: &str) -> Result<()> {
+        // SAFETY: TUNSETPERSIST takes an int argument.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), TUNSETPERSIST, 1 as libc::c_ulong) } < 0 {
+            bail!("cannot make TAP {name} persistent: {}", io::Error::last_os_error());
+        }
+        self.persistent = true;
+        self.remove_on_close.store(true, Relaxed);
+        ifindex(name)
+            .and_then(rtnl::set_mark)
+            .map_err(|e| anyhow!("cannot mark TAP {name} as vnetd's (ifalias {}): {e}", rtnl::MARK))
     }
 
     /// Keep a persistent device when this descriptor closes.
@@ -127,33 +158,37 @@ impl Tap {
         if unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETOFFLOAD, offloads) } < 0 {
             bail!("cannot enable offloads on TAP {name}: {}", io::Error::last_os_error());
         }
-        if let Err(e) = set_gso_max_size(name, GUEST_GSO_MAX_SIZE) {
+        if let Err(e) = ifindex(name).and_then(|i| rtnl::set_gso_max_size(i, GUEST_GSO_MAX_SIZE)) {
             tracing::debug!("cannot set gso_max_size on TAP {name}: {e}");
         }
         Ok(())
     }
 
-    /// Creates (or, when it exists, takes over) a persistent TAP for another
-    /// program — QEMU — to open by name, and leaves it up with the given MTU.
-    /// vnetd keeps no descriptor to it.
-    /// A persistent TAP left by an earlier vnetd (QEMU may be holding it) is
-    /// taken over as it is.
-    pub fn create_for_qemu(name: &str, mtu: u32) -> Result<()> {
-        if !is_tap(name) {
-            let tap = Tap::open(name, 0)?;
-            // SAFETY: TUNSETPERSIST takes an int argument.
-            if unsafe { libc::ioctl(tap.file.as_raw_fd(), TUNSETPERSIST, 1 as libc::c_ulong) } < 0 {
-                bail!("cannot make TAP {name} persistent: {}", io::Error::last_os_error());
+    /// Creates (or, when it exists and vnetd made it, takes over) a
+    /// persistent TAP for another program — QEMU — to open by name, and
+    /// leaves it up with the given MTU. vnetd keeps no descriptor to it.
+    /// A TAP left by an earlier vnetd (QEMU may be holding it) is taken over
+    /// as it is; any other device of that name is refused and left alone.
+    pub fn create_for_qemu(name: &str, mtu: u32) -> Result<QemuTap> {
+        let existing = rtnl::device(name).with_context(|| format!("cannot look up {name}"))?;
+        let (index, new) = match existing {
+            Some(d) if d.is_vnetds() => (d.index, None),
+            Some(_) => bail!(not_vnetds(name)),
+            None => {
+                let mut tap = Tap::open(name, IFF_TUN_EXCL)?;
+                tap.make_persistent(name)?;
+                (ifindex(name)?, Some(tap))
             }
-        }
+        };
         // The host must not talk on the guest's wire (IPv6 autoconf etc.).
         let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1");
-        let r = configure(name, mtu, None).and_then(|_| set_up(name));
-        if let Err(e) = r {
-            let _ = delete_device(name);
-            return Err(e.context(format!("cannot configure TAP {name}")));
+        // On failure a new TAP goes with its descriptor; one taken over stays.
+        configure(name, mtu, None).and_then(|_| set_up(name)).with_context(|| format!("cannot configure TAP {name}"))?;
+        if let Some(tap) = &new {
+            // Our descriptor closes on return; the device stays for QEMU.
+            tap.keep();
         }
-        Ok(())
+        Ok(QemuTap { name: name.to_string(), index, remove_on_drop: AtomicBool::new(new.is_some()) })
     }
 
     fn open(name: &str, extra_flags: libc::c_short) -> Result<Tap> {
@@ -171,6 +206,7 @@ impl Tap {
         if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, &mut req) } < 0 {
             let e = io::Error::last_os_error();
             let hint = match e.raw_os_error() {
+                Some(libc::EBUSY) if extra_flags & IFF_TUN_EXCL != 0 => " (a device of that name exists)",
                 Some(libc::EBUSY) => " (a device of that name exists and is in use)",
                 Some(libc::EINVAL) => " (a device of that name exists and is not a TAP)",
                 Some(libc::EPERM) => " (vnetd needs CAP_NET_ADMIN)",
@@ -278,90 +314,62 @@ fn set_up(name: &str) -> Result<()> {
     })
 }
 
-/// Deletes a network device by name (RTM_DELLINK), even one another program
-/// holds open.
-pub fn delete_device(name: &str) -> io::Result<()> {
-    rtnl_link(libc::RTM_DELLINK, name, None)
-}
-
 /// Largest TSO super-frame a guest hands over (`gso_max_size`): small enough
 /// that, cut for a link of MTU 1500 or more, its segments fit one UDP GSO
 /// call (at most 64 KiB of datagrams).
 pub const GUEST_GSO_MAX_SIZE: u32 = 60_000;
 
-/// Sets a device's `gso_max_size` (RTM_NEWLINK with IFLA_GSO_MAX_SIZE).
-pub fn set_gso_max_size(name: &str, size: u32) -> io::Result<()> {
-    const IFLA_GSO_MAX_SIZE: u16 = 41;
-    rtnl_link(libc::RTM_NEWLINK, name, Some((IFLA_GSO_MAX_SIZE, size)))
+/// A persistent TAP vnetd made for QEMU (or took over), which it holds no
+/// descriptor to. Dropping it deletes the device if `remove_on_drop` says so
+/// and the device with its index still is that TAP, carrying vnetd's mark.
+pub struct QemuTap {
+    name: String,
+    index: u32,
+    /// Set when vnetd made the device in this request (it goes if the
+    /// request fails); settled when a request commits: in force or deleted,
+    /// removed; detached, left.
+    remove_on_drop: AtomicBool,
 }
 
-/// One rtnetlink link request on the device `name`, with at most one u32
-/// attribute, waiting for the kernel's acknowledgement.
-fn rtnl_link(msg_type: u16, name: &str, attr: Option<(u16, u32)>) -> io::Result<()> {
-    let c = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: c is a valid C string.
-    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    if index == 0 {
-        return Err(io::Error::last_os_error());
+impl QemuTap {
+    /// Whether the device goes when this handle is dropped.
+    pub fn remove_on_drop(&self, remove: bool) {
+        self.remove_on_drop.store(remove, Relaxed);
     }
-    #[repr(C)]
-    struct Req {
-        nlh: libc::nlmsghdr,
-        ifi: IfInfoMsg,
-        rta_len: u16,
-        rta_type: u16,
-        value: u32,
-    }
-    #[repr(C)]
-    struct IfInfoMsg {
-        family: u8,
-        _pad: u8,
-        kind: u16,
-        index: i32,
-        flags: u32,
-        change: u32,
-    }
-    let len = if attr.is_some() { std::mem::size_of::<Req>() } else { std::mem::size_of::<Req>() - 8 };
-    let (rta_type, value) = attr.unwrap_or((0, 0));
-    let req = Req {
-        nlh: libc::nlmsghdr {
-            nlmsg_len: len as u32,
-            nlmsg_type: msg_type,
-            nlmsg_flags: (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16,
-            nlmsg_seq: 1,
-            nlmsg_pid: 0,
-        },
-        ifi: IfInfoMsg { family: libc::AF_UNSPEC as u8, _pad: 0, kind: 0, index: index as i32, flags: 0, change: 0 },
-        rta_len: 8,
-        rta_type,
-        value,
-    };
-    // SAFETY: plain socket(2), closed by OwnedFd.
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd was just opened and is owned here.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: req is a plain struct at least `len` bytes long.
-    let n = unsafe { libc::send(fd.as_raw_fd(), (&req as *const Req).cast(), len, 0) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut ack = [0u8; 256];
-    // SAFETY: ack is valid for writes of its length.
-    let n = unsafe { libc::recv(fd.as_raw_fd(), ack.as_mut_ptr().cast(), ack.len(), 0) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let hdr = std::mem::size_of::<libc::nlmsghdr>();
-    if n as usize >= hdr + 4 {
-        let err = i32::from_ne_bytes(ack[hdr..hdr + 4].try_into().unwrap());
-        if err < 0 {
-            return Err(io::Error::from_raw_os_error(-err));
+}
+
+impl Drop for QemuTap {
+    fn drop(&mut self) {
+        if !self.remove_on_drop.load(Relaxed) {
+            return;
+        }
+        let name = &self.name;
+        match rtnl::device_by_index(self.index) {
+            Ok(Some(d)) if d.name == *name && d.is_vnetds() => {
+                if let Err(e) = rtnl::delete(self.index) {
+                    tracing::warn!("cannot delete TAP {name}: {e}");
+                }
+            }
+            Ok(Some(_)) => tracing::warn!("not deleting {name}: device {} is no longer vnetd's TAP {name}", self.index),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("cannot look up TAP {name}: {e}"),
         }
     }
-    Ok(())
+}
+
+/// The refusal for an existing device that vnetd may not take over.
+pub fn not_vnetds(name: &str) -> String {
+    format!("a device named {name} exists and was not made by vnetd")
+}
+
+/// A device's index in this thread's network namespace.
+fn ifindex(name: &str) -> io::Result<u32> {
+    let c = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: c is a valid C string.
+    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
+        0 => Err(io::Error::last_os_error()),
+        i => Ok(i),
+    }
 }
 
 fn explain_tun_error(e: io::Error) -> io::Error {
@@ -370,14 +378,4 @@ fn explain_tun_error(e: io::Error) -> io::Error {
         io::ErrorKind::PermissionDenied => io::Error::new(e.kind(), format!("{e} (vnetd needs CAP_NET_ADMIN)")),
         _ => e,
     }
-}
-
-/// Whether `name` is an existing TUN/TAP device in our namespace.
-pub fn is_tap(name: &str) -> bool {
-    std::path::Path::new(&format!("/sys/class/net/{name}/tun_flags")).exists()
-}
-
-/// Whether a network device of this name exists in our namespace.
-pub fn device_exists(name: &str) -> bool {
-    CString::new(name).map(|c| unsafe { libc::if_nametoindex(c.as_ptr()) } != 0).unwrap_or(false)
 }

@@ -1,0 +1,298 @@
+//! rtnetlink requests on network devices, through the maintained
+//! netlink-packet-route crates: look a device up (is it a TAP? does it carry
+//! vnetd's mark?), mark a device as vnetd's, set its `gso_max_size`, delete
+//! it.
+//!
+//! vnetd's mark is the device's ifalias (IFLA_IFALIAS) set to [`MARK`]. It
+//! moves with the device across network namespaces and shows in `ip link`
+//! ("alias vnetd"). Every request opens its own netlink socket, so it acts
+//! in the network namespace of the calling thread (unlike /sys, which
+//! follows the mount namespace).
+
+use netlink_packet_core::{
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla, NLM_F_ACK, NLM_F_REQUEST,
+};
+use netlink_packet_route::link::{
+    InfoData, InfoKind, LinkAttribute, LinkExtentMask, LinkInfo, LinkLayerType, LinkMessage,
+};
+use netlink_packet_route::RouteNetlinkMessage;
+use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
+use std::io;
+
+/// The ifalias of every persistent TAP vnetd makes: only devices carrying it
+/// are taken over, un-persisted or deleted.
+pub const MARK: &str = "vnetd";
+
+/// IFLA_TUN_TYPE inside a tun device's IFLA_INFO_DATA: IFF_TUN or IFF_TAP.
+const IFLA_TUN_TYPE: u16 = 3;
+const IFF_TUN: u8 = 0x0001;
+const IFF_TAP: u8 = 0x0002;
+
+/// What kind of device a name is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Tap,
+    Tun,
+    /// Anything that is not a TUN/TAP device (veth, bridge, ...).
+    Other,
+}
+
+/// A network device as rtnetlink reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Device {
+    pub index: u32,
+    pub name: String,
+    pub kind: Kind,
+    pub alias: Option<String>,
+}
+
+impl Device {
+    /// A TAP carrying vnetd's mark: one vnetd made.
+    pub fn is_vnetds(&self) -> bool {
+        self.kind == Kind::Tap && self.alias.as_deref() == Some(MARK)
+    }
+}
+
+/// The device named `name` in this thread's network namespace, if any.
+pub fn device(name: &str) -> io::Result<Option<Device>> {
+    get(get_link(Some(name), 0))
+}
+
+/// The device with this index in this thread's network namespace, if any.
+pub fn device_by_index(index: u32) -> io::Result<Option<Device>> {
+    get(get_link(None, index))
+}
+
+/// RTM_GETLINK of one device, by name or by index.
+fn get_link(name: Option<&str>, index: u32) -> RouteNetlinkMessage {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    if let Some(n) = name {
+        msg.attributes.push(LinkAttribute::IfName(n.to_string()));
+    }
+    // Counters are of no use here.
+    msg.attributes.push(LinkAttribute::ExtMask(vec![LinkExtentMask::SkipStats]));
+    RouteNetlinkMessage::GetLink(msg)
+}
+
+fn get(req: RouteNetlinkMessage) -> io::Result<Option<Device>> {
+    match transact(req) {
+        Ok(replies) => Ok(replies.first().map(describe)),
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Marks the device as vnetd's (its ifalias becomes [`MARK`]).
+pub fn set_mark(index: u32) -> io::Result<()> {
+    transact(set_link(index, LinkAttribute::IfAlias(MARK.to_string()))).map(drop)
+}
+
+/// Sets a device's `gso_max_size` (IFLA_GSO_MAX_SIZE).
+pub fn set_gso_max_size(index: u32, size: u32) -> io::Result<()> {
+    transact(set_link(index, LinkAttribute::GsoMaxSize(size))).map(drop)
+}
+
+/// Deletes a device (RTM_DELLINK), even one another program holds open.
+pub fn delete(index: u32) -> io::Result<()> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    transact(RouteNetlinkMessage::DelLink(msg)).map(drop)
+}
+
+/// RTM_SETLINK of one attribute on the device with this index.
+fn set_link(index: u32, attr: LinkAttribute) -> RouteNetlinkMessage {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.attributes.push(attr);
+    RouteNetlinkMessage::SetLink(msg)
+}
+
+/// The request as bytes: asking for an acknowledgement.
+fn encode(msg: RouteNetlinkMessage, seq: u32) -> Vec<u8> {
+    let mut packet = NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::from(msg));
+    packet.header.flags = NLM_F_REQUEST | NLM_F_ACK;
+    packet.header.sequence_number = seq;
+    packet.finalize();
+    let mut buf = vec![0; packet.buffer_len()];
+    packet.serialize(&mut buf);
+    buf
+}
+
+/// What a link message says about its device.
+fn describe(msg: &LinkMessage) -> Device {
+    let mut name = String::new();
+    let mut alias = None;
+    let mut is_tun = false;
+    let mut tun_type = None;
+    for a in &msg.attributes {
+        match a {
+            LinkAttribute::IfName(n) => name = n.clone(),
+            LinkAttribute::IfAlias(s) => alias = Some(s.clone()),
+            LinkAttribute::LinkInfo(infos) => {
+                for i in infos {
+                    match i {
+                        LinkInfo::Kind(InfoKind::Tun) => is_tun = true,
+                        LinkInfo::Data(InfoData::Tun(data)) => {
+                            for nla in data {
+                                if nla.kind() == IFLA_TUN_TYPE && nla.value_len() == 1 {
+                                    let mut v = [0u8; 1];
+                                    nla.emit_value(&mut v);
+                                    tun_type = Some(v[0]);
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let kind = match (is_tun, tun_type) {
+        (false, _) => Kind::Other,
+        (true, Some(IFF_TAP)) => Kind::Tap,
+        (true, Some(IFF_TUN)) => Kind::Tun,
+        // Kernels without IFLA_INFO_DATA for tun: a TAP is Ethernet, a TUN is not.
+        (true, _) if msg.header.link_layer_type == LinkLayerType::Ether => Kind::Tap,
+        (true, _) => Kind::Tun,
+    };
+    Device { index: msg.header.index, name, kind, alias }
+}
+
+/// Sends one request on a fresh socket and collects the link messages that
+/// answer it, until the kernel's acknowledgement (or its error).
+fn transact(msg: RouteNetlinkMessage) -> io::Result<Vec<LinkMessage>> {
+    let socket = Socket::new(NETLINK_ROUTE)?;
+    socket.connect(&SocketAddr::new(0, 0))?;
+    const SEQ: u32 = 1;
+    let req = encode(msg, SEQ);
+    socket.send(&req, 0)?;
+    let mut replies = Vec::new();
+    loop {
+        let (buf, _) = socket.recv_from_full()?;
+        let mut at = 0;
+        while at < buf.len() {
+            let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..])
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("rtnetlink reply: {e}")))?;
+            let len = m.header.length as usize;
+            if m.header.sequence_number == SEQ {
+                match m.payload {
+                    NetlinkPayload::Error(e) => {
+                        return match e.code {
+                            None => Ok(replies),
+                            Some(_) => Err(e.to_io()),
+                        };
+                    }
+                    NetlinkPayload::Done(_) => return Ok(replies),
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => replies.push(l),
+                    _ => {}
+                }
+            }
+            if len == 0 {
+                break;
+            }
+            at += len.next_multiple_of(4);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netlink_packet_core::DefaultNla;
+
+    fn tun_link(tun_type: Option<u8>, layer: LinkLayerType, alias: Option<&str>) -> LinkMessage {
+        let mut msg = LinkMessage::default();
+        msg.header.index = 7;
+        msg.header.link_layer_type = layer;
+        msg.attributes.push(LinkAttribute::IfName("vm1".into()));
+        if let Some(a) = alias {
+            msg.attributes.push(LinkAttribute::IfAlias(a.into()));
+        }
+        let mut info = vec![LinkInfo::Kind(InfoKind::Tun)];
+        if let Some(t) = tun_type {
+            info.push(LinkInfo::Data(InfoData::Tun(vec![netlink_packet_route::link::InfoTun::Other(
+                DefaultNla::new(IFLA_TUN_TYPE, vec![t]),
+            )])));
+        }
+        msg.attributes.push(LinkAttribute::LinkInfo(info));
+        msg
+    }
+
+    /// A link message as the kernel sends it, parsed back by the crate.
+    fn round_trip(msg: LinkMessage) -> LinkMessage {
+        let bytes = encode(RouteNetlinkMessage::NewLink(msg), 9);
+        match NetlinkMessage::<RouteNetlinkMessage>::deserialize(&bytes).unwrap().payload {
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => l,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_marked_tap_is_vnetds() {
+        let d = describe(&round_trip(tun_link(Some(IFF_TAP), LinkLayerType::Ether, Some(MARK))));
+        assert_eq!(d, Device { index: 7, name: "vm1".into(), kind: Kind::Tap, alias: Some(MARK.into()) });
+        assert!(d.is_vnetds());
+    }
+
+    #[test]
+    fn unmarked_or_other_marks_or_tuns_are_not_vnetds() {
+        let tap = describe(&round_trip(tun_link(Some(IFF_TAP), LinkLayerType::Ether, None)));
+        assert_eq!((tap.kind, tap.is_vnetds()), (Kind::Tap, false));
+        let other_alias = describe(&round_trip(tun_link(Some(IFF_TAP), LinkLayerType::Ether, Some("vnetd2"))));
+        assert!(!other_alias.is_vnetds());
+        // A TUN carrying the mark is still not a TAP vnetd made.
+        let tun = describe(&round_trip(tun_link(Some(IFF_TUN), LinkLayerType::None, Some(MARK))));
+        assert_eq!((tun.kind, tun.is_vnetds()), (Kind::Tun, false));
+    }
+
+    #[test]
+    fn tun_kind_falls_back_to_the_link_layer_without_info_data() {
+        assert_eq!(describe(&round_trip(tun_link(None, LinkLayerType::Ether, None))).kind, Kind::Tap);
+        assert_eq!(describe(&round_trip(tun_link(None, LinkLayerType::None, None))).kind, Kind::Tun);
+    }
+
+    #[test]
+    fn a_device_without_tun_link_info_is_other() {
+        let mut msg = LinkMessage::default();
+        msg.header.link_layer_type = LinkLayerType::Ether;
+        msg.attributes.push(LinkAttribute::IfName("eth0".into()));
+        msg.attributes.push(LinkAttribute::IfAlias(MARK.into()));
+        msg.attributes.push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Veth)]));
+        let d = describe(&round_trip(msg));
+        assert_eq!((d.kind, d.is_vnetds()), (Kind::Other, false));
+    }
+
+    #[test]
+    fn the_mark_request_is_setlink_of_ifalias_on_the_index() {
+        let bytes = encode(set_link(42, LinkAttribute::IfAlias(MARK.into())), 1);
+        // nlmsghdr: length, RTM_SETLINK (19), REQUEST|ACK.
+        assert_eq!(u32::from_ne_bytes(bytes[0..4].try_into().unwrap()) as usize, bytes.len());
+        assert_eq!(u16::from_ne_bytes(bytes[4..6].try_into().unwrap()), libc::RTM_SETLINK);
+        assert_eq!(u16::from_ne_bytes(bytes[6..8].try_into().unwrap()), NLM_F_REQUEST | NLM_F_ACK);
+        // ifinfomsg: the device's index.
+        assert_eq!(i32::from_ne_bytes(bytes[20..24].try_into().unwrap()), 42);
+        // One attribute: IFLA_IFALIAS (20) = "vnetd\0", padded to 4 bytes.
+        let attr = &bytes[32..];
+        assert_eq!(u16::from_ne_bytes(attr[0..2].try_into().unwrap()), 4 + 6);
+        assert_eq!(u16::from_ne_bytes(attr[2..4].try_into().unwrap()), libc::IFLA_IFALIAS);
+        assert_eq!(&attr[4..10], b"vnetd\0");
+        assert_eq!(attr.len(), 12);
+    }
+
+    #[test]
+    fn a_lookup_by_name_carries_the_name_and_skips_counters() {
+        let bytes = encode(get_link(Some("g1"), 0), 1);
+        match NetlinkMessage::<RouteNetlinkMessage>::deserialize(&bytes).unwrap().payload {
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetLink(l)) => {
+                assert_eq!(l.header.index, 0);
+                assert_eq!(
+                    l.attributes,
+                    vec![LinkAttribute::IfName("g1".into()), LinkAttribute::ExtMask(vec![LinkExtentMask::SkipStats])]
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
