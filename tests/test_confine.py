@@ -1,7 +1,10 @@
 """What a control request can make root do on the host, confined: vnetd
-takes over and deletes only the TAPs it made (marked with ifalias "vnetd")."""
+takes over and deletes only the TAPs it made (marked with ifalias "vnetd"),
+and enters only network namespaces that are files directly in /run/netns."""
 
+import os
 import signal
+from pathlib import Path
 
 from netlab import guest_mac
 
@@ -120,3 +123,42 @@ def test_a_foreign_tap_in_a_guest_namespace_is_refused_and_left_alone(lab):
     d.ctl("INTERFACE", "ADD", "g1", mac, "netns", g)
     d.ctl("INTERFACE", "DEL", "g1")
     assert link_show(lab, g, "g1") is None
+
+
+def test_netns_names_are_confined_to_files_in_run_netns(lab):
+    h = lab.add_host(1)
+    other = lab.ns("g2")
+    d = lab.start_vnetd(h)
+    mac = guest_mac(3)
+    planted = {
+        # A symbolic link to vnetd's own namespace (the host's)...
+        Path("/run/netns") / (lab.prefix + "self"): "/proc/self/ns/net",
+        # ...and to another namespace's entry.
+        Path("/run/netns") / (lab.prefix + "other"): f"/run/netns/{other}",
+    }
+    plain_file = Path("/run/netns") / (lab.prefix + "file")
+    try:
+        for link, target in planted.items():
+            os.symlink(target, link)
+        plain_file.write_text("")
+        for ns in ("../x", f"../netns/{other}", f"/run/netns/{other}", "/proc/1/ns/net", ".."):
+            reason = refused(d, "INTERFACE", "ADD", "t3", mac, "netns", ns)
+            assert "is not a network namespace name" in reason, (ns, reason)
+        for link in planted:
+            reason = refused(d, "INTERFACE", "ADD", "t3", mac, "netns", link.name)
+            assert f"/run/netns/{link.name} is a symbolic link" in reason, reason
+        reason = refused(d, "INTERFACE", "ADD", "t3", mac, "netns", plain_file.name)
+        assert f"/run/netns/{plain_file.name} is not a network namespace" in reason, reason
+        # Nothing was made anywhere.
+        for ns in (h, other):
+            assert link_show(lab, ns, "t3") is None, ns
+        assert "name=" not in ifaces(d)
+        # The namespace itself, by its plain name, works.
+        d.ctl("INTERFACE", "ADD", "t3", mac, "netns", other)
+        assert link_show(lab, other, "t3") is not None
+    finally:
+        for p in (*planted, plain_file):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass

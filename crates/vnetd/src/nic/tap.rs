@@ -8,14 +8,16 @@
 //!   only if it is a TAP with that mark, and only marked devices are ever
 //!   un-persisted or deleted;
 //! - a new TAP is made with IFF_TUN_EXCL, so it never attaches to a device
-//!   that appeared in the meantime.
+//!   that appeared in the meantime;
+//! - `netns <name>` opens only a network namespace file directly in
+//!   /run/netns, never through a symbolic link.
 
 use super::rtnl;
 use anyhow::{anyhow, bail, Context, Result};
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use vnet_core::Mac;
@@ -28,6 +30,8 @@ const IFF_NO_PI: libc::c_short = 0x1000;
 const IFF_VNET_HDR: libc::c_short = 0x4000;
 /// TUNSETIFF fails (EBUSY) rather than attach to an existing device.
 const IFF_TUN_EXCL: libc::c_short = 0x8000u16 as libc::c_short;
+/// `_IO(0xb7, 0x3)`: the CLONE_NEW* type of a namespace file.
+const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
 const TUN_F_CSUM: libc::c_ulong = 0x01;
 const TUN_F_TSO4: libc::c_ulong = 0x02;
 const TUN_F_TSO6: libc::c_ulong = 0x04;
@@ -95,13 +99,12 @@ impl Tap {
     /// vnetd made; any other is refused and left alone.
     /// Returns the TAP and whether it already existed.
     pub fn create_in_netns(name: &str, mtu: u32, mac: Mac, netns: &str) -> Result<(Tap, bool)> {
-        let path = format!("/run/netns/{netns}");
-        let ns = File::open(&path).map_err(|e| anyhow!("no network namespace {netns} ({path}: {e})"))?;
+        let ns = open_netns(netns)?;
         // setns changes only the calling thread: do it in one of our own.
         std::thread::scope(|scope| {
             scope
                 .spawn(|| -> Result<(Tap, bool)> {
-                    // SAFETY: setns on a namespace file we opened.
+                    // SAFETY: setns on a network namespace file we opened and checked.
                     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
                         bail!("cannot enter network namespace {netns}: {}", io::Error::last_os_error());
                     }
@@ -370,6 +373,47 @@ fn ifindex(name: &str) -> io::Result<u32> {
         0 => Err(io::Error::last_os_error()),
         i => Ok(i),
     }
+}
+
+/// Opens the named network namespace `/run/netns/<name>` to enter it: the
+/// name must be a plain name (no `/`, not `..`), the entry must not be a
+/// symbolic link (O_NOFOLLOW: a link planted there could point at any
+/// namespace, such as the host's), and it must be a network namespace
+/// (NS_GET_NSTYPE), all checked before anything enters it.
+pub fn open_netns(name: &str) -> Result<OwnedFd> {
+    vnet_core::command::check_netns_name(name).map_err(|e| anyhow!("{e}"))?;
+    let rule = "netns names a network namespace file in /run/netns, as `ip netns add` makes them";
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open("/run/netns")
+        .map_err(|e| anyhow!("no network namespace {name} (/run/netns: {e})"))?;
+    let c = CString::new(name).map_err(|_| anyhow!("'{name}' is not a network namespace name"))?;
+    // SAFETY: openat relative to a directory we hold, with a valid C string.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY,
+        )
+    };
+    if fd < 0 {
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ELOOP) => bail!("/run/netns/{name} is a symbolic link, which vnetd does not follow ({rule})"),
+            Some(libc::ENOENT) => bail!("no network namespace {name} (no /run/netns/{name}; {rule})"),
+            _ => bail!("cannot open network namespace {name} (/run/netns/{name}: {e})"),
+        }
+    }
+    // SAFETY: fd was just opened and is owned here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: NS_GET_NSTYPE takes no argument; on a file that is not a
+    // namespace it fails (ENOTTY).
+    let nstype = unsafe { libc::ioctl(fd.as_raw_fd(), NS_GET_NSTYPE) };
+    if nstype != libc::CLONE_NEWNET {
+        bail!("/run/netns/{name} is not a network namespace ({rule})");
+    }
+    Ok(fd)
 }
 
 fn explain_tun_error(e: io::Error) -> io::Error {
