@@ -1,6 +1,7 @@
 """What a control request can make root do on the host, confined: vnetd
 takes over and deletes only the TAPs it made (marked with ifalias "vnetd"),
-and enters only network namespaces that are files directly in /run/netns."""
+enters only network namespaces that are files directly in /run/netns, and
+puts direct links only on the devices named with --allow-direct."""
 
 import os
 import signal
@@ -162,3 +163,37 @@ def test_netns_names_are_confined_to_files_in_run_netns(lab):
                 p.unlink()
             except FileNotFoundError:
                 pass
+
+
+def packet_sockets(lab, ns, dev):
+    """Packet sockets bound to `dev` in namespace `ns` (/proc/net/packet)."""
+    index = lab.x(ns, "cat", f"/sys/class/net/{dev}/ifindex").stdout.strip()
+    rows = lab.x(ns, "cat", "/proc/net/packet").stdout.splitlines()[1:]
+    return sum(1 for r in rows if r.split()[4] == index)
+
+
+def test_direct_links_only_on_devices_allowed_at_start(lab):
+    h = lab.add_host(1, mtu=1400)
+    # No device allowed: eth0 is refused, with the way to allow it.
+    d = lab.start_vnetd(h)
+    reason = refused(d, "LINK", "ADD", "direct", "eth0")
+    assert "device eth0 is not allowed for direct links (start vnetd with --allow-direct eth0)" in reason, reason
+    # Refused whether the device exists or not: nothing is learnt about it.
+    reason = refused(d, "LINK", "ADD", "direct", "nosuchdev")
+    assert "device nosuchdev is not allowed for direct links" in reason, reason
+    assert "name=" not in d.ctl("LINK", "LIST").stdout
+    assert packet_sockets(lab, h, "eth0") == 0
+    d.stop()
+    # Another device allowed: eth0 still refused; lo, allowed too, works.
+    d = lab.start_vnetd(h, None, "--allow-direct", "eth1,lo")
+    assert "not allowed for direct links" in refused(d, "LINK", "ADD", "direct", "eth0")
+    assert packet_sockets(lab, h, "eth0") == 0
+    d.stop()
+    d = lab.start_vnetd(h, None, "--allow-direct", "eth1", "--allow-direct", "eth0")
+    d.ctl("LINK", "ADD", "direct", "eth0", "name", "lan")
+    line = d.ctl("LINK", "LIST").stdout
+    # Its MTU is the device's, read in vnetd's own namespace.
+    assert "name=lan " in line and "proto=direct" in line and "mtu=1400 " in line, line
+    assert packet_sockets(lab, h, "eth0") == 1
+    d.ctl("LINK", "DEL", "lan")
+    assert packet_sockets(lab, h, "eth0") == 0

@@ -154,7 +154,8 @@ def test_direct_link_puts_a_plain_lan_host_on_the_overlay(lab):
     lab.x(p, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
     lab.x(p, "ip", "addr", "add", f"{overlay_ip(50)}/24", "dev", "eth0")
     lab.x(p, "ip", "link", "set", "eth0", "up")
-    d1 = lab.start_vnetd(h1, EXAMPLES / "direct.conf")
+    # Direct links only on the devices the administrator allowed.
+    d1 = lab.start_vnetd(h1, EXAMPLES / "direct.conf", "--allow-direct", "eth1")
     lab.start_vnetd(h2, EXAMPLES / "direct-h2.conf")
     g2 = lab.attach_guest(h2, "g2", 2)
     pg = type("LanHost", (), {"ns": p, "ip": overlay_ip(50), "mac": p_mac})()

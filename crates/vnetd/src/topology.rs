@@ -412,10 +412,8 @@ impl Topology {
         }
         let (kind, remote, name, mtu, overhead) = match (proto, ip) {
             (LinkProto::Direct { device }, _) => {
-                let dev_mtu = std::fs::read_to_string(format!("/sys/class/net/{device}/mtu"))
-                    .ok()
-                    .and_then(|m| m.trim().parse::<u32>().ok())
-                    .ok_or_else(|| format!("no device {device} on this host"))?;
+                direct_allowed(settings, device)?;
+                let dev_mtu = tap::device_mtu(device).map_err(|e| format!("no device {device} on this host ({e})"))?;
                 if self.links.values().any(|l| matches!(&l.kind, LinkKind::Direct { device: d, .. } if d == device)) {
                     return Err(format!("device {device} already has a direct link"));
                 }
@@ -591,6 +589,16 @@ impl Topology {
     }
 }
 
+/// Direct links put frames raw onto a host device: only onto the devices the
+/// administrator named with `--allow-direct`.
+fn direct_allowed(settings: &Settings, device: &str) -> Result<(), String> {
+    if settings.direct_devices.iter().any(|d| d == device) {
+        Ok(())
+    } else {
+        Err(format!("device {device} is not allowed for direct links (start vnetd with --allow-direct {device})"))
+    }
+}
+
 /// What the dispatcher reads: immutable, swapped whole on every change.
 /// Slots (indexes into `ifaces` / `links`) are the ports of the rule table.
 pub struct Snapshot {
@@ -648,3 +656,59 @@ impl Snapshot {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(direct: &[&str]) -> Settings {
+        Settings { default_link_port: 9000, default_mtu: 1500, direct_devices: direct.iter().map(|d| d.to_string()).collect() }
+    }
+
+    struct NoEnv;
+
+    impl LinkEnv for NoEnv {
+        fn path_mtu(&self, _: SocketAddr) -> Option<u32> {
+            None
+        }
+        fn has_udp(&self, _: bool) -> bool {
+            true
+        }
+        fn ensure_vxlan(&self, _: bool) -> Result<(), String> {
+            Ok(())
+        }
+        fn ensure_tcp_acceptor(&self) -> Result<(), String> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn only_allowed_devices_take_direct_links() {
+        let s = settings(&["eth1", "lan0"]);
+        assert_eq!(direct_allowed(&s, "eth1"), Ok(()));
+        assert_eq!(direct_allowed(&s, "lan0"), Ok(()));
+        assert_eq!(
+            direct_allowed(&s, "eth0"),
+            Err("device eth0 is not allowed for direct links (start vnetd with --allow-direct eth0)".into())
+        );
+        // Exact names only: no prefixes, no case folding.
+        assert!(direct_allowed(&s, "eth").is_err());
+        assert!(direct_allowed(&s, "ETH1").is_err());
+        assert!(direct_allowed(&settings(&[]), "lo").is_err());
+    }
+
+    #[test]
+    fn a_direct_link_to_a_device_not_allowed_is_refused_before_the_device_is_touched() {
+        let mut t = Topology::default();
+        // "lo" exists everywhere: the refusal must come from the allow-list.
+        let cmd = Command::LinkAdd {
+            ip: None,
+            port: None,
+            proto: LinkProto::Direct { device: "lo".into() },
+            name: None,
+            mtu: None,
+        };
+        let err = t.apply(&cmd, &settings(&["eth1"]), &NoEnv).expect_err("refused");
+        assert_eq!(err, "device lo is not allowed for direct links (start vnetd with --allow-direct lo)");
+        assert!(t.links.is_empty());
+    }
+}

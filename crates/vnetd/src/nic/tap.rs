@@ -375,6 +375,26 @@ fn ifindex(name: &str) -> io::Result<u32> {
     }
 }
 
+/// A device's MTU (SIOCGIFMTU), in this thread's network namespace.
+pub fn device_mtu(name: &str) -> io::Result<u32> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    // SAFETY: plain socket(2), closed by OwnedFd.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: sock was just opened and is owned here.
+    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    let mut m = IfReqMtu { name: ifname_bytes(name), mtu: 0, _pad: [0; 20] };
+    // SAFETY: SIOCGIFMTU writes ifr_mtu of an ifreq, as `m` is laid out.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU, &mut m) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(m.mtu as u32)
+}
+
 /// Opens the named network namespace `/run/netns/<name>` to enter it: the
 /// name must be a plain name (no `/`, not `..`), the entry must not be a
 /// symbolic link (O_NOFOLLOW: a link planted there could point at any
