@@ -8,7 +8,6 @@ pub mod server;
 
 use crate::dispatch::Datapath;
 use crate::stats::Drop;
-use crate::nic::Nic;
 use crate::topology::{LinkKind, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use access::{Caller, Role};
@@ -60,21 +59,10 @@ impl Control {
         }
         if changed {
             *generation += 1;
+            // Publishing commits the request (the snapshot settles which
+            // persistent TAPs stay); deleted interfaces go once unused.
             self.dp.publish(work.snapshot(*generation));
-            // Persistent TAPs: those in force stay when vnetd exits; deleted
-            // ones go (unless detached).
-            for i in work.ifaces.values() {
-                if let Nic::Tap(t) = &i.nic {
-                    t.keep();
-                }
-            }
-            for (i, detach) in work.deleted.drain(..) {
-                if let Nic::Tap(t) = &i.nic {
-                    if !detach {
-                        t.remove_on_close();
-                    }
-                }
-            }
+            work.deleted.clear();
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
                 if let LinkKind::Tcp(t) = &l.kind {
