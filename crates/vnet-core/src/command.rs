@@ -6,7 +6,7 @@
 //! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [netns <name> | qemu]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
-//! LINK ADD <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <bytes>]
+//! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>]
 //! LINK ADD direct <device> [name <name>] [mtu <bytes>]
 //! LINK DEL <link-idx | name>
 //! LINK LIST
@@ -34,8 +34,9 @@ pub const MIN_MTU: u32 = 68;
 pub enum LinkProto {
     /// VNET/P: the bare frame as a UDP datagram.
     Udp,
-    /// A TCP connection, each frame prefixed by its length.
-    Tcp,
+    /// A TCP connection, each frame prefixed by its length, opened by a
+    /// handshake proving both ends hold the key in vnetd's key file `key`.
+    Tcp { key: String },
     /// RFC 7348: an 8-byte VXLAN header and the frame in a UDP datagram.
     Vxlan { vni: u32 },
     /// Raw onto a host device (the papers' direct send/receive).
@@ -46,7 +47,7 @@ impl LinkProto {
     pub fn name(&self) -> &'static str {
         match self {
             LinkProto::Udp => "udp",
-            LinkProto::Tcp => "tcp",
+            LinkProto::Tcp { .. } => "tcp",
             LinkProto::Vxlan { .. } => "vxlan",
             LinkProto::Direct { .. } => "direct",
         }
@@ -289,7 +290,7 @@ INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [netns <name> | qemu]
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
-LINK ADD <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <underlay-MTU>]
+LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <underlay-MTU>]
                                                      a link to another vnetd (or VXLAN endpoint)
 LINK ADD direct <device> [name <name>] [mtu <bytes>]  frames raw onto a host device's LAN
 LINK DEL <link-idx | name>
@@ -506,8 +507,23 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns })
 }
 
+/// A key file's name: letters, digits, '.', '_' and '-', not starting with
+/// '.', at most 64 characters (it names a file in one directory, never a path).
+fn check_key_name(v: &str) -> Result<(), String> {
+    let ok = !v.is_empty()
+        && v.len() <= 64
+        && !v.starts_with('.')
+        && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("'{v}' is not a key name (letters, digits, '.', '_', '-'; not starting with '.'; at most 64)"))
+    }
+}
+
 fn parse_link_add(args: &[&str]) -> Result<Command, String> {
-    const USAGE: &str = "LINK ADD needs <remote-ip> [<port>] [udp | tcp | vxlan vni <n>] [name <name>] [mtu <bytes>], or direct <device>";
+    const USAGE: &str =
+        "LINK ADD needs <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>], or direct <device>";
     let Some((first, mut rest)) = args.split_first() else { return Err(USAGE.into()) };
     let mut ip = None;
     let mut proto = LinkProto::Udp;
@@ -534,7 +550,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     let mut mtu = None;
     while let Some((kw, r)) = rest.split_first() {
         let kw = kw.to_ascii_lowercase();
-        let needs_value = matches!(kw.as_str(), "name" | "mtu" | "vni");
+        let needs_value = matches!(kw.as_str(), "name" | "mtu" | "vni" | "key");
         let (val, r2) = if needs_value {
             match r.split_first() {
                 Some((v, r2)) => (Some(*v), r2),
@@ -548,7 +564,12 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
                 return Err(format!("a direct link takes no '{kw}'"));
             }
             ("udp", _) => proto = LinkProto::Udp,
-            ("tcp", _) => proto = LinkProto::Tcp,
+            ("tcp", _) => proto = LinkProto::Tcp { key: String::new() },
+            ("key", Some(v)) => {
+                let LinkProto::Tcp { key } = &mut proto else { return Err("key is only for tcp links".into()) };
+                check_key_name(v)?;
+                *key = v.to_string();
+            }
             ("vxlan", _) => proto = LinkProto::Vxlan { vni: u32::MAX },
             ("vni", Some(v)) => {
                 let LinkProto::Vxlan { vni } = &mut proto else { return Err("vni is only for vxlan links".into()) };
@@ -566,12 +587,17 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
                 }
                 mtu = Some(m);
             }
-            (other, _) => return Err(format!("unexpected '{other}' (want a port, udp, tcp, vxlan vni <n>, name <name> or mtu <bytes>)")),
+            (other, _) => {
+                return Err(format!("unexpected '{other}' (want a port, udp, tcp key <key-name>, vxlan vni <n>, name <name> or mtu <bytes>)"))
+            }
         }
         rest = r2;
     }
     if proto == (LinkProto::Vxlan { vni: u32::MAX }) {
         return Err("a vxlan link needs vni <0..16777215>".into());
+    }
+    if proto == (LinkProto::Tcp { key: String::new() }) {
+        return Err("a tcp link needs key <key-name>: the name of a key file in vnetd's --link-key-dir".into());
     }
     Ok(Command::LinkAdd { ip, port, proto, name, mtu })
 }
@@ -616,8 +642,14 @@ mod tests {
             Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: None, proto: LinkProto::Udp, name: None, mtu: Some(9000) }
         );
         assert_eq!(
-            one("link add 10.0.0.2 tcp"),
-            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: None, proto: LinkProto::Tcp, name: None, mtu: None }
+            one("link add 10.0.0.2 tcp key peer-b.key"),
+            Command::LinkAdd {
+                ip: Some("10.0.0.2".parse().unwrap()),
+                port: None,
+                proto: LinkProto::Tcp { key: "peer-b.key".into() },
+                name: None,
+                mtu: None
+            }
         );
         assert_eq!(
             one("LINK ADD 10.0.0.2 4789 VXLAN VNI 42 name vx"),
@@ -691,6 +723,11 @@ mod tests {
             ("link add 10.0.0.2 vni 4", "only for vxlan"),
             ("link add direct", "needs a device"),
             ("link add direct eth1 tcp", "takes no 'tcp'"),
+            ("link add 10.0.0.2 tcp", "a tcp link needs key <key-name>"),
+            ("link add 10.0.0.2 key k1", "key is only for tcp links"),
+            ("link add 10.0.0.2 tcp key ../etc/shadow", "is not a key name"),
+            ("link add 10.0.0.2 tcp key .hidden", "is not a key name"),
+            ("link add 10.0.0.2 tcp key", "key needs a value"),
             ("link add direct eth/1", "not a device name"),
             ("link add 10.0.0.2 name", "needs a value"),
             ("link del", "missing"),

@@ -7,10 +7,12 @@
 //! - [`cache`]: the per-thread route cache in front of the table.
 //! - [`command`]: the control language.
 //! - [`wire`]: VXLAN headers, TCP-link framing, GRO runs.
+//! - [`linkauth`]: the key handshake that opens a TCP link connection.
 //! - [`offload`]: checksum completion and TCP segmentation for offloaded frames.
 
 pub mod cache;
 pub mod command;
+pub mod linkauth;
 pub mod mac;
 pub mod offload;
 pub mod rule;

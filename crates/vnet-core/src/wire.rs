@@ -1,6 +1,6 @@
 //! Parsing what arrives from the network, besides the frames themselves:
 //! VXLAN headers (RFC 7348), the length prefixes of TCP links, and the runs
-//! of datagrams UDP GRO delivers in one buffer. Pure functions, fuzzed.
+//! of datagrams UDP GRO delivers in one buffer. Pure code, fuzzed.
 
 use std::ops::Range;
 
@@ -32,6 +32,84 @@ pub fn tcp_frame_len(prefix: [u8; 4]) -> Option<usize> {
     (14..=MAX_TCP_FRAME).contains(&n).then_some(n)
 }
 
+/// Reassembles a TCP link's byte stream into frames. Read into `spare()`,
+/// record it with `filled(n)`, take the complete frames with `next_frame()`
+/// (ranges into `buf()`, valid until the next `compact()`), then `compact()`
+/// before reading again: a frame split across reads waits at the front.
+pub struct TcpFramer {
+    buf: Vec<u8>,
+    /// Unconsumed bytes are `buf[start..end]`.
+    start: usize,
+    end: usize,
+}
+
+/// The length prefix announced a length no frame can have: the stream is out
+/// of step and nothing after it can be trusted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BadLength(pub u32);
+
+impl TcpFramer {
+    /// A framer reading up to `batch` bytes at a time (room is added for one
+    /// split frame on top).
+    pub fn new(batch: usize) -> TcpFramer {
+        TcpFramer { buf: vec![0u8; batch.max(1) + 4 + MAX_TCP_FRAME], start: 0, end: 0 }
+    }
+
+    /// Where the next read goes; never empty after `compact()`.
+    pub fn spare(&mut self) -> &mut [u8] {
+        &mut self.buf[self.end..]
+    }
+
+    /// `n` bytes were read into `spare()`.
+    pub fn filled(&mut self, n: usize) {
+        self.end = (self.end + n).min(self.buf.len());
+    }
+
+    /// The next complete frame, as a range of `buf()`; `None` when the rest
+    /// (if any) is a frame still arriving.
+    pub fn next_frame(&mut self) -> Option<Result<Range<usize>, BadLength>> {
+        let have = &self.buf[self.start..self.end];
+        let prefix: [u8; 4] = have.get(..4)?.try_into().expect("4 bytes");
+        let Some(n) = tcp_frame_len(prefix) else {
+            return Some(Err(BadLength(u32::from_be_bytes(prefix))));
+        };
+        if have.len() < 4 + n {
+            return None;
+        }
+        let frame = self.start + 4..self.start + 4 + n;
+        self.start = frame.end;
+        Some(Ok(frame))
+    }
+
+    pub fn buf(&self) -> &[u8] {
+        &self.buf
+    }
+
+    pub fn buf_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+
+    /// Bytes received that are not yet a complete frame.
+    pub fn pending(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Moves the unconsumed bytes to the front (invalidates ranges).
+    pub fn compact(&mut self) {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+    }
+
+    /// Forgets everything (a new connection starts a new stream).
+    pub fn reset(&mut self) {
+        self.start = 0;
+        self.end = 0;
+    }
+}
+
 /// The datagrams of a received buffer of `len` bytes: one, or (with UDP GRO)
 /// consecutive runs of `seg` bytes, the last possibly shorter. An empty
 /// datagram is one empty range, so that it too is counted.
@@ -59,6 +137,67 @@ mod tests {
         assert_eq!(tcp_frame_len(13u32.to_be_bytes()), None);
         assert_eq!(tcp_frame_len((MAX_TCP_FRAME as u32 + 1).to_be_bytes()), None);
         assert_eq!(tcp_frame_len(u32::MAX.to_be_bytes()), None);
+    }
+
+    fn framed(frames: &[&[u8]]) -> Vec<u8> {
+        let mut v = Vec::new();
+        for f in frames {
+            v.extend_from_slice(&(f.len() as u32).to_be_bytes());
+            v.extend_from_slice(f);
+        }
+        v
+    }
+
+    /// Feeds `stream` to a framer in chunks of the given sizes; returns the
+    /// frames, or the bad length that stopped it.
+    fn feed(stream: &[u8], chunks: &[usize]) -> Result<Vec<Vec<u8>>, BadLength> {
+        let mut f = TcpFramer::new(64);
+        let mut out = Vec::new();
+        let (mut at, mut i) = (0, 0);
+        while at < stream.len() {
+            f.compact();
+            let want = chunks[i % chunks.len()].max(1);
+            i += 1;
+            let spare = f.spare();
+            let n = want.min(spare.len()).min(stream.len() - at);
+            spare[..n].copy_from_slice(&stream[at..at + n]);
+            f.filled(n);
+            at += n;
+            while let Some(r) = f.next_frame() {
+                out.push(f.buf()[r?].to_vec());
+            }
+        }
+        assert_eq!(f.pending(), 0, "a complete stream leaves nothing behind");
+        Ok(out)
+    }
+
+    #[test]
+    fn frames_split_anywhere_come_back_whole() {
+        let a = [0xAAu8; 60];
+        let b: Vec<u8> = (0..1500u32).map(|i| i as u8).collect();
+        let c = [0xCCu8; 14];
+        let stream = framed(&[&a, &b, &c]);
+        for chunks in [&[1usize][..], &[3], &[4], &[5, 7], &[64], &[100_000], &[2, 1500, 1]] {
+            let got = feed(&stream, chunks).unwrap();
+            assert_eq!(got, vec![a.to_vec(), b.clone(), c.to_vec()], "chunks {chunks:?}");
+        }
+    }
+
+    #[test]
+    fn a_bad_length_stops_the_stream() {
+        let mut stream = framed(&[&[1u8; 20]]);
+        stream.extend_from_slice(&5u32.to_be_bytes());
+        stream.extend_from_slice(&[0u8; 5]);
+        assert_eq!(feed(&stream, &[7]), Err(BadLength(5)));
+    }
+
+    #[test]
+    fn the_largest_frame_fits_after_any_split() {
+        let big = vec![0x5Au8; MAX_TCP_FRAME];
+        let stream = framed(&[&[1u8; 14], &big, &big]);
+        let got = feed(&stream, &[13, 65536]).unwrap();
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[2], big);
     }
 
     #[test]
