@@ -67,6 +67,11 @@ struct Args {
     /// comma-separate). No other device can be bridged onto the overlay.
     #[arg(long = "allow-direct", value_name = "DEVICE", value_delimiter = ',')]
     allow_direct: Vec<String>,
+    /// Where TCP links' key files are: `LINK ADD <ip> tcp key <name>` reads
+    /// <dir>/<name> (mode 600, owned by vnetd's user, 16 bytes at least;
+    /// both ends of a link hold the same key).
+    #[arg(long, default_value = "/etc/vnet/link-keys", value_name = "DIR")]
+    link_key_dir: PathBuf,
     /// MTU of interfaces added without one.
     #[arg(long, default_value_t = 1500)]
     default_mtu: u32,
@@ -151,6 +156,7 @@ fn run(args: Args) -> Result<()> {
         default_link_port: args.udp_port,
         default_mtu: args.default_mtu,
         direct_devices: args.allow_direct.clone(),
+        link_key_dir: args.link_key_dir.clone(),
     };
     if !(1..=64).contains(&args.dispatchers) {
         bail!("--dispatchers {} is out of range 1..64", args.dispatchers);

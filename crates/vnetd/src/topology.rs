@@ -9,14 +9,29 @@
 //! bad request changes nothing. Building the snapshot to publish is the
 //! request's commit point: only then are the fates of persistent TAPs
 //! settled (`Nic::in_force`, `Nic::deleted`).
+//!
+//! **Ids.** Interfaces, links and routes have ids (`id`) given when added and
+//! never changed or reused: the ports of the rule table (`Port`) are these
+//! ids, and so are the keys of anything else that names a port. A
+//! snapshot also lays its objects out in vectors for the datapath; those
+//! positions ("slots") are private to one snapshot and never outlive it.
+//!
+//! **Lifecycle.** An object is *added* by a request, *in force* once the
+//! snapshot holding it is published, *retired* by the request that deletes
+//! it (it leaves the topology and goes to `retired`), and *torn down* by the
+//! control plane, on its own thread, once every dispatcher runs a snapshot
+//! without it (`control::Control`): never by whichever thread happens to let
+//! go of it last.
 
-use crate::link::tcp::TcpLink;
+use crate::link::tcp::{LinkKey, TcpLink};
 use crate::nic::{rtnl, tap, Nic, PacketPort, Tap};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicU8};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::time::{Duration, Instant};
 use vnet_core::command::{
     Attach, Command, IfaceRef, IfaceSetting, LinkProto, LinkRef, Mode, RouteRef, Setting, YieldStrategy,
 };
@@ -25,7 +40,8 @@ use vnet_core::table::{Port, Rule, RouteTable, SrcMatch};
 use vnet_core::Mac;
 
 pub struct Interface {
-    pub idx: u32,
+    /// Stable id (the rule table's port): never changed or reused.
+    pub id: u32,
     pub name: String,
     pub mac: Mac,
     pub mtu: u32,
@@ -46,6 +62,13 @@ impl Interface {
     pub fn max_frame(&self) -> usize {
         self.mtu as usize + 18
     }
+
+    /// Tears the interface down (the control plane, once no dispatcher uses
+    /// it): closes its NIC, so its TAP goes or stays as its request settled
+    /// (`Nic::in_force`, `Nic::deleted`).
+    pub fn teardown(self) {
+        drop(self.nic);
+    }
 }
 
 /// How a link carries frames, and what it needs to.
@@ -54,7 +77,7 @@ pub enum LinkKind {
     Udp,
     /// RFC 7348 VXLAN with this VNI (the daemon's VXLAN socket).
     Vxlan { vni: u32 },
-    /// A TCP connection with its own threads.
+    /// A TCP connection, authenticated by the link's key.
     Tcp(Arc<TcpLink>),
     /// Raw on a host device, through a packet socket.
     Direct { port: PacketPort, device: String },
@@ -72,7 +95,8 @@ impl LinkKind {
 }
 
 pub struct Link {
-    pub idx: u32,
+    /// Stable id (the rule table's port): never changed or reused.
+    pub id: u32,
     pub name: String,
     pub kind: LinkKind,
     /// The peer's address (none for a direct link).
@@ -84,18 +108,54 @@ pub struct Link {
     /// TCP super-frames are cut to fit it.
     pub max_frame: usize,
     pub stats: Counters,
+    /// UDP GSO refused on this link (e.g. `mtu` set above the real path)
+    /// until this time (ms since `epoch()`); 0 while it works.
+    gso_off_until_ms: AtomicU64,
 }
 
 /// Smallest frame a link is sized for: room for TCP headers and some data.
 const ETH_MIN_FOR_TCP: usize = 256;
+/// How long a link sends segment by segment after UDP GSO was refused,
+/// before trying GSO again.
+const GSO_RETRY: Duration = Duration::from_secs(30);
 
-impl Drop for Link {
-    /// A TCP link's threads hold the connection; stop them with the link.
-    fn drop(&mut self) {
-        if let LinkKind::Tcp(t) = &self.kind {
-            t.stop();
+fn epoch() -> Instant {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+impl Link {
+    /// Whether to try UDP GSO on this link now.
+    #[inline]
+    pub fn gso_ok(&self) -> bool {
+        let until = self.gso_off_until_ms.load(Relaxed);
+        until == 0 || epoch().elapsed().as_millis() as u64 >= until
+    }
+
+    /// The kernel refused GSO on this link: send segment by segment for a
+    /// while, on this link only.
+    pub fn gso_refused(&self) {
+        let until = (epoch().elapsed() + GSO_RETRY).as_millis() as u64;
+        self.gso_off_until_ms.store(until.max(1), Relaxed);
+    }
+
+    /// Tears the link down (the control plane, once no dispatcher uses it);
+    /// returns the frames it still held, to be counted as dropped.
+    pub fn teardown(self) -> usize {
+        match &self.kind {
+            LinkKind::Tcp(t) => t.stop(),
+            _ => 0,
         }
     }
+}
+
+/// An object a request took out of the topology, to be torn down once no
+/// dispatcher uses it.
+#[derive(Clone)]
+pub enum Retired {
+    /// An interface, and whether only detached (its TAP stays).
+    Iface(Arc<Interface>, bool),
+    Link(Arc<Link>),
 }
 
 /// What adding a link needs from the daemon.
@@ -111,7 +171,7 @@ pub trait LinkEnv {
 }
 
 pub struct Route {
-    pub idx: u32,
+    pub id: u32,
     pub spec: RuleSpec,
     pub stats: Counters,
 }
@@ -126,6 +186,8 @@ pub struct Settings {
     /// Host devices the administrator allowed direct links on
     /// (`--allow-direct`); no other device can be named by `LINK ADD direct`.
     pub direct_devices: Vec<String>,
+    /// Where TCP links' key files are (`--link-key-dir`).
+    pub link_key_dir: PathBuf,
 }
 
 /// The dispatcher's tunables (`SET ...`), with the papers' and the original
@@ -224,9 +286,11 @@ pub struct Topology {
     pub ifaces: BTreeMap<u32, Arc<Interface>>,
     pub links: BTreeMap<u32, Arc<Link>>,
     pub routes: BTreeMap<u32, Arc<Route>>,
-    /// Interfaces the request being applied deleted, and whether only
-    /// detached (their TAPs' fate is settled when it commits).
-    pub deleted: Vec<(Arc<Interface>, bool)>,
+    /// Routes by rule, to refuse a second copy without a scan.
+    route_by_spec: HashMap<RuleSpec, u32>,
+    /// What the request being applied took out (a deleted interface's TAP
+    /// has its fate settled when the request commits).
+    pub retired: Vec<Retired>,
     next_iface: u32,
     next_link: u32,
     next_route: u32,
@@ -259,7 +323,7 @@ impl Topology {
             }
             Command::IfaceSet(r, setting) => {
                 let iface = self.find_iface(r)?;
-                let (idx, name) = (iface.idx, iface.name.clone());
+                let (idx, name) = (iface.id, iface.name.clone());
                 let o = self.iface_settings.entry(idx).or_default();
                 match *setting {
                     IfaceSetting::Mode(v) => o.mode = v,
@@ -276,12 +340,12 @@ impl Topology {
             }
             Command::IfaceAdd { name, mac, mtu, attach, netns } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
-                    return Err(format!("interface {name} exists (index {})", i.idx));
+                    return Err(format!("interface {name} exists (index {})", i.id));
                 }
                 if let Some(i) = self.ifaces.values().find(|i| &i.mac == mac) {
                     return Err(format!("MAC {mac} is already interface {}", i.name));
                 }
-                if self.deleted.iter().any(|(i, detach)| &i.name == name && !detach) {
+                if self.retired.iter().any(|r| matches!(r, Retired::Iface(i, detach) if &i.name == name && !detach)) {
                     // Its TAP goes when this request commits: it cannot also be taken over.
                     return Err(format!("interface {name} is deleted by this request; add it again in another one"));
                 }
@@ -308,7 +372,7 @@ impl Topology {
                 self.ifaces.insert(
                     idx,
                     Arc::new(Interface {
-                        idx,
+                        id: idx,
                         name: name.clone(),
                         mac: *mac,
                         mtu,
@@ -330,10 +394,10 @@ impl Topology {
                 if !users.is_empty() {
                     return Err(format!("interface {} is used by routes {} (delete them first)", iface.name, users));
                 }
-                let (idx, name) = (iface.idx, iface.name.clone());
+                let (idx, name) = (iface.id, iface.name.clone());
                 let iface = self.ifaces.remove(&idx).expect("found above");
                 self.iface_settings.remove(&idx);
-                self.deleted.push((iface, *detach));
+                self.retired.push(Retired::Iface(iface, *detach));
                 Ok(format!("{} interface {idx} {name}", if *detach { "detached" } else { "deleted" }))
             }
             Command::LinkAdd { ip, port, proto, name, mtu } => self.add_link(*ip, *port, proto, name.clone(), *mtu, settings, env),
@@ -345,31 +409,29 @@ impl Topology {
                 if !users.is_empty() {
                     return Err(format!("link {} is used by routes {} (delete them first)", link.name, users));
                 }
-                let (idx, name) = (link.idx, link.name.clone());
-                self.links.remove(&idx);
+                let (idx, name) = (link.id, link.name.clone());
+                let link = self.links.remove(&idx).expect("found above");
+                self.retired.push(Retired::Link(link));
                 Ok(format!("deleted link {idx} {name}"))
             }
             Command::RouteAdd(spec) => {
                 self.resolve(spec)?;
-                if let Some(r) = self.routes.values().find(|r| &r.spec == spec) {
-                    return Err(format!("the same rule is already route {}", r.idx));
+                if let Some(r) = self.route_by_spec.get(spec) {
+                    return Err(format!("the same rule is already route {r}"));
                 }
                 let idx = self.next_route;
                 self.next_route += 1;
-                self.routes.insert(idx, Arc::new(Route { idx, spec: spec.clone(), stats: Counters::default() }));
+                self.routes.insert(idx, Arc::new(Route { id: idx, spec: spec.clone(), stats: Counters::default() }));
+                self.route_by_spec.insert(spec.clone(), idx);
                 Ok(format!("added route {idx} {spec}"))
             }
             Command::RouteDel(r) => {
                 let idx = match r {
-                    RouteRef::Index(i) => self.routes.get(i).map(|r| r.idx).ok_or_else(|| format!("no route {i}"))?,
-                    RouteRef::Rule(spec) => self
-                        .routes
-                        .values()
-                        .find(|r| &r.spec == spec)
-                        .map(|r| r.idx)
-                        .ok_or_else(|| format!("no route is {spec}"))?,
+                    RouteRef::Index(i) => self.routes.get(i).map(|r| r.id).ok_or_else(|| format!("no route {i}"))?,
+                    RouteRef::Rule(spec) => *self.route_by_spec.get(spec).ok_or_else(|| format!("no route is {spec}"))?,
                 };
                 let route = self.routes.remove(&idx).expect("found above");
+                self.route_by_spec.remove(&route.spec);
                 Ok(format!("deleted route {idx} {}", route.spec))
             }
             _ => Err("not a state-changing command".into()),
@@ -437,10 +499,11 @@ impl Topology {
                         env.ensure_vxlan(v4)?;
                         (LinkKind::Vxlan { vni: *vni }, vnet_core::command::VXLAN_PORT, 36 + family)
                     }
-                    LinkProto::Tcp => {
+                    LinkProto::Tcp { key } => {
+                        let key = LinkKey::load(&settings.link_key_dir, key)?;
                         env.ensure_tcp_acceptor()?;
                         let remote = SocketAddr::new(ip, port.unwrap_or(settings.default_link_port));
-                        (LinkKind::Tcp(TcpLink::new(remote)), settings.default_link_port, 40 + family)
+                        (LinkKind::Tcp(TcpLink::new(remote, key)?), settings.default_link_port, 40 + family)
                     }
                     LinkProto::Direct { .. } => unreachable!(),
                 };
@@ -450,7 +513,7 @@ impl Topology {
             }
         };
         if let Some(l) = self.links.values().find(|l| l.name == name) {
-            return Err(format!("a link named {name} exists (index {})", l.idx));
+            return Err(format!("a link named {name} exists (index {})", l.id));
         }
         if let (Some(r), Some(l)) = (remote, self.links.values().find(|l| l.remote == remote && l.kind.name() == kind.name())) {
             let same_vni = match (&l.kind, &kind) {
@@ -470,7 +533,19 @@ impl Topology {
         let idx = self.next_link;
         self.next_link += 1;
         let (kind_name, shown) = (kind.name(), remote.map_or(String::new(), |r| format!(" {r}")));
-        self.links.insert(idx, Arc::new(Link { idx, name: name.clone(), kind, remote, mtu, max_frame, stats: Counters::default() }));
+        self.links.insert(
+            idx,
+            Arc::new(Link {
+                id: idx,
+                name: name.clone(),
+                kind,
+                remote,
+                mtu,
+                max_frame,
+                stats: Counters::default(),
+                gso_off_until_ms: AtomicU64::new(0),
+            }),
+        );
         Ok(format!("added link {idx} {name} {kind_name}{shown} mtu {mtu}"))
     }
 
@@ -495,7 +570,7 @@ impl Topology {
     }
 
     fn routes_using(&self, uses: impl Fn(&RuleSpec) -> bool) -> String {
-        let v: Vec<String> = self.routes.values().filter(|r| uses(&r.spec)).map(|r| r.idx.to_string()).collect();
+        let v: Vec<String> = self.routes.values().filter(|r| uses(&r.spec)).map(|r| r.id.to_string()).collect();
         v.join(", ")
     }
 
@@ -523,28 +598,30 @@ impl Topology {
         for i in self.ifaces.values() {
             i.nic.in_force();
         }
-        for (i, detach) in &self.deleted {
-            i.nic.deleted(*detach);
+        for r in &self.retired {
+            if let Retired::Iface(i, detach) = r {
+                i.nic.deleted(*detach);
+            }
         }
         let ifaces: Vec<Arc<Interface>> = self.ifaces.values().cloned().collect();
         let links: Vec<Arc<Link>> = self.links.values().cloned().collect();
         let routes: Vec<Arc<Route>> = self.routes.values().cloned().collect();
-        let iface_slot: HashMap<Mac, u32> = ifaces.iter().enumerate().map(|(s, i)| (i.mac, s as u32)).collect();
-        let link_slot: HashMap<&str, u32> = links.iter().enumerate().map(|(s, l)| (l.name.as_str(), s as u32)).collect();
+        let iface_id: HashMap<Mac, u32> = ifaces.iter().map(|i| (i.mac, i.id)).collect();
+        let link_id: HashMap<&str, u32> = links.iter().map(|l| (l.name.as_str(), l.id)).collect();
         let rules = routes
             .iter()
             .map(|r| {
                 let s = &r.spec;
                 let dst = match &s.dst {
-                    DstSpec::Interface(m) => Port::Interface(iface_slot[m]),
-                    DstSpec::Edge(n) => Port::Link(link_slot[n.as_str()]),
+                    DstSpec::Interface(m) => Port::Interface(iface_id[m]),
+                    DstSpec::Edge(n) => Port::Link(link_id[n.as_str()]),
                 };
                 let src = match &s.src {
                     SrcSpec::Any => SrcMatch::Any,
                     SrcSpec::Interface(None) => SrcMatch::AnyInterface,
                     SrcSpec::Edge(None) => SrcMatch::AnyLink,
-                    SrcSpec::Interface(Some(m)) => SrcMatch::Exactly(Port::Interface(iface_slot[m])),
-                    SrcSpec::Edge(Some(n)) => SrcMatch::Exactly(Port::Link(link_slot[n.as_str()])),
+                    SrcSpec::Interface(Some(m)) => SrcMatch::Exactly(Port::Interface(iface_id[m])),
+                    SrcSpec::Edge(Some(n)) => SrcMatch::Exactly(Port::Link(link_id[n.as_str()])),
                 };
                 Rule { src_mac: s.src_mac, dst_mac: s.dst_mac, src, dst }
             })
@@ -564,17 +641,19 @@ impl Topology {
                     vxlan.insert((remote.ip(), *vni), slot as u32);
                 }
                 LinkKind::Tcp(t) => {
-                    tcp.insert(remote.ip(), t.clone());
+                    tcp.insert(remote.ip().to_canonical(), t.clone());
                 }
                 LinkKind::Direct { .. } => {}
             }
         }
         let iface_dispatch = ifaces
             .iter()
-            .map(|i| self.iface_settings.get(&i.idx).copied().unwrap_or_default().effective(&self.dispatch))
+            .map(|i| self.iface_settings.get(&i.id).copied().unwrap_or_default().effective(&self.dispatch))
             .collect();
         Snapshot {
             generation,
+            iface_slot: ifaces.iter().enumerate().map(|(s, i)| (i.id, s as u32)).collect(),
+            link_slot: links.iter().enumerate().map(|(s, l)| (l.id, s as u32)).collect(),
             ifaces,
             links,
             routes,
@@ -600,7 +679,9 @@ fn direct_allowed(settings: &Settings, device: &str) -> Result<(), String> {
 }
 
 /// What the dispatcher reads: immutable, swapped whole on every change.
-/// Slots (indexes into `ifaces` / `links`) are the ports of the rule table.
+/// The rule table's ports are ids; `slot_of` turns one into the object's
+/// position (slot) in this snapshot's vectors. Slots are only valid with the
+/// snapshot they came from.
 pub struct Snapshot {
     pub generation: u64,
     pub ifaces: Vec<Arc<Interface>>,
@@ -611,6 +692,10 @@ pub struct Snapshot {
     pub dispatch: DispatchSettings,
     /// What each interface's dispatch runs by (by slot).
     pub iface_dispatch: Vec<IfaceDispatch>,
+    /// Interfaces' and links' slots by id.
+    iface_slot: HashMap<u32, u32>,
+    link_slot: HashMap<u32, u32>,
+    /// UDP links' slots by remote address.
     by_addr: HashMap<SocketAddr, u32>,
     /// UDP links by remote IP alone, when exactly one has that IP.
     by_ip: HashMap<IpAddr, Option<u32>>,
@@ -620,14 +705,36 @@ pub struct Snapshot {
     tcp: HashMap<IpAddr, Arc<TcpLink>>,
 }
 
+/// Where a port is in one snapshot.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Slot {
+    Iface(u32),
+    Link(u32),
+}
+
 impl Snapshot {
     pub fn empty() -> Snapshot {
         Topology::default().snapshot(0)
     }
 
-    /// The UDP link a datagram belongs to: the link whose remote address is
-    /// the sender's, or else the only link to the sender's IP (VNET/P matched
-    /// by IP alone; a peer behind NAT sends from another port).
+    /// The slot of the port with this id, if it is in this snapshot.
+    #[inline]
+    pub fn slot_of(&self, port: Port) -> Option<Slot> {
+        match port {
+            Port::Interface(id) => self.iface_slot.get(&id).map(|&s| Slot::Iface(s)),
+            Port::Link(id) => self.link_slot.get(&id).map(|&s| Slot::Link(s)),
+        }
+    }
+
+    /// The slot of the interface with this id.
+    #[inline]
+    pub fn iface_slot(&self, id: u32) -> Option<u32> {
+        self.iface_slot.get(&id).copied()
+    }
+
+    /// The UDP link (slot) a datagram belongs to: the link whose remote
+    /// address is the sender's, or else the only link to the sender's IP
+    /// (VNET/P matched by IP alone; a peer behind NAT sends from another port).
     #[inline]
     pub fn link_for_sender(&self, from: SocketAddr) -> Option<u32> {
         if let Some(&slot) = self.by_addr.get(&from) {
@@ -636,7 +743,7 @@ impl Snapshot {
         self.by_ip.get(&from.ip()).copied().flatten()
     }
 
-    /// The VXLAN link for a datagram from `from` carrying `vni`.
+    /// The VXLAN link (slot) for a datagram from `from` carrying `vni`.
     #[inline]
     pub fn vxlan_link_for(&self, from: IpAddr, vni: u32) -> Option<u32> {
         self.vxlan.get(&(from, vni)).copied()
@@ -644,15 +751,7 @@ impl Snapshot {
 
     /// The TCP link whose peer has this address.
     pub fn tcp_link_for(&self, from: IpAddr) -> Option<&Arc<TcpLink>> {
-        self.tcp.get(&from)
-    }
-
-    #[inline]
-    pub fn port_stats(&self, port: Port) -> &Counters {
-        match port {
-            Port::Interface(s) => &self.ifaces[s as usize].stats,
-            Port::Link(s) => &self.links[s as usize].stats,
-        }
+        self.tcp.get(&from.to_canonical())
     }
 }
 
@@ -661,7 +760,12 @@ mod tests {
     use super::*;
 
     fn settings(direct: &[&str]) -> Settings {
-        Settings { default_link_port: 9000, default_mtu: 1500, direct_devices: direct.iter().map(|d| d.to_string()).collect() }
+        Settings {
+            default_link_port: 9000,
+            default_mtu: 1500,
+            direct_devices: direct.iter().map(|d| d.to_string()).collect(),
+            link_key_dir: PathBuf::from("/nonexistent"),
+        }
     }
 
     struct NoEnv;

@@ -8,21 +8,69 @@ pub mod server;
 
 use crate::dispatch::Datapath;
 use crate::stats::Drop;
-use crate::topology::{LinkKind, Settings, Topology};
+use crate::topology::{LinkKind, Retired, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use access::{Caller, Role};
 use std::sync::{Arc, Mutex};
 use vnet_core::command::{parse_request, Attach, Command, Mode, StatsScope, HELP};
 
 pub struct Control {
-    topo: Mutex<(Topology, u64)>,
+    state: Mutex<State>,
     dp: Arc<Datapath>,
     settings: Settings,
 }
 
+/// The control plane's state, behind one lock.
+#[derive(Default)]
+struct State {
+    topo: Topology,
+    generation: u64,
+    /// Objects taken out of the topology, with the generation that no longer
+    /// has them: torn down once every dispatcher runs that generation.
+    retiring: Vec<(u64, Retired)>,
+}
+
 impl Control {
     pub fn new(dp: Arc<Datapath>, settings: Settings) -> Control {
-        Control { topo: Mutex::new((Topology::default(), 0)), dp, settings }
+        Control { state: Mutex::new(State::default()), dp, settings }
+    }
+
+    /// Tears down, here on the control thread, the retired objects no
+    /// dispatcher uses any more; the others wait for the next request.
+    fn tear_down_retired(&self, retiring: &mut Vec<(u64, Retired)>) {
+        let acknowledged = self.dp.acknowledged();
+        let mut kept = Vec::new();
+        for (generation, r) in retiring.drain(..) {
+            if generation > acknowledged {
+                kept.push((generation, r));
+                continue;
+            }
+            // Every dispatcher runs a snapshot without it: this is the last
+            // reference, unless a report holds one for a moment.
+            match r {
+                Retired::Iface(i, detach) => match Arc::try_unwrap(i) {
+                    Ok(i) => i.teardown(),
+                    Err(i) => kept.push((generation, Retired::Iface(i, detach))),
+                },
+                Retired::Link(l) => match Arc::try_unwrap(l) {
+                    Ok(l) => {
+                        let name = l.name.clone();
+                        let waiting = l.teardown();
+                        for _ in 0..waiting {
+                            self.dp.drop_at(None, Drop::Down);
+                        }
+                        if waiting > 0 {
+                            tracing::info!(link = %name, "link deleted with {waiting} frame(s) unsent (counted as down)");
+                        }
+                    }
+                    Err(l) => kept.push((generation, Retired::Link(l))),
+                },
+            }
+        }
+        if !kept.is_empty() {
+            tracing::debug!("{} retired object(s) still in use; torn down after a later request", kept.len());
+        }
+        *retiring = kept;
     }
 
     /// Executes a request (one or more lines) for `caller`. On success
@@ -41,9 +89,10 @@ impl Control {
                 ));
             }
         }
-        let mut guard = self.topo.lock().unwrap_or_else(|p| p.into_inner());
-        let (current, generation) = &mut *guard;
-        let mut work = current.clone();
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
+        self.tear_down_retired(&mut state.retiring);
+        let mut work = state.topo.clone();
         let mut out = Vec::new();
         let mut changed = false;
         for (line, cmd) in &cmds {
@@ -58,18 +107,20 @@ impl Control {
             }
         }
         if changed {
-            *generation += 1;
+            state.generation += 1;
+            let generation = state.generation;
             // Publishing commits the request (the snapshot settles which
-            // persistent TAPs stay); deleted interfaces go once unused.
-            self.dp.publish(work.snapshot(*generation));
-            work.deleted.clear();
+            // persistent TAPs stay) and waits until every dispatcher runs it.
+            self.dp.publish(work.snapshot(generation));
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
                 if let LinkKind::Tcp(t) = &l.kind {
-                    t.start(self.dp.clone(), Arc::downgrade(l));
+                    t.start();
                 }
             }
-            *current = work;
+            state.retiring.extend(std::mem::take(&mut work.retired).into_iter().map(|r| (generation, r)));
+            state.topo = work;
+            self.tear_down_retired(&mut state.retiring);
             log_changes(caller, &cmds, line_text);
         }
         Ok(out)
@@ -109,11 +160,11 @@ impl Control {
         }
         if all || scope == StatsScope::Interfaces {
             for i in t.ifaces.values() {
-                let configured = t.iface_settings.get(&i.idx).copied().unwrap_or_default().effective(&t.dispatch).mode;
+                let configured = t.iface_settings.get(&i.id).copied().unwrap_or_default().effective(&t.dispatch).mode;
                 let running = if i.running_mode.load(Relaxed) == Mode::VmmDriven as u8 { Mode::VmmDriven } else { Mode::GuestDriven };
                 out.push(format!(
                     "interface {} name={} mode={} running={} mode_switches={} {}",
-                    i.idx,
+                    i.id,
                     i.name,
                     configured.name(),
                     running.name(),
@@ -124,14 +175,14 @@ impl Control {
         }
         if all || scope == StatsScope::Links {
             for l in t.links.values() {
-                out.push(format!("link {} name={} {}", l.idx, l.name, l.stats.render()));
+                out.push(format!("link {} name={} {}", l.id, l.name, l.stats.render()));
             }
         }
         if all || scope == StatsScope::Routes {
             for r in t.routes.values() {
                 out.push(format!(
                     "route {} frames={} bytes={} rule={}",
-                    r.idx,
+                    r.id,
                     r.stats.out_frames.load(Relaxed),
                     r.stats.out_bytes.load(Relaxed),
                     r.spec
@@ -142,10 +193,17 @@ impl Control {
 
     /// Removes every interface (and so every TAP vnetd made, QEMU's too);
     /// called once the dispatcher has stopped.
+    /// Tears everything down, after the dispatchers stopped.
     pub fn shutdown(&self) {
-        let mut guard = self.topo.lock().unwrap_or_else(|p| p.into_inner());
-        guard.0 = Topology::default();
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
+        let topo = std::mem::take(&mut state.topo);
         self.dp.clear();
+        // Persistent TAPs in force stay when vnetd exits (their fate was
+        // settled when they were added); only their file side closes.
+        state.retiring.extend(topo.links.into_values().map(|l| (0, Retired::Link(l))));
+        state.retiring.extend(topo.ifaces.into_values().map(|i| (0, Retired::Iface(i, true))));
+        self.tear_down_retired(&mut state.retiring);
     }
 
     /// Drops of one reason over the whole daemon (for the log at exit).
@@ -168,13 +226,13 @@ fn log_changes<'a>(caller: &Caller, cmds: &[(usize, Command)], line_text: impl F
 
 fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
     for i in t.ifaces.values() {
-        let own = t.iface_settings.get(&i.idx).copied().unwrap_or_default().render();
+        let own = t.iface_settings.get(&i.id).copied().unwrap_or_default().render();
         let attach = match i.attach {
             Attach::Netns => "netns",
             Attach::Qemu => "qemu",
         };
         let netns = i.netns.as_ref().map_or(String::new(), |n| format!(" netns={n}"));
-        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns} {own}", i.idx, i.name, i.mac, i.mtu));
+        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns} {own}", i.id, i.name, i.mac, i.mtu));
     }
 }
 
@@ -185,14 +243,20 @@ fn list_links(t: &Topology, out: &mut Vec<String>) {
             LinkKind::Vxlan { vni } => format!(" vni={vni}"),
             LinkKind::Tcp(t) => {
                 let (state, since) = t.state();
-                format!(" state={} since={:.1}s", state.name(), since.as_secs_f64())
+                format!(
+                    " state={} since={:.1}s connects={} auth_failures={}",
+                    state.name(),
+                    since.as_secs_f64(),
+                    t.connects.load(Relaxed),
+                    t.auth_failures.load(Relaxed)
+                )
             }
             LinkKind::Direct { device, .. } => format!(" device={device}"),
             LinkKind::Udp => String::new(),
         };
         out.push(format!(
             "link {} name={} proto={}{remote} mtu={} max_frame={}{extra}",
-            l.idx,
+            l.id,
             l.name,
             l.kind.name(),
             l.mtu,
@@ -203,6 +267,6 @@ fn list_links(t: &Topology, out: &mut Vec<String>) {
 
 fn list_routes(t: &Topology, out: &mut Vec<String>) {
     for r in t.routes.values() {
-        out.push(format!("route {} {}", r.idx, r.spec));
+        out.push(format!("route {} {}", r.id, r.spec));
     }
 }

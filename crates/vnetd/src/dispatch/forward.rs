@@ -14,7 +14,7 @@ use crate::link::tcp::MAX_TCP_FRAME;
 use crate::link::udp::{TxBatch, UdpEndpoint, MAX_GSO_SEGMENTS};
 use crate::nic::{send_vnet, MAX_PARTS};
 use crate::stats::{Counters, Drop};
-use crate::topology::{LinkKind, Snapshot};
+use crate::topology::{LinkKind, Slot, Snapshot};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::io::{self, IoSlice};
@@ -33,17 +33,20 @@ const MAX_GSO_BYTES: usize = 65000;
 pub struct Forwarder {
     dp: Arc<Datapath>,
     cache: RouteCache,
-    /// The destinations of the last frame routed, and for which table
-    /// generation, origin and MACs: runs of frames of one flow skip even the
-    /// cache's hash.
-    hits: Vec<Hit>,
+    /// The destinations of the last frame routed (rule index and the
+    /// destination's slot), and for which table generation, origin and MACs:
+    /// runs of frames of one flow skip even the cache's hash.
+    hits: Vec<(u32, Slot)>,
     last: Option<(u64, Port, Mac, Mac)>,
     plan: SegmentPlan,
     /// One batch per UDP socket: VNET/P v4, v6; VXLAN v4, v6.
     tx: [TxBatch; 4],
-    seg: Vec<u8>,
     coalescer: TcpCoalescer,
+    /// The id of the interface the pending run goes to (an id, not a slot:
+    /// it is looked up again in the snapshot that ends the run).
     pending_dest: u32,
+    /// Slots of TCP links given frames this pass, to write out at `flush`.
+    tcp_dirty: Vec<u32>,
     /// Queue plain link sends for one `sendmmsg` per pass (VMM-driven).
     pub batching: bool,
 }
@@ -57,37 +60,47 @@ impl Forwarder {
             last: None,
             plan: SegmentPlan::default(),
             tx: Default::default(),
-            seg: Vec::new(),
             coalescer: TcpCoalescer::default(),
             pending_dest: 0,
+            tcp_dirty: Vec::new(),
             batching: false,
         }
     }
 
-    /// Routes `frame` from `origin`; false (counted as a drop) when it cannot
-    /// be routed. The destinations are left in `self.hits`.
+    /// Routes `frame` from the port at `origin`; false (counted as a drop)
+    /// when it cannot be routed. The destinations are left in `self.hits`.
     #[inline]
-    fn route(&mut self, snap: &Snapshot, origin: Port, frame: &[u8]) -> bool {
-        let origin_stats = snap.port_stats(origin);
+    fn route(&mut self, snap: &Snapshot, origin: Slot, frame: &[u8]) -> bool {
+        let (port, origin_stats) = match origin {
+            Slot::Iface(s) => {
+                let i = &snap.ifaces[s as usize];
+                (Port::Interface(i.id), &i.stats)
+            }
+            Slot::Link(s) => {
+                let l = &snap.links[s as usize];
+                (Port::Link(l.id), &l.stats)
+            }
+        };
         origin_stats.received(frame.len());
         self.dp.global.received(frame.len());
         let Some((dst, src)) = frame_macs(frame) else {
             self.dp.drop_at(Some(origin_stats), Drop::Malformed);
             return false;
         };
-        let key = Some((snap.table.generation(), origin, src, dst));
+        let key = Some((snap.table.generation(), port, src, dst));
         if self.last != key {
-            let hits = self.cache.route(&snap.table, origin, src, dst);
+            let hits = self.cache.route(&snap.table, port, src, dst);
             self.hits.clear();
-            self.hits.extend_from_slice(hits);
+            // Every port a rule names is in the snapshot the table came from.
+            self.hits.extend(hits.iter().filter_map(|h: &Hit| Some((h.rule, snap.slot_of(h.dst)?))));
             self.last = key;
         }
         if self.hits.is_empty() {
             self.dp.drop_at(Some(origin_stats), Drop::NoRoute);
             return false;
         }
-        for h in &self.hits {
-            snap.routes[h.rule as usize].stats.sent(frame.len());
+        for &(rule, _) in &self.hits {
+            snap.routes[rule as usize].stats.sent(frame.len());
         }
         if self.hits.len() > 1 {
             self.dp.dispatch.fanout_copies.fetch_add(self.hits.len() as u64 - 1, Relaxed);
@@ -97,30 +110,32 @@ impl Forwarder {
 
     /// A frame read from a guest's NIC or a direct link, with its offload
     /// metadata.
-    pub fn from_port(&mut self, snap: &Snapshot, origin: Port, frame: &mut [u8], mut vnet: VnetHdr) {
+    pub fn from_port(&mut self, snap: &Snapshot, origin: Slot, frame: &mut [u8], mut vnet: VnetHdr) {
         if !self.route(snap, origin, frame) {
             return;
         }
         let hits = std::mem::take(&mut self.hits);
-        for h in &hits {
-            self.deliver(snap, h.dst, frame, &mut vnet);
+        for &(_, to) in &hits {
+            self.deliver(snap, to, frame, &mut vnet);
         }
         self.hits = hits;
     }
 
-    /// The frame `buf[range]` received on link `slot`. Frames of one received
-    /// run must be followed by `end_run` before `buf` changes.
+    /// The frame `buf[range]` received on the link at `slot`. Frames of one
+    /// received run must be followed by `end_run`, with the same snapshot,
+    /// before `buf` changes.
     pub fn from_link(&mut self, snap: &Snapshot, slot: u32, buf: &mut [u8], range: Range<usize>) {
-        if !self.route(snap, Port::Link(slot), &buf[range.clone()]) {
+        if !self.route(snap, Slot::Link(slot), &buf[range.clone()]) {
             return;
         }
-        if let [Hit { dst: Port::Interface(s), .. }] = self.hits[..] {
-            if self.coalescer.is_pending() && self.pending_dest == s && self.coalescer.offer(buf, range.clone()) {
+        if let [(_, Slot::Iface(s))] = self.hits[..] {
+            let id = snap.ifaces[s as usize].id;
+            if self.coalescer.is_pending() && self.pending_dest == id && self.coalescer.offer(buf, range.clone()) {
                 return;
             }
             self.end_run(snap, buf);
             if self.coalescer.offer(buf, range.clone()) {
-                self.pending_dest = s;
+                self.pending_dest = id;
                 return;
             }
         } else {
@@ -128,22 +143,37 @@ impl Forwarder {
         }
         let hits = std::mem::take(&mut self.hits);
         let mut vnet = VnetHdr::default();
-        for h in &hits {
-            self.deliver(snap, h.dst, &mut buf[range.clone()], &mut vnet);
+        for &(_, to) in &hits {
+            self.deliver(snap, to, &mut buf[range.clone()], &mut vnet);
         }
         self.hits = hits;
     }
 
-    /// Delivers the pending run of merged TCP segments, if any.
+    /// Delivers the pending run of merged TCP segments, if any, to the
+    /// interface it was routed to (by id: if that interface is gone, the
+    /// run is dropped and counted, never sent elsewhere).
     pub fn end_run(&mut self, snap: &Snapshot, buf: &[u8]) {
-        let slot = self.pending_dest;
-        let Some(iface) = snap.ifaces.get(slot as usize) else {
-            let _ = self.coalescer.take();
+        let Some(slot) = snap.iface_slot(self.pending_dest) else {
+            let frames = match self.coalescer.take() {
+                Run::Empty => 0,
+                Run::Single(_) => 1,
+                Run::Merged { frames, .. } => frames,
+            };
+            for _ in 0..frames {
+                self.dp.drop_at(None, Drop::NoRoute);
+            }
             return;
         };
+        let iface = &snap.ifaces[slot as usize];
         let (result, frames, bytes) = match self.coalescer.take() {
             Run::Empty => return,
-            Run::Single(r) => (iface.nic.send(&VnetHdr::default(), &[&buf[r.clone()]]), 1, r.len()),
+            Run::Single(r) => {
+                if r.len() > iface.max_frame() {
+                    self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
+                    return;
+                }
+                (iface.nic.send(&VnetHdr::default(), &[&buf[r.clone()]]), 1, r.len())
+            }
             Run::Merged { vnet, header, payloads, frames, frame_bytes } => {
                 let mut parts: [&[u8]; MAX_PARTS] = [&[]; MAX_PARTS];
                 parts[0] = header;
@@ -169,9 +199,9 @@ impl Forwarder {
     }
 
     #[inline]
-    fn deliver(&mut self, snap: &Snapshot, to: Port, frame: &mut [u8], vnet: &mut VnetHdr) {
+    fn deliver(&mut self, snap: &Snapshot, to: Slot, frame: &mut [u8], vnet: &mut VnetHdr) {
         match to {
-            Port::Interface(s) => {
+            Slot::Iface(s) => {
                 let iface = &snap.ifaces[s as usize];
                 if !vnet.is_gso() && frame.len() > iface.max_frame() {
                     self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
@@ -180,7 +210,7 @@ impl Forwarder {
                 let r = iface.nic.send(vnet, &[frame]);
                 self.account(&iface.stats, r.map(|_| frame.len()));
             }
-            Port::Link(s) => {
+            Slot::Link(s) => {
                 let link = &snap.links[s as usize];
                 if let LinkKind::Direct { port, .. } = &link.kind {
                     // Onto the LAN as it is; the kernel segments super-frames.
@@ -211,10 +241,12 @@ impl Forwarder {
                     LinkKind::Tcp(t) => {
                         if frame.len() > MAX_TCP_FRAME {
                             self.dp.drop_at(Some(&link.stats), Drop::Oversize);
-                        } else if !t.enqueue(frame) {
+                        } else if !t.enqueue(&[frame]) {
                             self.dp.drop_at(Some(&link.stats), Drop::QueueFull);
+                        } else {
+                            self.tcp_touched(s);
                         }
-                        // Counted as sent when the link's writer sends it.
+                        // Counted as sent when written to the connection.
                         return;
                     }
                     LinkKind::Udp => (self.dp.udp_for(&remote), if remote.is_ipv4() { 0 } else { 1 }, None),
@@ -277,13 +309,11 @@ impl Forwarder {
         let (ep, prefix) = match &link.kind {
             LinkKind::Tcp(t) => {
                 for k in 0..n {
-                    self.seg.clear();
-                    self.seg.extend_from_slice(self.plan.header(k));
-                    self.seg.extend_from_slice(&frame[self.plan.payload[k].clone()]);
-                    if !t.enqueue(&self.seg) {
+                    if !t.enqueue(&[self.plan.header(k), &frame[self.plan.payload[k].clone()]]) {
                         self.dp.drop_at(Some(&link.stats), Drop::QueueFull);
                     }
                 }
+                self.tcp_touched(slot);
                 return;
             }
             LinkKind::Udp => (self.dp.udp_for(&remote), None),
@@ -302,7 +332,7 @@ impl Forwarder {
         while i < n {
             let end = (i + per_call).min(n);
             let bytes: usize = (i..end).map(|k| self.plan.frame_len(k)).sum();
-            let result = if end - i == 1 || !self.dp.gso_ok.load(Relaxed) {
+            let result = if end - i == 1 || !link.gso_ok() {
                 self.send_each(ep, pre, frame, i, end, remote)
             } else {
                 let mut iov = [IoSlice::new(&[]); 3 * MAX_GSO_SEGMENTS];
@@ -321,11 +351,12 @@ impl Forwarder {
                         self.dp.offload.gso_sends.fetch_add(1, Relaxed);
                         Ok(())
                     }
-                    // The underlay cannot do GSO (no checksum offload, say):
-                    // send datagram by datagram from now on.
+                    // The kernel refused GSO toward this peer (no checksum
+                    // offload, or segments above the path MTU): send this
+                    // link's segments one by one for a while.
                     Err(e) if matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL)) => {
-                        tracing::info!("UDP GSO unavailable ({e}); sending segments one by one");
-                        self.dp.gso_ok.store(false, Relaxed);
+                        tracing::info!(link = %link.name, "UDP GSO refused ({e}); sending segments one by one for a while");
+                        link.gso_refused();
                         self.send_each(ep, pre, frame, i, end, remote)
                     }
                     Err(e) => Err(e),
@@ -371,8 +402,24 @@ impl Forwarder {
         }
     }
 
-    /// Sends the queued link datagrams (one `sendmmsg` per socket).
+    /// The TCP link at `slot` was given frames: write them out at `flush`.
+    #[inline]
+    fn tcp_touched(&mut self, slot: u32) {
+        if self.tcp_dirty.last() != Some(&slot) && !self.tcp_dirty.contains(&slot) {
+            self.tcp_dirty.push(slot);
+        }
+    }
+
+    /// Sends the queued link datagrams (one `sendmmsg` per socket) and
+    /// writes out the TCP links given frames (one `write` each).
     pub fn flush(&mut self, snap: &Snapshot) {
+        for slot in self.tcp_dirty.drain(..) {
+            let Some(link) = snap.links.get(slot as usize) else { continue };
+            if let LinkKind::Tcp(t) = &link.kind {
+                let w = t.write_out();
+                super::account_tcp(&self.dp, link, w);
+            }
+        }
         let dp = &self.dp;
         let eps = [dp.udp4.as_ref(), dp.udp6.as_ref(), dp.vxlan4.get(), dp.vxlan6.get()];
         for (tx, ep) in self.tx.iter_mut().zip(eps) {

@@ -9,11 +9,10 @@
 mod forward;
 mod worker;
 
-pub use forward::Forwarder;
 
-use crate::link::tcp::TcpAcceptor;
+use crate::link::tcp::{TcpAcceptor, Written};
 use crate::link::UdpEndpoint;
-use crate::topology::LinkEnv;
+use crate::topology::{Link, LinkEnv};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
 use crate::stats::{Counters, DispatchCounters, Drop, OffloadCounters};
@@ -43,8 +42,6 @@ pub struct Datapath {
     /// Accepts TCP link connections, once a TCP link exists.
     tcp_acceptor: OnceLock<TcpAcceptor>,
     tcp_port: u16,
-    /// Whether UDP GSO works on this underlay (cleared on the first refusal).
-    pub gso_ok: AtomicBool,
     workers: Vec<WorkerLink>,
     stop: AtomicBool,
 }
@@ -91,7 +88,6 @@ impl Datapath {
             vxlan_port,
             tcp_acceptor: OnceLock::new(),
             tcp_port,
-            gso_ok: AtomicBool::new(true),
             workers,
             stop: AtomicBool::new(false),
         })
@@ -150,10 +146,19 @@ impl Datapath {
         }
     }
 
-    /// Forgets the topology (after the dispatcher stopped), releasing its
-    /// interfaces and links.
+    /// The oldest generation a dispatcher still runs: objects retired
+    /// before it are used by no dispatcher.
+    pub fn acknowledged(&self) -> u64 {
+        self.workers.iter().map(|w| w.running.load(Ordering::Acquire)).min().unwrap_or(0)
+    }
+
+    /// Forgets the topology (after the dispatchers stopped): they use none
+    /// of its objects any more.
     pub fn clear(&self) {
         self.snapshot.store(Arc::new(Snapshot::empty()));
+        for w in &self.workers {
+            w.running.store(u64::MAX, Ordering::Release);
+        }
     }
 
     pub fn shutdown(&self) {
@@ -169,6 +174,15 @@ impl Datapath {
         if let Some(s) = port_stats {
             s.dropped(why);
         }
+    }
+}
+
+/// Counts what a TCP link's write took out of its send buffer as sent.
+#[inline]
+pub(crate) fn account_tcp(dp: &Datapath, link: &Link, w: Written) {
+    if w.frames > 0 {
+        link.stats.sent_many(w.frames, w.bytes);
+        dp.global.sent_many(w.frames, w.bytes);
     }
 }
 
@@ -224,9 +238,21 @@ impl LinkEnv for Arc<Datapath> {
         if self.tcp_acceptor.get().is_some() {
             return Ok(());
         }
+        // Connections from addresses with no TCP link count as datagrams
+        // from unknown senders do.
+        let dp = Arc::downgrade(self);
+        let lookup: crate::link::tcp::LinkLookup = Arc::new(move |peer| {
+            let dp = dp.upgrade()?;
+            let found = dp.snapshot().tcp_link_for(peer).cloned();
+            if found.is_none() {
+                dp.global.received(0);
+                dp.drop_at(None, Drop::UnknownSender);
+            }
+            found
+        });
         // One dual-stack listener: IPv4 peers arrive as mapped addresses.
-        let a = TcpAcceptor::start(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), self.tcp_port), self.clone())
-            .or_else(|_| TcpAcceptor::start(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), self.tcp_port), self.clone()))
+        let a = TcpAcceptor::start(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), self.tcp_port), lookup.clone())
+            .or_else(|_| TcpAcceptor::start(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), self.tcp_port), lookup))
             .map_err(|e| format!("{e:#}"))?;
         let _ = self.tcp_acceptor.set(a);
         Ok(())

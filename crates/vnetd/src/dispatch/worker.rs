@@ -1,7 +1,8 @@
 //! One dispatcher thread and its modes.
 //!
-//! The thread owns some interfaces (index modulo the number of threads;
-//! thread 0 also owns the UDP socket). Each interface runs
+//! The thread owns some interfaces, direct links and TCP links (id modulo
+//! the number of threads; thread 0 also owns the UDP sockets). Each
+//! interface runs
 //!
 //! - **guest-driven**: its NIC is in the epoll set; the thread sleeps in
 //!   `epoll_wait` and handles each frame the moment it arrives, sending it at
@@ -13,17 +14,24 @@
 //!   immediate until idle for T_nowork, then timed);
 //! - **adaptive**: guest-driven below α_l and VMM-driven above α_u packets
 //!   per second, measured over windows of ω (hysteresis in between).
+//!
+//! A TCP link's connection is a source like any other: the owning thread
+//! reads frames from it, ends each received run before it next looks at the
+//! snapshot, and writes out the link's send buffer when the socket drains.
+//!
+//! Epoll tokens carry the kind of source and its place in this thread's
+//! lists, which are rebuilt (with the epoll set) on every snapshot.
 
 use super::forward::Forwarder;
 use super::Datapath;
+use crate::link::tcp::{Conn, TcpLink};
 use crate::link::udp::{RxBatch, UdpEndpoint};
-use vnet_core::wire::{gro_segments, parse_vxlan, VXLAN_HDR_LEN};
+use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::Drop;
-use crate::topology::{IfaceDispatch, LinkKind, Snapshot};
+use crate::topology::{IfaceDispatch, LinkKind, Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
-use vnet_core::table::Port;
 use anyhow::{bail, Result};
-use std::io;
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
@@ -33,14 +41,25 @@ use vnet_core::command::{Mode, YieldStrategy};
 const TOKEN_WAKE: u64 = u64::MAX;
 /// UDP sockets: `TOKEN_SOCKET + i` for VNET/P v4, v6, VXLAN v4, v6.
 const TOKEN_SOCKET: u64 = u64::MAX - 8;
-/// Direct links: `TOKEN_LINK + slot`; interfaces use their slot.
-const TOKEN_LINK: u64 = 1 << 32;
+/// Other sources: kind in the high half, index into the thread's list of
+/// that kind in the low half.
+const KIND_NIC: u64 = 1 << 32;
+const KIND_DIRECT: u64 = 2 << 32;
+const KIND_TCP: u64 = 3 << 32;
+const KIND_TCP_EVENT: u64 = 4 << 32;
+const KIND_MASK: u64 = 0xff << 32;
 /// Room for the largest frame plus its virtio-net header.
 const BUF_LEN: usize = 65536 + 128;
+/// Bytes read from one TCP link per event (then the other sources get a turn).
+const TCP_READ_BATCH: usize = 256 << 10;
 
 /// Pins the calling thread to one CPU.
 pub fn pin_to(cpu: usize) {
-    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it.
+    if cpu >= libc::CPU_SETSIZE as usize {
+        tracing::warn!("cannot pin dispatcher to CPU {cpu}: beyond the kernel's CPU set");
+        return;
+    }
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it; cpu is in range.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
@@ -50,10 +69,13 @@ pub fn pin_to(cpu: usize) {
     }
 }
 
-/// A minimal epoll with microsecond timeouts (`epoll_pwait2`).
+/// A minimal epoll with microsecond timeouts (`epoll_pwait2`), falling back
+/// to millisecond `epoll_wait` where the kernel (before 5.11) or a seccomp
+/// profile lacks it.
 struct Epoll {
     fd: RawFd,
     events: Vec<libc::epoll_event>,
+    pwait2: bool,
 }
 
 impl Epoll {
@@ -63,16 +85,20 @@ impl Epoll {
         if fd < 0 {
             bail!("epoll_create1: {}", io::Error::last_os_error());
         }
-        Ok(Epoll { fd, events: vec![libc::epoll_event { events: 0, u64: 0 }; 64] })
+        Ok(Epoll { fd, events: vec![libc::epoll_event { events: 0, u64: 0 }; 64], pwait2: true })
     }
 
-    fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
+    fn ctl(&self, op: libc::c_int, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
         // SAFETY: ev is a valid epoll_event.
-        if unsafe { libc::epoll_ctl(self.fd, libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+        if unsafe { libc::epoll_ctl(self.fd, op, fd, &mut ev) } < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(())
+    }
+
+    fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
+        self.ctl(libc::EPOLL_CTL_ADD, fd, libc::EPOLLIN as u32, token)
     }
 
     fn del(&self, fd: RawFd) {
@@ -81,25 +107,41 @@ impl Epoll {
     }
 
     /// Waits up to `timeout` (None: forever); returns how many events.
-    fn wait(&mut self, timeout: Option<Duration>) -> usize {
-        let ts = timeout.map(|d| libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ });
-        let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
-        // SAFETY: events has room for len entries; tsp is null or valid.
-        let n = unsafe {
-            libc::syscall(
-                libc::SYS_epoll_pwait2,
-                self.fd,
-                self.events.as_mut_ptr(),
-                self.events.len() as libc::c_int,
-                tsp,
-                std::ptr::null::<libc::sigset_t>(),
-                0usize,
-            )
-        };
-        if n < 0 {
-            0
-        } else {
-            n as usize
+    fn wait(&mut self, timeout: Option<Duration>) -> io::Result<usize> {
+        loop {
+            let n = if self.pwait2 {
+                let ts = timeout.map(|d| libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ });
+                let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
+                // SAFETY: events has room for len entries; tsp is null or valid.
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_epoll_pwait2,
+                        self.fd,
+                        self.events.as_mut_ptr(),
+                        self.events.len() as libc::c_int,
+                        tsp,
+                        std::ptr::null::<libc::sigset_t>(),
+                        0usize,
+                    ) as libc::c_int
+                }
+            } else {
+                // Round up, so that a short sleep is not a busy spin.
+                let ms = timeout.map_or(-1, |d| d.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int);
+                // SAFETY: events has room for len entries.
+                unsafe { libc::epoll_wait(self.fd, self.events.as_mut_ptr(), self.events.len() as libc::c_int, ms) }
+            };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) => return Ok(0),
+                Some(libc::ENOSYS | libc::EPERM) if self.pwait2 => {
+                    tracing::info!("epoll_pwait2 unavailable ({e}); waiting with epoll_wait (millisecond timeouts)");
+                    self.pwait2 = false;
+                }
+                _ => return Err(e),
+            }
         }
     }
 }
@@ -114,6 +156,7 @@ impl std::ops::Drop for Epoll {
 /// This thread's view of one interface it owns.
 #[derive(Clone)]
 struct Owned {
+    id: u32,
     slot: u32,
     fd: RawFd,
     settings: IfaceDispatch,
@@ -124,6 +167,18 @@ struct Owned {
     window_start: Instant,
 }
 
+/// This thread's side of one TCP link it owns: the connection it watches
+/// and the stream's partial frame. Kept across snapshots while the link is.
+struct TcpPort {
+    id: u32,
+    slot: u32,
+    link: Arc<TcpLink>,
+    conn: Option<Conn>,
+    /// Watching for the socket to drain (EPOLLOUT).
+    want_out: bool,
+    framer: TcpFramer,
+}
+
 struct Worker {
     dp: Arc<Datapath>,
     index: usize,
@@ -132,6 +187,7 @@ struct Worker {
     owned: Vec<Owned>,
     /// Direct links this thread reads: (slot, fd).
     direct: Vec<(u32, RawFd)>,
+    tcp: Vec<TcpPort>,
     /// Which of the four UDP sockets are in the epoll set.
     sockets: [bool; 4],
     fwd: Forwarder,
@@ -152,21 +208,21 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         snap,
         owned: Vec::new(),
         direct: Vec::new(),
+        tcp: Vec::new(),
         sockets: [false; 4],
         buf: vec![0u8; BUF_LEN],
         rx: RxBatch::default(),
         last_work: Instant::now(),
     };
     w.reload();
-    w.run();
-    Ok(())
+    w.run()
 }
 
 impl Worker {
-    fn run(&mut self) {
+    fn run(&mut self) -> Result<()> {
         loop {
             if self.dp.stop.load(Acquire) {
-                return;
+                return Ok(());
             }
             let d = self.snap.dispatch;
             let polling = self.owned.iter().any(|o| o.polled);
@@ -197,27 +253,50 @@ impl Worker {
                     }
                 }
             }
-            let n = self.epoll.wait(timeout);
+            let n = match self.epoll.wait(timeout) {
+                Ok(n) => n,
+                Err(e) => bail!("epoll wait failed: {e}"),
+            };
             if n > 0 {
                 self.dp.dispatch.wakeups.fetch_add(1, Relaxed);
             }
             let mut woken = false;
             for i in 0..n {
-                let token = self.epoll.events[i].u64;
-                match token {
-                    TOKEN_WAKE => woken = true,
-                    t if t >= TOKEN_SOCKET => {
-                        self.fwd.batching = polling;
-                        self.drain_socket((t - TOKEN_SOCKET) as usize);
+                let ev = self.epoll.events[i];
+                let token = ev.u64;
+                if token == TOKEN_WAKE {
+                    woken = true;
+                    continue;
+                }
+                if token >= TOKEN_SOCKET {
+                    self.fwd.batching = polling;
+                    self.drain_socket((token - TOKEN_SOCKET) as usize);
+                    continue;
+                }
+                let at = (token & 0xffff_ffff) as usize;
+                self.fwd.batching = false;
+                match token & KIND_MASK {
+                    KIND_NIC => {
+                        if let Some(o) = self.owned.get(at) {
+                            let slot = o.slot;
+                            self.drain_nic(slot);
+                        }
                     }
-                    t if t >= TOKEN_LINK => {
-                        self.fwd.batching = false;
-                        self.drain_direct((t - TOKEN_LINK) as u32);
+                    KIND_DIRECT => {
+                        if let Some(&(slot, _)) = self.direct.get(at) {
+                            self.drain_direct(slot);
+                        }
                     }
-                    slot => {
-                        self.fwd.batching = false;
-                        self.drain_nic(slot as u32);
+                    KIND_TCP => {
+                        if ev.events & libc::EPOLLOUT as u32 != 0 {
+                            self.tcp_writable(at);
+                        }
+                        if ev.events & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR | libc::EPOLLRDHUP) as u32 != 0 {
+                            self.drain_tcp(at);
+                        }
                     }
+                    KIND_TCP_EVENT => self.tcp_event(at),
+                    _ => {}
                 }
             }
             self.fwd.flush(&self.snap);
@@ -251,7 +330,7 @@ impl Worker {
         work
     }
 
-    /// Takes up to `quota` frames from a NIC; returns how many.
+    /// Takes up to `quota` frames from the NIC at `slot`; returns how many.
     fn drain_nic(&mut self, slot: u32) -> usize {
         let snap = &self.snap;
         let Some(iface) = snap.ifaces.get(slot as usize) else { return 0 };
@@ -261,7 +340,7 @@ impl Worker {
             match iface.nic.recv(&mut self.buf) {
                 Ok(rx) => {
                     n += 1;
-                    self.fwd.from_port(snap, Port::Interface(slot), &mut self.buf[rx.start..rx.end], rx.vnet);
+                    self.fwd.from_port(snap, Slot::Iface(slot), &mut self.buf[rx.start..rx.end], rx.vnet);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
@@ -280,12 +359,11 @@ impl Worker {
         n
     }
 
-
     /// Takes up to `quota` datagrams from UDP socket `i` (GRO runs count as
     /// their datagrams); returns how many.
     fn drain_socket(&mut self, i: usize) -> usize {
-        let dp = self.dp.clone();
-        let Some(ep) = socket(&dp, i) else { return 0 };
+        let dp = &*self.dp;
+        let Some(ep) = socket(dp, i) else { return 0 };
         let is_vxlan = i >= 2;
         let snap = &self.snap;
         let quota = snap.dispatch.quota as usize;
@@ -348,7 +426,7 @@ impl Worker {
         frames
     }
 
-    /// Takes up to `quota` frames from a direct link's device.
+    /// Takes up to `quota` frames from the direct link at `slot`.
     fn drain_direct(&mut self, slot: u32) -> usize {
         let snap = &self.snap;
         let Some(link) = snap.links.get(slot as usize) else { return 0 };
@@ -360,7 +438,7 @@ impl Worker {
                 Ok(len) => {
                     n += 1;
                     let Some(vnet) = VnetHdr::parse(&self.buf[..len]) else { continue };
-                    self.fwd.from_port(snap, Port::Link(slot), &mut self.buf[VNET_HDR_LEN..len], vnet);
+                    self.fwd.from_port(snap, Slot::Link(slot), &mut self.buf[VNET_HDR_LEN..len], vnet);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
@@ -375,8 +453,115 @@ impl Worker {
         n
     }
 
-    /// Picks up a new snapshot: which interfaces this thread owns, in which
-    /// mode, and the epoll set to match.
+    /// Reads what the TCP link `tcp[at]`'s connection has (up to
+    /// `TCP_READ_BATCH` bytes) and routes the complete frames as one run.
+    fn drain_tcp(&mut self, at: usize) {
+        let snap = &self.snap;
+        let Some(port) = self.tcp.get_mut(at) else { return };
+        let Some(conn) = port.conn.clone() else { return };
+        let link = &snap.links[port.slot as usize];
+        let mut read = 0;
+        let mut ended = false;
+        while read < TCP_READ_BATCH {
+            port.framer.compact();
+            let r = (&*conn.stream).read(port.framer.spare());
+            let n = match r {
+                Ok(0) => {
+                    ended = true;
+                    break;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::info!(link = %link.name, "TCP link read failed: {e}");
+                    ended = true;
+                    break;
+                }
+            };
+            read += n;
+            port.framer.filled(n);
+            let mut bad = None;
+            while let Some(f) = port.framer.next_frame() {
+                match f {
+                    Ok(r) => self.fwd.from_link(snap, port.slot, port.framer.buf_mut(), r),
+                    Err(b) => {
+                        bad = Some(b);
+                        break;
+                    }
+                }
+            }
+            // The run ends with what this read brought: a complete frame
+            // never waits for the next one, nor for another snapshot.
+            self.fwd.end_run(snap, port.framer.buf());
+            if let Some(b) = bad {
+                // The stream is out of step: nothing after this can be trusted.
+                self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+                tracing::warn!(link = %link.name, len = b.0, "bad frame length on TCP link; reconnecting");
+                ended = true;
+                break;
+            }
+        }
+        if ended {
+            port.link.lost(conn.id);
+            self.sync_tcp(at);
+        }
+    }
+
+    /// The TCP link `tcp[at]`'s socket drained: write out what waits.
+    fn tcp_writable(&mut self, at: usize) {
+        let Some(port) = self.tcp.get(at) else { return };
+        let link = &self.snap.links[port.slot as usize];
+        let w = port.link.write_out();
+        super::account_tcp(&self.dp, link, w);
+        if !w.blocked {
+            self.sync_tcp(at);
+        }
+    }
+
+    /// The TCP link `tcp[at]` signalled: its connection changed, or frames
+    /// wait for the socket.
+    fn tcp_event(&mut self, at: usize) {
+        if let Some(port) = self.tcp.get(at) {
+            port.link.clear_event();
+            self.sync_tcp(at);
+        }
+    }
+
+    /// Brings this thread's watch of `tcp[at]` in line with the link: the
+    /// live connection in the epoll set, with EPOLLOUT while frames wait.
+    fn sync_tcp(&mut self, at: usize) {
+        let Some(port) = self.tcp.get_mut(at) else { return };
+        let live = port.link.conn();
+        let same = matches!((&port.conn, &live), (Some(a), Some(b)) if a.id == b.id);
+        if !same {
+            if let Some(old) = port.conn.take() {
+                self.epoll.del(old.stream.as_raw_fd());
+            }
+            port.framer.reset();
+            port.want_out = false;
+            if let Some(c) = live {
+                let ev = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+                if self.epoll.ctl(libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
+                    port.conn = Some(c);
+                }
+            }
+        }
+        let Some(c) = &port.conn else { return };
+        let want_out = port.link.has_pending();
+        if want_out != port.want_out {
+            let mut ev = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+            if want_out {
+                ev |= libc::EPOLLOUT as u32;
+            }
+            if self.epoll.ctl(libc::EPOLL_CTL_MOD, c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
+                port.want_out = want_out;
+            }
+        }
+    }
+
+    /// Picks up a new snapshot: which interfaces and links this thread
+    /// owns, in which mode, and the epoll set to match.
     fn reload(&mut self) {
         let next = self.dp.snapshot();
         for o in &self.owned {
@@ -385,14 +570,16 @@ impl Worker {
             }
         }
         let workers = self.dp.worker_count();
+        let me = self.index;
+        let mine = |id: u32| id as usize % workers == me;
         let mut owned = Vec::new();
         for (slot, iface) in next.ifaces.iter().enumerate() {
-            if iface.idx as usize % workers != self.index {
+            if !mine(iface.id) {
                 continue;
             }
             let settings = next.iface_dispatch[slot];
             // An interface keeps its running mode across unrelated changes.
-            let was = self.owned.iter().find(|o| std::ptr::eq(&*self.snap.ifaces[o.slot as usize], &**iface));
+            let was = self.owned.iter().find(|o| o.id == iface.id);
             let was_polled = was.map(|o| o.polled);
             let polled = match settings.mode {
                 Mode::GuestDriven => false,
@@ -400,13 +587,13 @@ impl Worker {
                 Mode::Adaptive => was_polled.unwrap_or(false),
             };
             let fd = iface.nic.as_raw_fd();
-            if !polled && self.epoll.add(fd, slot as u64).is_err() {
+            if !polled && self.epoll.add(fd, KIND_NIC | owned.len() as u64).is_err() {
                 tracing::warn!(iface = %iface.name, "cannot watch NIC");
             }
             iface.running_mode.store(if polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);
             let count = iface.stats.in_frames.load(Relaxed) + iface.stats.out_frames.load(Relaxed);
             let window_start = was.map_or_else(Instant::now, |o| o.window_start);
-            owned.push(Owned { slot: slot as u32, fd, settings, polled, window_count: count, window_start });
+            owned.push(Owned { id: iface.id, slot: slot as u32, fd, settings, polled, window_count: count, window_start });
         }
         self.owned = owned;
         // Direct links, spread over threads like interfaces.
@@ -416,13 +603,55 @@ impl Worker {
         self.direct.clear();
         for (slot, link) in next.links.iter().enumerate() {
             if let LinkKind::Direct { port, .. } = &link.kind {
-                if link.idx as usize % workers == self.index {
+                if mine(link.id) {
                     let fd = port.as_raw_fd();
-                    if self.epoll.add(fd, TOKEN_LINK + slot as u64).is_ok() {
+                    if self.epoll.add(fd, KIND_DIRECT | self.direct.len() as u64).is_ok() {
                         self.direct.push((slot as u32, fd));
                     }
                 }
             }
+        }
+        // TCP links: keep each one's stream state while the link stays.
+        let mut old = std::mem::take(&mut self.tcp);
+        for p in &old {
+            self.epoll.del(p.link.event_fd());
+            if let Some(c) = &p.conn {
+                self.epoll.del(c.stream.as_raw_fd());
+            }
+        }
+        for (slot, link) in next.links.iter().enumerate() {
+            let LinkKind::Tcp(t) = &link.kind else { continue };
+            if !mine(link.id) {
+                continue;
+            }
+            let at = self.tcp.len();
+            let mut port = match old.iter().position(|p| p.id == link.id && Arc::ptr_eq(&p.link, t)) {
+                Some(i) => old.swap_remove(i),
+                None => TcpPort {
+                    id: link.id,
+                    slot: 0,
+                    link: t.clone(),
+                    conn: None,
+                    want_out: false,
+                    framer: TcpFramer::new(TCP_READ_BATCH),
+                },
+            };
+            port.slot = slot as u32;
+            // Re-added below with this thread's new token.
+            let conn = port.conn.take();
+            port.want_out = false;
+            if self.epoll.add(t.event_fd(), KIND_TCP_EVENT | at as u64).is_err() {
+                tracing::warn!(link = %link.name, "cannot watch TCP link");
+            }
+            self.tcp.push(port);
+            if let Some(c) = conn {
+                // Same connection: keep its partial frame.
+                let ev = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+                if self.epoll.ctl(libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
+                    self.tcp[at].conn = Some(c);
+                }
+            }
+            self.sync_tcp(at);
         }
         // Thread 0 serves the UDP sockets, VXLAN's once they exist.
         if self.index == 0 {
@@ -442,7 +671,7 @@ impl Worker {
     /// its packet rate crossed α_u (up) or α_l (down).
     fn adapt(&mut self) {
         let now = Instant::now();
-        for o in &mut self.owned {
+        for (at, o) in self.owned.iter_mut().enumerate() {
             let d = o.settings;
             let elapsed = now.duration_since(o.window_start);
             if elapsed < Duration::from_millis(d.window_ms as u64) {
@@ -463,7 +692,7 @@ impl Worker {
             o.polled = !o.polled;
             if o.polled {
                 self.epoll.del(o.fd);
-            } else if self.epoll.add(o.fd, o.slot as u64).is_err() {
+            } else if self.epoll.add(o.fd, KIND_NIC | at as u64).is_err() {
                 tracing::warn!(iface = %iface.name, "cannot watch NIC");
             }
             iface.running_mode.store(if o.polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);

@@ -2,28 +2,64 @@
 //! where UDP does not pass. Each frame is sent as a 4-byte big-endian length
 //! and the frame.
 //!
-//! Either side may initiate: each side both connects to its peer (with
-//! exponential backoff) and accepts from it (`TcpAcceptor`). If both
-//! connections come up, both sides keep the one initiated by the peer with
-//! the lower address, so they always agree. Frames sent while the link is not
-//! up wait in a bounded queue; what does not fit is dropped and counted.
+//! **Who may connect.** A connection carries frames only after the key
+//! handshake of `vnet_core::linkauth`: both ends prove they hold the link's
+//! key. A process at the peer's address without the key gets nothing and
+//! never replaces the live connection.
+//!
+//! **Who does what.** Connecting (with exponential backoff) and the
+//! handshakes run on control threads: one connector per link and the
+//! acceptor's handshake threads. Once authenticated, the connection is
+//! non-blocking and belongs to the datapath: the dispatcher thread that owns
+//! the link reads it from its epoll set (frames are routed like any link's),
+//! and any dispatcher appends frames to the link's send buffer, written out
+//! in one `write` per pass. The link's event fd tells the owning dispatcher
+//! when the connection changed or the buffer waits for the socket.
+//!
+//! **Both sides connect.** If both connections come up, both sides keep the
+//! one initiated by the peer with the lower address, so they always agree;
+//! an authenticated connection from the peer replaces an older one of the
+//! peer's (it restarted).
+//!
+//! **Bounded.** Frames sent while the link is down wait in the send buffer,
+//! at most `TX_BUDGET` bytes; what does not fit is dropped and counted. A
+//! peer that stops reading is cut off after `USER_TIMEOUT`
+//! (`TCP_USER_TIMEOUT`), a silent one by keepalive.
+//!
+//! This module knows nothing of the topology or the dispatcher: its callers
+//! count frames and find links (`TcpAcceptor::start` takes a lookup).
 
-use crate::dispatch::{Datapath, Forwarder};
-use crate::stats::Drop;
-use crate::topology::Link;
 use anyhow::{Context, Result};
-use std::collections::VecDeque;
-use std::io::{self, BufWriter, Read, Write};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use socket2::{SockRef, TcpKeepalive};
+use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use vnet_core::linkauth::{self, Nonce};
 
-/// Frames waiting to be sent on one link, at most.
-pub const QUEUE_FRAMES: usize = 4096;
 pub use vnet_core::wire::MAX_TCP_FRAME;
+/// Bytes (frames and their length prefixes) a link's send buffer holds at
+/// most, while the link is down or the peer is slow.
+pub const TX_BUDGET: usize = 4 << 20;
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// A handshake must finish within this, or the connection is closed.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Data unacknowledged this long ends the connection (`TCP_USER_TIMEOUT`).
+pub const USER_TIMEOUT: Duration = Duration::from_secs(15);
+/// Keepalive: first probe after this much silence, then every
+/// `KEEPALIVE_INTERVAL`, `KEEPALIVE_PROBES` times.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_PROBES: u32 = 3;
+/// Handshakes of incoming connections in progress at once, at most.
+const MAX_HANDSHAKES: usize = 32;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum State {
@@ -44,331 +80,649 @@ impl State {
     }
 }
 
-struct Conn {
-    stream: TcpStream,
-    /// Whether we initiated it.
-    outgoing: bool,
-    /// Bumped for every connection, so a reader knows when it is stale.
-    id: u64,
+/// A link's key, read from its key file.
+#[derive(Clone)]
+pub struct LinkKey(Arc<[u8]>);
+
+impl LinkKey {
+    /// Reads key file `name` from `dir`. The file must be a regular file
+    /// (not a link) owned by vnetd's user and readable by nobody else; its
+    /// bytes, less one trailing newline, are the key (16 bytes at least).
+    pub fn load(dir: &Path, name: &str) -> Result<LinkKey, String> {
+        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+        let path = dir.join(name);
+        let shown = path.display();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(|e| format!("cannot open key file {shown}: {e} (see --link-key-dir)"))?;
+        let meta = f.metadata().map_err(|e| format!("key file {shown}: {e}"))?;
+        if !meta.file_type().is_file() {
+            return Err(format!("key file {shown} is not a regular file"));
+        }
+        let me = nix::unistd::geteuid().as_raw();
+        if meta.uid() != me {
+            return Err(format!("key file {shown} is owned by uid {}, not vnetd's uid {me}", meta.uid()));
+        }
+        if meta.mode() & 0o077 != 0 {
+            return Err(format!("key file {shown} is mode {:o}: others may read it (chmod 600)", meta.mode() & 0o777));
+        }
+        let mut key = Vec::new();
+        f.take(4097).read_to_end(&mut key).map_err(|e| format!("cannot read key file {shown}: {e}"))?;
+        if key.len() > 4096 {
+            return Err(format!("key file {shown} is longer than 4096 bytes"));
+        }
+        if key.last() == Some(&b'\n') {
+            key.pop();
+        }
+        if key.len() < linkauth::MIN_KEY_LEN {
+            return Err(format!("key file {shown} holds {} bytes; a key has {} at least", key.len(), linkauth::MIN_KEY_LEN));
+        }
+        Ok(LinkKey(key.into()))
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The live connection, as the datapath sees it.
+#[derive(Clone)]
+pub struct Conn {
+    pub stream: Arc<TcpStream>,
+    /// Bumped for every connection, so a dispatcher knows when its is stale.
+    pub id: u64,
 }
 
 struct Shared {
-    queue: VecDeque<Vec<u8>>,
-    /// Buffers of frames already sent, reused for the next ones, so that
-    /// queueing a frame does not allocate.
-    free: Vec<Vec<u8>>,
+    /// Frames waiting: `buf[head..]`, each a length prefix and the frame.
+    /// `buf[boundary..]` starts at a frame: the one `head` is in.
+    buf: Vec<u8>,
+    head: usize,
+    boundary: usize,
     conn: Option<Conn>,
+    /// Whether we initiated the live connection.
+    outgoing: bool,
     state: State,
     since: Instant,
     next_id: u64,
+    /// Our address on the last connection (for the tie-break).
+    local_ip: Option<IpAddr>,
+}
+
+/// Frames and bytes a write took out of the send buffer.
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    pub frames: usize,
+    pub bytes: usize,
+    /// The socket took less than was waiting: the rest waits for it to
+    /// drain (the owning dispatcher watches for that).
+    pub blocked: bool,
+    /// The connection failed while writing (it is now forgotten).
+    pub failed: bool,
 }
 
 pub struct TcpLink {
     remote: SocketAddr,
-    local_ip: Mutex<Option<IpAddr>>,
+    key: LinkKey,
     shared: Mutex<Shared>,
+    /// Wakes the connector (connection lost, link stopped).
     wake: Condvar,
+    /// Tells the owning dispatcher: the connection changed, or the send
+    /// buffer waits for the socket.
+    event: EventFd,
     stop: AtomicBool,
-    started: AtomicBool,
+    connector: Mutex<Option<JoinHandle<()>>>,
+    /// Handshakes that failed (wrong key, not VNET, timeout).
+    pub auth_failures: AtomicU64,
+    /// Connections that came up.
+    pub connects: AtomicU64,
 }
 
 impl TcpLink {
-    pub fn new(remote: SocketAddr) -> Arc<TcpLink> {
-        Arc::new(TcpLink {
+    pub fn new(remote: SocketAddr, key: LinkKey) -> Result<Arc<TcpLink>, String> {
+        let event = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+            .map_err(|e| format!("eventfd: {e}"))?;
+        Ok(Arc::new(TcpLink {
             remote,
-            local_ip: Mutex::new(None),
+            key,
             shared: Mutex::new(Shared {
-                queue: VecDeque::new(),
-                free: Vec::new(),
+                buf: Vec::new(),
+                head: 0,
+                boundary: 0,
                 conn: None,
+                outgoing: false,
                 state: State::Connecting,
                 since: Instant::now(),
                 next_id: 0,
+                local_ip: None,
             }),
             wake: Condvar::new(),
+            event,
             stop: AtomicBool::new(false),
-            started: AtomicBool::new(false),
-        })
+            connector: Mutex::new(None),
+            auth_failures: AtomicU64::new(0),
+            connects: AtomicU64::new(0),
+        }))
     }
 
-    /// Starts the link's connection manager (and so its readers). `link` is
-    /// the topology's link object, for counters and to find its slot.
-    pub fn start(self: &Arc<TcpLink>, dp: Arc<Datapath>, link: Weak<Link>) {
-        if self.started.swap(true, Relaxed) {
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts the link's connector (once the link is in force).
+    pub fn start(self: &Arc<TcpLink>) {
+        let mut c = self.connector.lock().unwrap_or_else(|p| p.into_inner());
+        if c.is_some() {
             return;
         }
         let me = self.clone();
-        let _ = std::thread::Builder::new()
-            .name("tcp-link".into())
-            .spawn(move || me.manage(dp, link));
+        *c = std::thread::Builder::new().name("tcp-link".into()).spawn(move || me.connect_loop()).ok();
     }
 
-    /// Stops the link's threads and closes its connection.
-    pub fn stop(&self) {
+    /// Retires the link: stops its connector, closes the
+    /// connection, and returns how many frames were still waiting (the
+    /// caller counts them as dropped). Called by the control plane once no
+    /// dispatcher uses the link.
+    pub fn stop(&self) -> usize {
         self.stop.store(true, Relaxed);
-        let mut s = self.shared.lock().unwrap();
-        if let Some(c) = s.conn.take() {
-            let _ = c.stream.shutdown(Shutdown::Both);
-        }
-        // The manager counts what is still queued as it exits.
+        let waiting = {
+            let mut s = self.lock();
+            if let Some(c) = s.conn.take() {
+                let _ = c.stream.shutdown(Shutdown::Both);
+            }
+            let n = frames_in(&s.buf[s.boundary..]);
+            s.buf = Vec::new();
+            s.head = 0;
+            s.boundary = 0;
+            n
+        };
         self.wake.notify_all();
+        // The connector sees the flag at once, unless it is inside a connect
+        // or a handshake (bounded by their timeouts): then it is left to end
+        // by itself; it installs nothing once stopped.
+        if let Some(h) = self.connector.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let deadline = Instant::now() + Duration::from_millis(200);
+            while !h.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
+        }
+        waiting
     }
 
     pub fn state(&self) -> (State, Duration) {
-        let s = self.shared.lock().unwrap();
+        let s = self.lock();
         (s.state, s.since.elapsed())
     }
 
-    /// Queues a frame; false if the queue is full (the caller counts the drop).
-    pub fn enqueue(&self, frame: &[u8]) -> bool {
-        let mut s = self.shared.lock().unwrap();
-        if s.queue.len() >= QUEUE_FRAMES {
+    /// The event fd the owning dispatcher watches.
+    pub fn event_fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+
+    /// Clears the event fd (the owning dispatcher, before looking).
+    pub fn clear_event(&self) {
+        let mut v = [0u8; 8];
+        // SAFETY: reading the eventfd's 8-byte counter into a local.
+        unsafe { libc::read(self.event.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+    }
+
+    fn signal(&self) {
+        let _ = self.event.write(1);
+    }
+
+    /// The live connection, if any.
+    pub fn conn(&self) -> Option<Conn> {
+        self.lock().conn.clone()
+    }
+
+    /// Whether frames wait to be written.
+    pub fn has_pending(&self) -> bool {
+        let s = self.lock();
+        s.head < s.buf.len()
+    }
+
+    /// Appends a frame to the send buffer; false if it does not fit the
+    /// budget (the caller counts the drop). Written by `write_out`.
+    pub fn enqueue(&self, parts: &[&[u8]]) -> bool {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let mut s = self.lock();
+        if s.buf.len() - s.boundary + 4 + len > TX_BUDGET {
             return false;
         }
-        let mut buf = s.free.pop().unwrap_or_default();
-        buf.clear();
-        buf.extend_from_slice(frame);
-        s.queue.push_back(buf);
-        drop(s);
-        self.wake.notify_one();
+        if s.head == s.buf.len() {
+            s.buf.clear();
+            s.head = 0;
+            s.boundary = 0;
+        } else if s.boundary > TX_BUDGET {
+            // Drop what was written, so the buffer stays within twice the budget.
+            let b = s.boundary;
+            s.buf.drain(..b);
+            s.head -= b;
+            s.boundary = 0;
+        }
+        s.buf.extend_from_slice(&(len as u32).to_be_bytes());
+        for p in parts {
+            s.buf.extend_from_slice(p);
+        }
         true
     }
 
-    fn set_state(s: &mut Shared, state: State) {
-        if s.state != state {
-            s.state = state;
-            s.since = Instant::now();
+    /// Writes what the send buffer holds to the live connection, without
+    /// blocking; returns the complete frames written.
+    pub fn write_out(&self) -> Written {
+        let mut s = self.lock();
+        let mut w = Written::default();
+        let Some(conn) = s.conn.clone() else { return w };
+        while s.head < s.buf.len() {
+            let r = (&*conn.stream).write(&s.buf[s.head..]);
+            match r {
+                Ok(0) => break,
+                Ok(n) => s.head += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    w.blocked = true;
+                    break;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::info!(remote = %self.remote, "TCP link write failed: {e}");
+                    w.failed = true;
+                    break;
+                }
+            }
+        }
+        // Count the frames now wholly written.
+        while let Some(p) = s.buf.get(s.boundary..s.boundary + 4) {
+            let n = u32::from_be_bytes(p.try_into().expect("4 bytes")) as usize;
+            if s.boundary + 4 + n > s.head {
+                break;
+            }
+            s.boundary += 4 + n;
+            w.frames += 1;
+            w.bytes += n;
+        }
+        if w.failed {
+            Self::forget(&mut s, conn.id, &self.remote);
+            drop(s);
+            self.wake.notify_all();
+            self.signal();
+        } else if w.blocked {
+            // The owning dispatcher waits for the socket to drain.
+            drop(s);
+            self.signal();
+        }
+        w
+    }
+
+    /// Connection `id` failed or ended (a dispatcher saw it): forget it; the
+    /// connector reconnects.
+    pub fn lost(&self, id: u64) {
+        let mut s = self.lock();
+        Self::forget(&mut s, id, &self.remote);
+        drop(s);
+        self.wake.notify_all();
+        self.signal();
+    }
+
+    fn forget(s: &mut Shared, id: u64, remote: &SocketAddr) {
+        if s.conn.as_ref().is_some_and(|c| c.id == id) {
+            if let Some(c) = s.conn.take() {
+                let _ = c.stream.shutdown(Shutdown::Both);
+            }
+            // The frame half written goes again, whole, on the next connection.
+            s.head = s.boundary;
+            set_state(s, State::Down);
+            tracing::info!(%remote, "TCP link down");
         }
     }
 
-    /// An accepted connection from the peer: keep it unless we already have
-    /// the connection the tie-break prefers.
-    pub fn offer(&self, stream: TcpStream) {
-        let ours = *self.local_ip.lock().unwrap();
-        let mut s = self.shared.lock().unwrap();
-        let prefer_incoming = match (&s.conn, ours) {
-            (None, _) => true,
-            (Some(c), _) if !c.outgoing => true, // a newer connection from the peer replaces its old one
+    /// Installs an authenticated connection (`outgoing` if we initiated it)
+    /// unless the live one is preferred; returns whether it was installed.
+    fn install(&self, stream: TcpStream, outgoing: bool) -> bool {
+        let local = stream.local_addr().ok().map(|a| a.ip().to_canonical());
+        let mut s = self.lock();
+        if self.stop.load(Relaxed) {
+            return false;
+        }
+        s.local_ip = local.or(s.local_ip);
+        let take = match (&s.conn, s.outgoing, outgoing) {
+            (None, _, _) => true,
+            // The peer's newer connection replaces its older one (it restarted).
+            (Some(_), false, false) => true,
+            // Ours again (cannot happen: we connect only when down).
+            (Some(_), true, true) => true,
             // Both exist: keep the one the lower address initiated.
-            (Some(_), Some(local)) => self.remote.ip() < local,
-            (Some(_), None) => false,
+            (Some(_), _, _) => {
+                let peer_lower = s.local_ip.is_some_and(|l| self.remote.ip().to_canonical() < l);
+                if outgoing {
+                    !peer_lower
+                } else {
+                    peer_lower
+                }
+            }
         };
-        if !prefer_incoming {
+        if !take {
             let _ = stream.shutdown(Shutdown::Both);
-            return;
+            return false;
+        }
+        if stream.set_nonblocking(true).is_err() {
+            return false;
         }
         if let Some(old) = s.conn.take() {
             let _ = old.stream.shutdown(Shutdown::Both);
         }
         s.next_id += 1;
-        let id = s.next_id;
-        s.conn = Some(Conn { stream, outgoing: false, id });
-        Self::set_state(&mut s, State::Up);
+        s.conn = Some(Conn { stream: Arc::new(stream), id: s.next_id });
+        s.outgoing = outgoing;
+        s.head = s.boundary;
+        set_state(&mut s, State::Up);
         drop(s);
-        self.wake.notify_all();
+        self.connects.fetch_add(1, Relaxed);
+        tracing::info!(remote = %self.remote, outgoing, "TCP link up");
+        self.signal();
+        true
     }
 
-    /// The manager: keeps a connection up and writes queued frames to it.
-    /// When the link is deleted, the frames it still held are counted as
-    /// dropped (`down`, in the global counters: the link's go with it).
-    fn manage(self: Arc<TcpLink>, dp: Arc<Datapath>, link: Weak<Link>) {
-        self.manage_until_stopped(&dp, link);
-        let left = std::mem::take(&mut self.shared.lock().unwrap().queue);
-        for _ in &left {
-            dp.drop_at(None, Drop::Down);
-        }
-    }
-
-    fn manage_until_stopped(self: &Arc<TcpLink>, dp: &Arc<Datapath>, link: Weak<Link>) {
+    /// The connector: while the link has no connection, connect (with
+    /// backoff) and run the handshake as initiator.
+    fn connect_loop(self: Arc<TcpLink>) {
         let mut backoff = BACKOFF_MIN;
-        let mut next_attempt = Instant::now();
-        let mut reader_for = 0u64;
-        let mut writer: Option<(u64, BufWriter<TcpStream>)> = None;
         while !self.stop.load(Relaxed) {
-            let mut s = self.shared.lock().unwrap();
-            // Start a reader for a new connection.
-            if let Some(c) = &s.conn {
-                if c.id != reader_for {
-                    reader_for = c.id;
-                    if let Ok(r) = c.stream.try_clone() {
-                        let (me, dp, link, id) = (self.clone(), dp.clone(), link.clone(), c.id);
-                        let _ = std::thread::Builder::new().name("tcp-link-rx".into()).spawn(move || me.read(r, id, dp, link));
-                    }
-                    writer = c.stream.try_clone().ok().map(|w| (c.id, BufWriter::with_capacity(256 << 10, w)));
+            {
+                let mut s = self.lock();
+                while s.conn.is_some() && !self.stop.load(Relaxed) {
+                    s = self.wake.wait_timeout(s, Duration::from_secs(1)).unwrap_or_else(|p| p.into_inner()).0;
                     backoff = BACKOFF_MIN;
                 }
+                if self.stop.load(Relaxed) {
+                    return;
+                }
+                set_state(&mut s, State::Connecting);
             }
-            if s.conn.is_none() {
-                writer = None;
-                if Instant::now() >= next_attempt {
-                    Self::set_state(&mut s, State::Connecting);
-                    drop(s);
-                    let attempt = TcpStream::connect_timeout(&self.remote, Duration::from_secs(2));
-                    s = self.shared.lock().unwrap();
-                    match attempt {
-                        Ok(stream) if s.conn.is_none() => {
-                            let _ = stream.set_nodelay(true);
-                            *self.local_ip.lock().unwrap() = stream.local_addr().ok().map(|a| a.ip());
-                            s.next_id += 1;
-                            let id = s.next_id;
-                            s.conn = Some(Conn { stream, outgoing: true, id });
-                            Self::set_state(&mut s, State::Up);
-                            tracing::info!(remote = %self.remote, "TCP link up");
-                        }
-                        Ok(stream) => {
-                            // The peer connected meanwhile: keep one by the rule.
-                            let local = stream.local_addr().ok().map(|a| a.ip());
-                            *self.local_ip.lock().unwrap() = local;
-                            if local.is_some_and(|l| l < self.remote.ip()) && s.conn.as_ref().is_some_and(|c| !c.outgoing) {
-                                if let Some(old) = s.conn.take() {
-                                    let _ = old.stream.shutdown(Shutdown::Both);
-                                }
-                                s.next_id += 1;
-                                let id = s.next_id;
-                                s.conn = Some(Conn { stream, outgoing: true, id });
-                            } else {
-                                let _ = stream.shutdown(Shutdown::Both);
-                            }
-                        }
-                        Err(e) => {
-                            tracing::debug!(remote = %self.remote, "TCP link connect failed: {e}");
-                            Self::set_state(&mut s, State::Down);
-                            next_attempt = Instant::now() + backoff;
-                            backoff = (backoff * 2).min(BACKOFF_MAX);
-                        }
-                    }
+            match self.connect_once() {
+                Ok(stream) => {
+                    self.install(stream, true);
                     continue;
                 }
-                let wait = next_attempt.saturating_duration_since(Instant::now()).min(Duration::from_millis(100));
-                let _ = self.wake.wait_timeout(s, wait);
-                continue;
-            }
-            // Connected: send what is queued.
-            let Some(frame) = s.queue.pop_front() else {
-                drop(s);
-                if let Some((_, w)) = writer.as_mut() {
-                    if w.flush().is_err() {
-                        self.lost(reader_for);
+                Err(e) => {
+                    tracing::debug!(remote = %self.remote, "TCP link connect failed: {e:#}");
+                    let mut s = self.lock();
+                    if s.conn.is_none() {
+                        set_state(&mut s, State::Down);
                     }
+                    // Wait out the backoff (or until stopped).
+                    let until = Instant::now() + backoff;
+                    while !self.stop.load(Relaxed) && s.conn.is_none() {
+                        let left = until.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        s = self.wake.wait_timeout(s, left).unwrap_or_else(|p| p.into_inner()).0;
+                    }
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
                 }
-                let s = self.shared.lock().unwrap();
-                if s.queue.is_empty() && !self.stop.load(Relaxed) {
-                    let _ = self.wake.wait_timeout(s, Duration::from_millis(100));
-                }
-                continue;
-            };
-            drop(s);
-            let Some((_, w)) = writer.as_mut() else { continue };
-            let len = (frame.len() as u32).to_be_bytes();
-            let ok = w.write_all(&len).and_then(|_| w.write_all(&frame)).is_ok();
-            let n = frame.len();
-            {
-                let mut s = self.shared.lock().unwrap();
-                if s.free.len() < 256 {
-                    s.free.push(frame);
-                }
-            }
-            let stats = link.upgrade();
-            if ok {
-                if let Some(l) = &stats {
-                    l.stats.sent(n);
-                    dp.global.sent(n);
-                }
-            } else {
-                if let Some(l) = &stats {
-                    dp.drop_at(Some(&l.stats), Drop::Down);
-                }
-                self.lost(reader_for);
             }
         }
     }
 
-    /// The connection `id` broke: forget it (the manager reconnects).
-    fn lost(&self, id: u64) {
-        let mut s = self.shared.lock().unwrap();
-        if s.conn.as_ref().is_some_and(|c| c.id == id) {
-            if let Some(c) = s.conn.take() {
-                let _ = c.stream.shutdown(Shutdown::Both);
+    fn connect_once(&self) -> Result<TcpStream> {
+        let stream = TcpStream::connect_timeout(&self.remote, CONNECT_TIMEOUT).context("connect")?;
+        tune(&stream);
+        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        let nonce_i = nonce()?;
+        let mut s = &stream;
+        s.write_all(&linkauth::hello(&nonce_i)).context("handshake")?;
+        let mut ch = [0u8; linkauth::CHALLENGE_LEN];
+        s.read_exact(&mut ch).context("handshake")?;
+        let proof = match linkauth::answer(self.key.bytes(), &nonce_i, &ch) {
+            Ok(p) => p,
+            Err(e) => {
+                self.auth_failures.fetch_add(1, Relaxed);
+                tracing::warn!(remote = %self.remote, "TCP link handshake refused: {e}");
+                anyhow::bail!("handshake: {e}");
             }
-            Self::set_state(&mut s, State::Down);
-            tracing::info!(remote = %self.remote, "TCP link down");
-        }
-        self.wake.notify_all();
+        };
+        s.write_all(&proof).context("handshake")?;
+        Ok(stream)
     }
 
-    /// Reads length-prefixed frames from one connection and routes them.
-    /// Frames already buffered are routed as one run, so runs of TCP
-    /// segments for one guest are merged as for UDP links.
-    fn read(self: Arc<TcpLink>, stream: TcpStream, id: u64, dp: Arc<Datapath>, link: Weak<Link>) {
-        const BATCH: usize = 256 << 10;
-        let mut r = io::BufReader::with_capacity(BATCH, stream);
-        let mut fwd = Forwarder::new(dp.clone());
-        let mut batch = vec![0u8; BATCH + MAX_TCP_FRAME];
-        let mut at = 0;
-        let mut snap = dp.snapshot();
-        let mut slot = None;
-        loop {
-            let mut len = [0u8; 4];
-            if r.read_exact(&mut len).is_err() {
-                break;
+    /// Runs the handshake as responder on an accepted connection; installs
+    /// the connection if the peer proved it holds the key.
+    fn accept_from(&self, stream: TcpStream) -> Result<(), String> {
+        let go = || -> Result<TcpStream, String> {
+            tune(&stream);
+            let io = |e: io::Error| format!("handshake: {e}");
+            stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
+            stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT)).map_err(io)?;
+            let mut s = &stream;
+            let mut hello = [0u8; linkauth::HELLO_LEN];
+            s.read_exact(&mut hello).map_err(io)?;
+            let nonce_i = linkauth::read_hello(&hello).map_err(|e| e.to_string())?;
+            let nonce_r = nonce().map_err(|e| e.to_string())?;
+            s.write_all(&linkauth::challenge(self.key.bytes(), &nonce_i, &nonce_r)).map_err(io)?;
+            let mut proof = [0u8; linkauth::PROOF_LEN];
+            s.read_exact(&mut proof).map_err(io)?;
+            linkauth::verify_proof(self.key.bytes(), &nonce_i, &nonce_r, &proof).map_err(|e| e.to_string())?;
+            stream.try_clone().map_err(io)
+        };
+        match go() {
+            Ok(s) => {
+                self.install(s, false);
+                Ok(())
             }
-            let Some(l) = link.upgrade() else { break };
-            let Some(n) = vnet_core::wire::tcp_frame_len(len) else {
-                // The stream is out of step: nothing after this can be trusted.
-                dp.drop_at(Some(&l.stats), Drop::Malformed);
-                tracing::warn!(remote = %self.remote, "bad frame length on TCP link; reconnecting");
-                break;
-            };
-            if r.read_exact(&mut batch[at..at + n]).is_err() {
-                break;
-            }
-            if slot.is_none() || snap.generation != dp.snapshot().generation {
-                snap = dp.snapshot();
-                slot = snap.links.iter().position(|x| Arc::ptr_eq(x, &l)).map(|s| s as u32);
-            }
-            let Some(s) = slot else { break };
-            fwd.from_link(&snap, s, &mut batch, at..at + n);
-            at += n;
-            // Nothing more waiting (or the batch is full): end the run.
-            if r.buffer().len() < 4 || at >= BATCH {
-                fwd.end_run(&snap, &batch);
-                fwd.flush(&snap);
-                at = 0;
+            Err(e) => {
+                self.auth_failures.fetch_add(1, Relaxed);
+                let _ = stream.shutdown(Shutdown::Both);
+                Err(e)
             }
         }
-        fwd.end_run(&snap, &batch);
-        self.lost(id);
     }
 }
 
-/// Accepts TCP link connections on the daemon's port and hands each to the
-/// TCP link for the peer's address.
+fn set_state(s: &mut Shared, state: State) {
+    if s.state != state {
+        s.state = state;
+        s.since = Instant::now();
+    }
+}
+
+/// Complete frames in a send buffer's bytes.
+fn frames_in(mut b: &[u8]) -> usize {
+    let mut n = 0;
+    while let Some(p) = b.get(..4) {
+        let len = u32::from_be_bytes(p.try_into().expect("4 bytes")) as usize;
+        n += 1;
+        b = b.get(4 + len..).unwrap_or(&[]);
+    }
+    n
+}
+
+fn nonce() -> Result<Nonce> {
+    let mut n = [0u8; linkauth::NONCE_LEN];
+    getrandom::getrandom(&mut n).map_err(|e| anyhow::anyhow!("no randomness for the handshake: {e}"))?;
+    Ok(n)
+}
+
+/// Options of every link connection: no Nagle, bounded unacknowledged data,
+/// keepalive.
+fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    let s = SockRef::from(stream);
+    let _ = s.set_tcp_user_timeout(Some(USER_TIMEOUT));
+    let ka = TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_PROBES);
+    let _ = s.set_tcp_keepalive(&ka);
+}
+
+/// Finds the TCP link for a peer's address.
+pub type LinkLookup = Arc<dyn Fn(IpAddr) -> Option<Arc<TcpLink>> + Send + Sync>;
+
+/// Accepts TCP link connections on the daemon's port, and runs each one's
+/// handshake (on a thread of its own, at most `MAX_HANDSHAKES` at once)
+/// with the TCP link for the peer's address.
 pub struct TcpAcceptor {
     pub local: SocketAddr,
 }
 
 impl TcpAcceptor {
-    pub fn start(addr: SocketAddr, dp: Arc<Datapath>) -> Result<TcpAcceptor> {
+    pub fn start(addr: SocketAddr, lookup: LinkLookup) -> Result<TcpAcceptor> {
         let listener = TcpListener::bind(addr).with_context(|| format!("cannot listen for TCP links on {addr}"))?;
         let local = listener.local_addr()?;
-        std::thread::Builder::new().name("tcp-accept".into()).spawn(move || {
-            for conn in listener.incoming().flatten() {
-                let peer = match conn.peer_addr() {
-                    Ok(p) => p.ip().to_canonical(),
-                    Err(_) => continue,
-                };
-                let _ = conn.set_nodelay(true);
-                let snap = dp.snapshot();
-                match snap.tcp_link_for(peer) {
-                    Some(t) => t.offer(conn),
-                    None => {
-                        dp.global.received(0);
-                        dp.drop_at(None, Drop::UnknownSender);
-                        tracing::debug!(%peer, "TCP connection from an address with no TCP link refused");
+        let busy = Arc::new(AtomicUsize::new(0));
+        std::thread::Builder::new().name("tcp-accept".into()).spawn(move || loop {
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    // Out of descriptors or memory: wait rather than spin.
+                    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+                        std::thread::sleep(Duration::from_millis(100));
                     }
+                    continue;
                 }
+            };
+            let Ok(peer) = stream.peer_addr() else { continue };
+            let Some(link) = lookup(peer.ip().to_canonical()) else {
+                tracing::debug!(%peer, "TCP connection from an address with no TCP link refused");
+                continue;
+            };
+            if busy.fetch_add(1, Relaxed) >= MAX_HANDSHAKES {
+                busy.fetch_sub(1, Relaxed);
+                tracing::warn!(%peer, "too many TCP link handshakes at once; connection refused");
+                continue;
+            }
+            let busy = busy.clone();
+            let spawned = std::thread::Builder::new().name("tcp-handshake".into()).spawn(move || {
+                if let Err(e) = link.accept_from(stream) {
+                    tracing::warn!(%peer, "TCP link connection refused: {e}");
+                }
+                busy.fetch_sub(1, Relaxed);
+            });
+            if spawned.is_err() {
+                tracing::warn!(%peer, "cannot start a handshake thread");
             }
         })?;
         Ok(TcpAcceptor { local })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> LinkKey {
+        LinkKey(Arc::from(&b"0123456789abcdef0123456789abcdef"[..]))
+    }
+
+    /// A connected pair: (ours, the peer's end).
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn the_send_buffer_is_bounded_in_bytes_and_counts_what_it_held() {
+        let t = TcpLink::new("127.0.0.1:1".parse().unwrap(), key()).unwrap();
+        let frame = vec![0u8; 60_000];
+        let mut queued = 0;
+        while t.enqueue(&[&frame]) {
+            queued += 1;
+        }
+        assert_eq!(queued, TX_BUDGET / 60_004);
+        // A small frame still fits in what is left.
+        assert!(t.enqueue(&[&frame[..100]]));
+        assert_eq!(t.stop(), queued + 1, "what was waiting is reported, to be counted");
+    }
+
+    #[test]
+    fn frames_are_written_whole_and_a_half_written_frame_goes_again_on_the_next_connection() {
+        let t = TcpLink::new("127.0.0.1:1".parse().unwrap(), key()).unwrap();
+        let (a, mut peer) = pair();
+        assert!(t.install(a, true));
+        assert!(t.enqueue(&[b"0123456789abcd", b"ef"]));
+        let w = t.write_out();
+        assert_eq!((w.frames, w.bytes, w.blocked, w.failed), (1, 16, false, false));
+        let mut got = [0u8; 20];
+        peer.read_exact(&mut got).unwrap();
+        assert_eq!(&got[..4], &16u32.to_be_bytes());
+        assert_eq!(&got[4..], b"0123456789abcdef");
+        // Pretend the connection died mid-frame: the frame restarts whole.
+        {
+            let mut s = t.lock();
+            s.buf.extend_from_slice(&14u32.to_be_bytes());
+            s.buf.extend_from_slice(b"ABCDEFGHIJKLMN");
+            s.head += 6;
+        }
+        let id = t.conn().unwrap().id;
+        t.lost(id);
+        assert!(t.conn().is_none());
+        let (a2, mut peer2) = pair();
+        assert!(t.install(a2, true));
+        let w = t.write_out();
+        assert_eq!((w.frames, w.bytes), (1, 14));
+        let mut got = [0u8; 18];
+        peer2.read_exact(&mut got).unwrap();
+        assert_eq!(&got[4..], b"ABCDEFGHIJKLMN");
+        t.stop();
+    }
+
+    #[test]
+    fn a_peer_without_the_key_never_replaces_the_live_connection() {
+        let t = TcpLink::new("127.0.0.1:1".parse().unwrap(), key()).unwrap();
+        let (a, _peer) = pair();
+        assert!(t.install(a, false));
+        let live = t.conn().unwrap().id;
+        // A stranger connects and sends a HELLO, then a wrong proof.
+        let (ours, mut stranger) = pair();
+        let h = std::thread::spawn(move || {
+            stranger.write_all(&linkauth::hello(&[5u8; 32])).unwrap();
+            let mut ch = [0u8; linkauth::CHALLENGE_LEN];
+            stranger.read_exact(&mut ch).unwrap();
+            stranger.write_all(&[0u8; linkauth::PROOF_LEN]).unwrap();
+            let mut rest = Vec::new();
+            let _ = stranger.read_to_end(&mut rest);
+            rest
+        });
+        assert_eq!(t.accept_from(ours), Err("the peer does not hold this link's key".into()));
+        assert!(h.join().unwrap().is_empty(), "the stranger got nothing but the challenge");
+        assert_eq!(t.conn().unwrap().id, live);
+        assert_eq!(t.auth_failures.load(Relaxed), 1);
+        t.stop();
+    }
+
+    #[test]
+    fn the_peer_with_the_key_gets_in() {
+        let t = TcpLink::new("127.0.0.1:1".parse().unwrap(), key()).unwrap();
+        let (ours, mut peer) = pair();
+        let h = std::thread::spawn(move || {
+            let ni = [5u8; 32];
+            peer.write_all(&linkauth::hello(&ni)).unwrap();
+            let mut ch = [0u8; linkauth::CHALLENGE_LEN];
+            peer.read_exact(&mut ch).unwrap();
+            let proof = linkauth::answer(key().bytes(), &ni, &ch).unwrap();
+            peer.write_all(&proof).unwrap();
+            peer
+        });
+        assert_eq!(t.accept_from(ours), Ok(()));
+        let _peer = h.join().unwrap();
+        assert!(t.conn().is_some());
+        assert_eq!(t.state().0, State::Up);
+        t.stop();
+    }
+
+    #[test]
+    fn frames_in_counts_whole_frames() {
+        let mut b = Vec::new();
+        for n in [14u32, 100, 60] {
+            b.extend_from_slice(&n.to_be_bytes());
+            b.extend(std::iter::repeat_n(0u8, n as usize));
+        }
+        assert_eq!(frames_in(&b), 3);
+        assert_eq!(frames_in(&[]), 0);
     }
 }
