@@ -115,6 +115,21 @@ class Lab:
         self.other_procs: list[subprocess.Popen] = []
         self.switch: str | None = None
         self.hosts: dict[str, int] = {}
+        # TCP links' keys (vnetd --link-key-dir): "lab" for the tests' own
+        # configs, "h1-h2" for the shipped examples.
+        self.key_dir = self.tmp / "link-keys"
+        self.key_dir.mkdir(mode=0o700)
+        for name in ("lab", "h1-h2"):
+            self.link_key(name)
+
+    def link_key(self, name: str, secret: bytes | None = None) -> bytes:
+        """Writes key file `name` (mode 600) into the labs's key dir."""
+        secret = secret if secret is not None else os.urandom(24).hex().encode()
+        path = self.key_dir / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secret + b"\n")
+        return secret
 
     # ---- namespaces and the underlay ----
 
@@ -155,7 +170,7 @@ class Lab:
         name = host.removeprefix(self.prefix)
         sock = self.tmp / f"{name}.sock"
         log = self.tmp / f"{name}-vnetd-{next(_counter)}.log"
-        cmd = [VNETD, "--control-unix", sock, *args]
+        cmd = [VNETD, "--control-unix", sock, "--link-key-dir", self.key_dir, *args]
         if config is not None:
             if not isinstance(config, Path):
                 path = self.tmp / f"{name}-{next(_counter)}.conf"

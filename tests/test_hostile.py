@@ -7,6 +7,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import time
 
 from netlab import REPO, guest_mac, mesh_config
@@ -32,7 +33,7 @@ def test_hostile_traffic_is_dropped_and_counted_while_legit_traffic_flows(lab):
     h1, h2, evil = lab.add_host(1), lab.add_host(2), lab.add_host(9)  # evil: 198.18.0.9, no vnetd
     # Guests take 1000-byte MTUs, so a forged frame that fits the LAN can still be too big for them.
     d1 = lab.start_vnetd(h1, mesh_config(1, layout, mtu=1000) + "LINK ADD 198.18.0.2 vxlan vni 42 name vx\n"
-                                                                 "LINK ADD 198.18.0.2 tcp name t2\n")
+                                                                 "LINK ADD 198.18.0.2 tcp key lab name t2\n")
     lab.start_vnetd(h2, mesh_config(2, layout, mtu=1000))
     g1, g2 = lab.attach_guest(h1, "g1", 1), lab.attach_guest(h2, "g2", 2)
     assert lab.reaches(g1, g2)
@@ -86,11 +87,12 @@ def test_hostile_traffic_is_dropped_and_counted_while_legit_traffic_flows(lab):
             "    r.sendto(h[:10]+struct.pack('!H',ck(h))+h[12:]+u,('198.18.0.1',0))\n")
     g1_out = d1.stats()["interface g1"]["out_frames"]
     lab.x(evil, "python3", "-c", code)
-    # A TCP link's stream out of step: the peer's address announces a bad length.
-    lab.x(h2, "python3", "-c",
-          "import socket\ns=socket.create_connection(('198.18.0.1',9000),timeout=5)\n"
-          "s.sendall(b'\\x00\\x00\\x00\\x05hello')\n"
-          "try:\n    s.recv(1)\nexcept Exception:\n    pass\n")
+    # A TCP link's stream out of step: the peer, past the key handshake,
+    # announces a bad length; vnetd counts it and closes the connection.
+    peer = subprocess.run(["ip", "netns", "exec", h2, sys.executable, REPO / "tests" / "tools" / "tcp_link_peer.py",
+                           "connect", "198.18.0.1", "9000", lab.key_dir / "lab"],
+                          input="send 0000000568656c6c6f\neof 5\n", capture_output=True, text=True, timeout=30)
+    assert peer.stdout.split("\n")[:3] == ["up", "sent", "eof 0"], peer.stdout + peer.stderr
 
     sent = send.communicate(timeout=300)[0].split()
     got = recv.communicate(timeout=60)[0].split()
