@@ -14,9 +14,11 @@ the topology changes under it.
 - Key files are checked (mode, presence) and a refused link changes nothing."""
 
 import os
+import queue
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 from netlab import REPO, guest_mac, mesh_config, underlay_ip
@@ -48,13 +50,14 @@ class Peer:
         self.p = lab.popen(ns, sys.executable, PEER, mode, addr, str(port), str(keyfile),
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         lab.other_procs.append(self.p)
+        self.lines = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(l.strip()) for l in self.p.stdout], daemon=True).start()
 
     def line(self, timeout=20):
-        os.set_blocking(self.p.stdout.fileno(), True)
-        import select
-        r, _, _ = select.select([self.p.stdout], [], [], timeout)
-        assert r, "peer said nothing"
-        return self.p.stdout.readline().strip()
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("peer said nothing") from None
 
     def cmd(self, text):
         self.p.stdin.write(text + "\n")
@@ -184,7 +187,15 @@ def test_deleted_objects_are_released_before_the_request_returns(lab):
     extra = f"ROUTE ADD any {guest_mac(1)} interface {guest_mac(1)} edge\n"
     h1, h2, d, peer, g = one_host_and_a_hand_made_peer(lab, {"ga": 1}, extra)
     pid = d.proc.pid
-    threads = lambda: [open(f"/proc/{pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{pid}/task")]
+
+    def threads():
+        names = []
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                names.append(open(f"/proc/{pid}/task/{t}/comm").read().strip())
+            except FileNotFoundError:  # a thread that just ended
+                pass
+        return names
     assert "tcp-link" in threads()
     # An interface deleted and added again by the next request: its TAP was
     # closed when DEL returned.
