@@ -10,11 +10,16 @@
 //! - never back to the origin (split horizon), each destination once;
 //! - `RouteCache::route` answers as a fresh lookup on the current table,
 //!   through generation changes (rules added, deleted, replaced, or the same
-//!   rules under a new generation) and evictions (capacity 1..=8 against
-//!   about 150 keys), and never holds more than its capacity.
+//!   rules under a new generation) and evictions (capacity 1..=8, a
+//!   per-origin budget 1..=capacity, against about 150 keys), and never holds
+//!   more than its capacity, nor more than the budget for any origin;
+//! - an origin loses cached entries only when it is at its budget, or when
+//!   the cache is full and it holds the most; then it loses all of them, and
+//!   a new generation empties the cache.
 //!
 //! Input: a byte stream read with `arbitrary::Unstructured`: the cache
-//! capacity, the first table, then operations until the input runs out.
+//! capacity and per-origin budget, the first table, then operations until
+//! the input runs out.
 #![no_main]
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
@@ -146,6 +151,9 @@ struct State {
     generation: u64,
     cache: RouteCache,
     capacity: usize,
+    per_origin: usize,
+    /// The generation of the table the cache last saw.
+    cache_generation: u64,
     direct: Vec<Hit>,
 }
 
@@ -164,21 +172,48 @@ impl State {
             assert_ne!(h.dst, origin, "split horizon");
             assert!(self.direct[..i].iter().all(|x| x.dst != h.dst), "duplicate destination");
         }
+        let before: Vec<usize> = PORTS.iter().map(|&p| self.cache.origin_len(p)).collect();
+        let len_before = self.cache.len();
         let cached = self.cache.route(&self.table, origin, src, dst);
         assert_eq!(cached, &self.direct[..], "cache vs table (generation {}): from {origin:?} {src} -> {dst}", self.generation);
-        assert!(self.cache.len() <= self.capacity, "cache holds {} > {}", self.cache.len(), self.capacity);
+        let c = &self.cache;
+        assert!(c.len() <= self.capacity, "cache holds {} > {}", c.len(), self.capacity);
+        let after: Vec<usize> = PORTS.iter().map(|&p| c.origin_len(p)).collect();
+        assert_eq!(after.iter().sum::<usize>(), c.len(), "per-origin counts vs len");
+        for (i, &p) in PORTS.iter().enumerate() {
+            assert!(after[i] <= self.per_origin, "{p:?} holds {} > {}", after[i], self.per_origin);
+            if self.cache_generation != self.generation {
+                assert!(after[i] <= (p == origin) as usize, "a new generation starts empty");
+                continue;
+            }
+            if after[i] < before[i] {
+                assert_eq!(after[i], (p == origin) as usize, "{p:?} lost some entries, not all");
+                let largest = before.iter().max() == Some(&before[i]);
+                assert!(
+                    before[i] >= self.per_origin || (len_before >= self.capacity && largest),
+                    "{p:?} held {} (budget {}), of {len_before} (capacity {}), counts {before:?}: evicted for another",
+                    before[i],
+                    self.per_origin,
+                    self.capacity
+                );
+            }
+        }
+        self.cache_generation = self.generation;
     }
 }
 
 fn run(u: &mut Unstructured) -> Result<()> {
     let capacity = u.int_in_range(1..=8usize)?;
+    let per_origin = u.int_in_range(1..=capacity)?;
     let first = rules(u)?;
     let mut s = State {
         table: RouteTable::new(first.clone(), 1),
         rules: first,
         generation: 1,
-        cache: RouteCache::with_capacity(capacity),
+        cache: RouteCache::with_limits(capacity, per_origin),
         capacity,
+        per_origin,
+        cache_generation: 0,
         direct: Vec::new(),
     };
     while !u.is_empty() {

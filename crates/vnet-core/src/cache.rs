@@ -1,75 +1,195 @@
 //! The route cache: a hash from (origin, destination MAC, source MAC) to the
-//! routing decision, in front of the linear rule table.
+//! routing decision, in front of the rule table.
 //!
 //! Each dispatcher thread owns its cache, so the hot path takes no lock. A
 //! cache belongs to one table generation: when it sees a newer table it
 //! starts empty, which keeps it correct across every change without the
 //! control plane ever touching (or stalling) the datapath.
+//!
+//! The cache is bounded twice, so that a guest sending from made-up MACs can
+//! neither grow memory nor flush the flows of others:
+//! - each origin (interface or link) holds at most `per_origin` entries; an
+//!   origin at its budget loses its own entries, and only those;
+//! - the whole cache holds at most `capacity` entries; when it is full, the
+//!   origin holding the most entries loses them. With the default budget (a
+//!   quarter of the capacity) that takes five or more busy origins, and an
+//!   origin holding fewer entries than some other origin is never the one
+//!   evicted.
 
 use crate::mac::Mac;
 use crate::table::{Hit, Port, RouteTable};
+use std::collections::hash_map::{Entry, VacantEntry};
 use std::collections::HashMap;
 
-/// Bound on entries, so a flood of made-up MACs cannot grow memory without
-/// limit; when full the cache starts over (cheap, and rare in real traffic).
+/// Bound on entries in all, so a flood of made-up MACs cannot grow memory
+/// without limit.
 pub const DEFAULT_CAPACITY: usize = 16 * 1024;
+
+/// Bound on one origin's entries, by default: a quarter of the capacity.
+pub const DEFAULT_PER_ORIGIN: usize = DEFAULT_CAPACITY / 4;
 
 type Key = (Port, Mac, Mac);
 
+/// What the next call must evict before it may insert (decided by the
+/// insertion that reached a bound, done by the next call so that the entry
+/// just inserted can be handed out).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Evict {
+    Origin(Port),
+    Largest,
+}
+
 pub struct RouteCache {
     generation: u64,
-    capacity: usize,
     map: HashMap<Key, Box<[Hit]>, ahash::RandomState>,
-    scratch: Vec<Hit>,
+    /// Everything but the map that a miss touches, apart so that a miss can
+    /// update it while it holds the map's vacant entry.
+    books: Books,
     pub hits: u64,
     pub misses: u64,
+    /// Entries dropped to stay within the bounds (not counting the whole
+    /// cache dropped for a new table generation).
+    pub evictions: u64,
+}
+
+struct Books {
+    capacity: usize,
+    per_origin: usize,
+    /// Entries held per origin; the values sum to `len`, the map's length.
+    held: HashMap<Port, usize, ahash::RandomState>,
+    len: usize,
+    pending: Option<Evict>,
+    scratch: Vec<Hit>,
 }
 
 impl Default for RouteCache {
     fn default() -> Self {
-        RouteCache::with_capacity(DEFAULT_CAPACITY)
+        RouteCache::with_limits(DEFAULT_CAPACITY, DEFAULT_PER_ORIGIN)
     }
 }
 
 impl RouteCache {
+    /// A cache of at most `capacity` entries, each origin at most a quarter
+    /// of them (at least 1).
     pub fn with_capacity(capacity: usize) -> RouteCache {
+        RouteCache::with_limits(capacity, capacity / 4)
+    }
+
+    /// A cache of at most `capacity` entries in all and `per_origin` for any
+    /// one origin (each at least 1; `per_origin` at most `capacity`).
+    pub fn with_limits(capacity: usize, per_origin: usize) -> RouteCache {
+        let capacity = capacity.max(1);
         RouteCache {
             generation: u64::MAX,
-            capacity: capacity.max(1),
             map: HashMap::with_capacity_and_hasher(256, ahash::RandomState::new()),
-            scratch: Vec::new(),
+            books: Books {
+                capacity,
+                per_origin: per_origin.clamp(1, capacity),
+                held: HashMap::default(),
+                len: 0,
+                pending: None,
+                scratch: Vec::new(),
+            },
             hits: 0,
             misses: 0,
+            evictions: 0,
         }
     }
 
+    /// Entries held.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.books.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.books.len == 0
+    }
+
+    /// Entries held for frames from `origin`.
+    pub fn origin_len(&self, origin: Port) -> usize {
+        self.books.held.get(&origin).copied().unwrap_or(0)
+    }
+
+    /// The bound on entries in all.
+    pub fn capacity(&self) -> usize {
+        self.books.capacity
+    }
+
+    /// The bound on one origin's entries.
+    pub fn per_origin(&self) -> usize {
+        self.books.per_origin
     }
 
     /// The destinations for a frame, from the cache or (on a miss) the table.
+    /// A hit is one hash lookup and allocates nothing.
     #[inline]
     pub fn route(&mut self, table: &RouteTable, origin: Port, src: Mac, dst: Mac) -> &[Hit] {
-        if self.generation != table.generation() {
-            self.map.clear();
-            self.generation = table.generation();
+        if self.generation != table.generation() || self.books.pending.is_some() {
+            self.make_room(table.generation());
         }
-        let key = (origin, dst, src);
-        if self.map.contains_key(&key) {
-            self.hits += 1;
-        } else {
-            self.misses += 1;
-            if self.map.len() >= self.capacity {
-                self.map.clear();
+        match self.map.entry((origin, dst, src)) {
+            Entry::Occupied(e) => {
+                self.hits += 1;
+                e.into_mut()
             }
-            table.lookup(origin, src, dst, &mut self.scratch);
-            self.map.insert(key, self.scratch.as_slice().into());
+            Entry::Vacant(v) => {
+                self.misses += 1;
+                self.books.insert(v, table)
+            }
         }
-        &self.map[&key]
+    }
+
+    /// Starts afresh for a new table generation, or evicts what the last
+    /// insertion asked for, so the next insertion stays within both bounds.
+    #[cold]
+    #[inline(never)]
+    fn make_room(&mut self, generation: u64) {
+        let b = &mut self.books;
+        if self.generation != generation {
+            self.map.clear();
+            b.held.clear();
+            b.len = 0;
+            b.pending = None;
+            self.generation = generation;
+            return;
+        }
+        let victim = match b.pending.take() {
+            Some(Evict::Origin(o)) => o,
+            // The most entries; among equals, the greatest port, so the
+            // choice does not depend on the hasher's order.
+            Some(Evict::Largest) => match b.held.iter().max_by_key(|&(p, n)| (*n, *p)) {
+                Some((&p, _)) => p,
+                None => return,
+            },
+            None => return,
+        };
+        let removed = b.held.remove(&victim).unwrap_or(0);
+        if removed > 0 {
+            self.map.retain(|k, _| k.0 != victim);
+            b.len -= removed;
+            self.evictions += removed as u64;
+        }
+        debug_assert_eq!(b.len, self.map.len());
+    }
+}
+
+impl Books {
+    /// A miss: asks the table, fills the vacant entry, and notes what to
+    /// evict if this insertion reached a bound. Kept out of line, so the hit
+    /// path stays small.
+    #[inline(never)]
+    fn insert<'m>(&mut self, v: VacantEntry<'m, Key, Box<[Hit]>>, table: &RouteTable) -> &'m [Hit] {
+        let (origin, dst, src) = *v.key();
+        table.lookup(origin, src, dst, &mut self.scratch);
+        self.len += 1;
+        let held = self.held.entry(origin).or_insert(0);
+        *held += 1;
+        if *held >= self.per_origin {
+            self.pending = Some(Evict::Origin(origin));
+        } else if self.len >= self.capacity {
+            self.pending = Some(Evict::Largest);
+        }
+        v.insert(self.scratch.as_slice().into())
     }
 }
 
@@ -122,6 +242,108 @@ mod tests {
         // And adding the first rule back restores the route.
         let t4 = RouteTable::new(vec![to(MacQual::Addr(B), Port::Link(0))], 4);
         assert_eq!(ports(c.route(&t4, Port::Interface(0), A, B)), vec![Port::Link(0)]);
+    }
+
+    fn mac(i: u32) -> Mac {
+        let b = i.to_be_bytes();
+        Mac([2, 0, b[0], b[1], b[2], b[3]])
+    }
+
+    /// Routes `flows` from `origin` once more and says how many were hits.
+    fn hits_of(c: &mut RouteCache, t: &RouteTable, origin: Port, flows: &[(Mac, Mac)]) -> u64 {
+        let before = c.hits;
+        for &(src, dst) in flows {
+            assert_eq!(ports(c.route(t, origin, src, dst)), vec![Port::Link(0)]);
+        }
+        c.hits - before
+    }
+
+    /// Review M6: a guest sending from a new source MAC in every frame
+    /// evicts only its own entries; another origin's flows stay cached.
+    #[test]
+    fn a_flooding_origin_does_not_evict_another_origins_entries() {
+        let t = RouteTable::new(vec![to(MacQual::Any, Port::Link(0))], 1);
+        let mut c = RouteCache::with_capacity(100);
+        assert_eq!((c.capacity(), c.per_origin()), (100, 25));
+        let quiet = Port::Interface(1);
+        let flows: Vec<(Mac, Mac)> = (0..20).map(|i| (A, mac(i))).collect();
+        assert_eq!(hits_of(&mut c, &t, quiet, &flows), 0);
+        let flooder = Port::Interface(0);
+        for i in 0..10_000 {
+            c.route(&t, flooder, mac(1_000_000 + i), B);
+            assert!(c.origin_len(flooder) <= 25, "{}", c.origin_len(flooder));
+            assert!(c.len() <= 100);
+        }
+        assert!(c.evictions >= 10_000 - 25);
+        assert_eq!(c.origin_len(quiet), 20);
+        assert_eq!(hits_of(&mut c, &t, quiet, &flows), 20, "every quiet flow is still cached");
+        // The same from a link, and with the default limits.
+        let mut c = RouteCache::default();
+        assert_eq!((c.capacity(), c.per_origin()), (DEFAULT_CAPACITY, DEFAULT_PER_ORIGIN));
+        hits_of(&mut c, &t, Port::Link(3), &flows);
+        for i in 0..100_000 {
+            c.route(&t, flooder, mac(1_000_000 + i), B);
+        }
+        assert_eq!(c.origin_len(flooder), (100_000 - 1) % DEFAULT_PER_ORIGIN + 1);
+        assert_eq!(hits_of(&mut c, &t, Port::Link(3), &flows), 20);
+    }
+
+    /// With more busy origins than the capacity holds at their budget, the
+    /// cache stays within its bound by evicting the origin holding the most,
+    /// never an origin holding fewer than the others.
+    #[test]
+    fn many_flooding_origins_stay_within_the_bound_and_spare_the_small() {
+        let t = RouteTable::new(vec![to(MacQual::Any, Port::Link(0))], 1);
+        let mut c = RouteCache::with_capacity(100);
+        let quiet = Port::Link(7);
+        let flows: Vec<(Mac, Mac)> = (0..5).map(|i| (mac(i), B)).collect();
+        hits_of(&mut c, &t, quiet, &flows);
+        let mut full = 0;
+        for i in 0..20_000u32 {
+            let flooder = Port::Interface(i % 8);
+            c.route(&t, flooder, mac(1_000_000 + i), B);
+            assert!(c.len() <= 100, "{} entries", c.len());
+            assert!(c.origin_len(flooder) <= 25);
+            full += (c.len() == 100) as u32;
+            if i % 1000 == 999 {
+                assert_eq!(hits_of(&mut c, &t, quiet, &flows), 5);
+            }
+        }
+        assert!(full > 100, "the total bound was reached ({full} times)");
+        // Many origins of one entry each: the total bound holds too.
+        for i in 0..1000 {
+            c.route(&t, Port::Interface(100 + i), A, B);
+            assert!(c.len() <= 100);
+        }
+    }
+
+    /// A new table generation drops every origin's entries and counts.
+    #[test]
+    fn a_new_generation_invalidates_every_entry() {
+        let t1 = RouteTable::new(vec![to(MacQual::Any, Port::Link(0))], 1);
+        let mut c = RouteCache::with_capacity(100);
+        for i in 0..30 {
+            c.route(&t1, Port::Interface(i % 3), mac(i), B);
+        }
+        assert_eq!((c.len(), c.origin_len(Port::Interface(0))), (30, 10));
+        let t2 = RouteTable::new(vec![to(MacQual::Any, Port::Link(1))], 2);
+        assert_eq!(ports(c.route(&t2, Port::Interface(0), mac(0), B)), vec![Port::Link(1)]);
+        assert_eq!((c.len(), c.origin_len(Port::Interface(0)), c.origin_len(Port::Interface(1))), (1, 1, 0));
+        // Also when the last insertion of the old generation left an
+        // eviction pending.
+        for i in 0..24 {
+            c.route(&t2, Port::Interface(0), mac(100 + i), B);
+        }
+        assert_eq!(c.origin_len(Port::Interface(0)), 25);
+        let t3 = RouteTable::new(vec![], 3);
+        assert!(c.route(&t3, Port::Interface(0), mac(100), B).is_empty());
+        assert!(c.route(&t3, Port::Interface(0), mac(101), B).is_empty());
+        assert_eq!((c.len(), c.evictions), (2, 0), "nothing left over from the old generation");
+        // The same rules under a new generation are a new table too.
+        let t4 = RouteTable::new(vec![], 4);
+        let misses = c.misses;
+        c.route(&t4, Port::Interface(0), mac(100), B);
+        assert_eq!(c.misses, misses + 1);
     }
 
     #[test]

@@ -657,6 +657,229 @@ mod tests {
         assert!(!c.offer(&truncated, 0..truncated.len()), "shorter than its IP length");
     }
 
+    // ---- IPv6 (test review M7): the same, over TCP/IPv6 ----
+
+    /// Where a test frame's IP header starts: after a VLAN tag if it has one.
+    fn l3_of(f: &[u8]) -> usize {
+        if f[12..14] == [0x81, 0x00] {
+            18
+        } else {
+            14
+        }
+    }
+
+    /// A TCP/IPv6 frame (flow label 0xabcde, hop limit 64) with a correct
+    /// checksum and `payload`.
+    fn tcp6(payload: &[u8], flags: u8) -> Vec<u8> {
+        let mut f = vec![0u8; 14 + 40 + 20];
+        f[12..14].copy_from_slice(&[0x86, 0xdd]);
+        let ip = &mut f[14..54];
+        ip[0..4].copy_from_slice(&[0x60, 0x0a, 0xbc, 0xde]);
+        ip[4..6].copy_from_slice(&((20 + payload.len()) as u16).to_be_bytes());
+        ip[6] = 6;
+        ip[7] = 64;
+        ip[8..24].copy_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+        ip[24..40].copy_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0x12, 0x34, 0, 0, 0, 0, 0, 2]);
+        let tcp = &mut f[54..74];
+        tcp[0..2].copy_from_slice(&5001u16.to_be_bytes());
+        tcp[2..4].copy_from_slice(&80u16.to_be_bytes());
+        tcp[4..8].copy_from_slice(&0xffff_f000u32.to_be_bytes()); // wraps within a super-frame
+        tcp[8..12].copy_from_slice(&77u32.to_be_bytes());
+        tcp[12] = 5 << 4;
+        tcp[13] = flags;
+        tcp[14..16].copy_from_slice(&512u16.to_be_bytes());
+        f.extend_from_slice(payload);
+        set_checksum6(&mut f);
+        f
+    }
+
+    /// The TCP checksum of a TCP/IPv6 frame over its IP payload length
+    /// (anything after it is padding), with the pseudo-header written out
+    /// from RFC 8200 section 8.1 (addresses, 32-bit upper-layer length, next
+    /// header) rather than through `pseudo_header_sum`.
+    fn tcp6_sum(f: &[u8]) -> u16 {
+        let l3 = l3_of(f);
+        let end = l3 + 40 + u16::from_be_bytes([f[l3 + 4], f[l3 + 5]]) as usize;
+        let mut pseudo = f[l3 + 8..l3 + 40].to_vec();
+        pseudo.extend_from_slice(&((end - l3 - 40) as u32).to_be_bytes());
+        pseudo.extend_from_slice(&[0, 0, 0, 6]);
+        csum_fold(csum_add(csum_add(0, &pseudo), &f[l3 + 40..end]))
+    }
+
+    fn set_checksum6(f: &mut [u8]) {
+        let c = l3_of(f) + 40 + 16;
+        f[c..c + 2].copy_from_slice(&[0, 0]);
+        let sum = tcp6_sum(f);
+        f[c..c + 2].copy_from_slice(&sum.to_be_bytes());
+    }
+
+    /// The frame is exactly its IPv6 packet and its TCP checksum is right.
+    fn valid6(f: &[u8]) -> bool {
+        let l3 = l3_of(f);
+        l3 + 40 + u16::from_be_bytes([f[l3 + 4], f[l3 + 5]]) as usize == f.len() && tcp6_sum(f) == 0
+    }
+
+    #[test]
+    fn segments_a_tcpv6_super_frame() {
+        let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 11) as u8).collect();
+        // CWR|ACK|PSH|FIN: CWR only on the first segment, FIN and PSH only on the last.
+        let untagged = tcp6(&payload, 0x99);
+        let mut tagged = untagged.clone();
+        tagged.splice(12..12, [0x81, 0x00, 0x00, 0x07]);
+        set_checksum6(&mut tagged);
+        assert!(valid6(&untagged) && valid6(&tagged));
+        for big in [untagged, tagged] {
+            let l3 = l3_of(&big);
+            let (l4, hl) = (l3 + 40, l3 + 60);
+            let mut scratch = Vec::new();
+            let mut segs: Vec<Vec<u8>> = Vec::new();
+            let n = segment_tcp(&big, 1428, &mut scratch, |f| segs.push(f.to_vec())).unwrap();
+            assert_eq!(n, 8, "7 x 1428 + 4");
+            let mut joined = Vec::new();
+            for (i, s) in segs.iter().enumerate() {
+                let last = i == n - 1;
+                assert!(valid6(s), "segment {i}: payload length and checksum");
+                assert_eq!(s.len() - hl, if last { 4 } else { 1428 });
+                assert_eq!(u16::from_be_bytes([s[l3 + 4], s[l3 + 5]]) as usize, s.len() - l4, "payload length");
+                let seq = u32::from_be_bytes(s[l4 + 4..l4 + 8].try_into().unwrap());
+                assert_eq!(seq, 0xffff_f000u32.wrapping_add(i as u32 * 1428), "segment {i}");
+                assert_eq!(s[l4 + 13] & 0x09 != 0, last, "FIN/PSH only on the last");
+                assert_eq!(s[l4 + 13] & 0x09, if last { 0x09 } else { 0 });
+                assert_eq!(s[l4 + 13] & 0x80 != 0, i == 0, "CWR only on the first");
+                assert_eq!(s[l4 + 13] & 0x10, 0x10, "ACK on every segment");
+                // Everything else of the headers is the super-frame's: MACs,
+                // tag, version, class, flow label, next header, hop limit,
+                // addresses, ports, ack, offset, window, urgent pointer.
+                assert_eq!(s[..l3 + 4], big[..l3 + 4]);
+                assert_eq!(s[l3 + 6..l4 + 4], big[l3 + 6..l4 + 4]);
+                assert_eq!(s[l4 + 8..l4 + 13], big[l4 + 8..l4 + 13]);
+                assert_eq!(s[l4 + 14..l4 + 16], big[l4 + 14..l4 + 16]);
+                assert_eq!(s[l4 + 18..hl], big[l4 + 18..hl]);
+                joined.extend_from_slice(&s[hl..]);
+            }
+            assert_eq!(joined, payload);
+        }
+        // With an extension header (hop-by-hop) it is not segmented.
+        let mut hbh = tcp6(&payload, 0x10);
+        hbh[20] = 0;
+        let mut plan = SegmentPlan::default();
+        assert_eq!(plan_tcp_segments(&hbh, 1428, &mut plan), Err(OffloadError::Unsupported));
+    }
+
+    #[test]
+    fn coalescing_undoes_tcpv6_segmentation() {
+        let payload: Vec<u8> = (0..20_000u32).map(|i| (i * 17) as u8).collect();
+        let big = tcp6(&payload, 0x18); // ACK|PSH
+        let mut scratch = Vec::new();
+        let mut buf = Vec::new();
+        let mut ranges = Vec::new();
+        segment_tcp(&big, 1400, &mut scratch, |f| {
+            ranges.push(buf.len()..buf.len() + f.len());
+            buf.extend_from_slice(f);
+        })
+        .unwrap();
+        assert_eq!(ranges.len(), 15);
+        let mut c = TcpCoalescer::default();
+        for r in &ranges {
+            assert!(c.offer(&buf, r.clone()));
+        }
+        let Run::Merged { vnet, header, payloads, frames, frame_bytes } = c.take() else { panic!("not merged") };
+        assert_eq!(frames, ranges.len());
+        assert_eq!(frame_bytes, buf.len());
+        assert_eq!(
+            vnet,
+            VnetHdr { flags: F_NEEDS_CSUM, gso_type: GSO_TCPV6, hdr_len: 74, gso_size: 1400, csum_start: 54, csum_offset: 16 }
+        );
+        let mut merged = header.to_vec();
+        for p in payloads {
+            merged.extend_from_slice(&buf[p.clone()]);
+        }
+        assert_eq!(merged.len(), big.len());
+        assert_eq!(u16::from_be_bytes([merged[18], merged[19]]) as usize, 20 + payload.len(), "payload length");
+        assert_eq!(&merged[74..], &payload[..]);
+        // Same headers as the original but for the partial checksum, which
+        // completes to the original's.
+        assert_eq!(merged[..70], big[..70]);
+        assert_eq!(merged[72..74], big[72..74]);
+        complete_checksum(&mut merged, vnet.csum_start as usize, vnet.csum_offset as usize).unwrap();
+        assert_eq!(merged, big);
+        assert!(valid6(&merged));
+        assert!(matches!(c.take(), Run::Empty));
+    }
+
+    #[test]
+    fn tcpv6_coalescer_refuses_padding_bad_checksums_and_other_flows() {
+        let a = tcp6(&[1u8; 100], 0x10);
+        let follows = |payload: &[u8], edit: &dyn Fn(&mut Vec<u8>)| {
+            let mut b = tcp6(payload, 0x10);
+            b[58..62].copy_from_slice(&0xffff_f064u32.to_be_bytes()); // a's seq + 100
+            edit(&mut b);
+            set_checksum6(&mut b);
+            b
+        };
+        let b = follows(&[2u8; 3], &|_| {});
+        assert_eq!(b.len(), 77);
+        let mut padded = b.clone();
+        padded.extend_from_slice(&[0xee; 3]);
+        // Padding the checksum cannot see: its words add up to minus the 3
+        // bytes it adds to the pseudo-header's length. Only the IPv6 payload
+        // length tells it from payload.
+        let mut neutral = b.clone();
+        neutral.extend_from_slice(&[0xfc, 0xff, 0x00]);
+        let mut pseudo = neutral[22..54].to_vec();
+        pseudo.extend_from_slice(&((neutral.len() - 54) as u32).to_be_bytes());
+        pseudo.extend_from_slice(&[0, 0, 0, 6]);
+        assert_eq!(csum_fold(csum_add(csum_add(0, &pseudo), &neutral[54..])), 0, "checksum-neutral padding");
+        let mut corrupt = b.clone();
+        corrupt[76] ^= 0x40; // one payload bit flipped on the way
+        let mut bad_sum = b.clone();
+        bad_sum[70] ^= 0x01;
+        let gap = follows(&[2u8; 3], &|f| f[58..62].copy_from_slice(&0xffff_f065u32.to_be_bytes()));
+        let other_port = follows(&[2u8; 3], &|f| f[54..56].copy_from_slice(&5002u16.to_be_bytes()));
+        let other_addr = follows(&[2u8; 3], &|f| f[53] = 3);
+        let other_label = follows(&[2u8; 3], &|f| f[17] ^= 1);
+        let other_hops = follows(&[2u8; 3], &|f| f[21] = 63);
+        let syn = follows(&[], &|f| f[67] = 0x02);
+        let hbh = follows(&[2u8; 3], &|f| f[20] = 0);
+        let v4 = tcp4(&[2u8; 3], 0x10);
+        for (what, frame, merges) in [
+            ("padded", &padded, false),
+            ("padded, checksum-neutral", &neutral, false),
+            ("payload bit flipped", &corrupt, false),
+            ("checksum wrong", &bad_sum, false),
+            ("sequence gap", &gap, false),
+            ("another port", &other_port, false),
+            ("another address", &other_addr, false),
+            ("another flow label", &other_label, false),
+            ("another hop limit", &other_hops, false),
+            ("SYN", &syn, false),
+            ("extension header", &hbh, false),
+            ("IPv4", &v4, false),
+            ("exact", &b, true),
+        ] {
+            let buf = [a.clone(), frame.clone()].concat();
+            let mut c = TcpCoalescer::default();
+            assert!(c.offer(&buf, 0..a.len()));
+            assert_eq!(c.offer(&buf, a.len()..buf.len()), merges, "{what}");
+            if merges {
+                let Run::Merged { header, payloads, .. } = c.take() else { panic!("not merged") };
+                let ip_len = u16::from_be_bytes([header[18], header[19]]) as usize;
+                let payload: usize = payloads.iter().map(|p| p.len()).sum();
+                assert_eq!((ip_len, payload), (123, 103), "payload length and payload count no padding");
+            } else {
+                assert!(matches!(c.take(), Run::Single(r) if r == (0..a.len())), "{what}: the first alone");
+            }
+        }
+        // Alone, a padded, truncated or corrupt segment does not start a run either.
+        let mut truncated = a.clone();
+        truncated.truncate(a.len() - 1);
+        for (what, f) in [("padded", &padded), ("neutral", &neutral), ("truncated", &truncated), ("corrupt", &corrupt)] {
+            let mut c = TcpCoalescer::default();
+            assert!(!c.offer(f, 0..f.len()), "{what}");
+            assert!(!c.is_pending());
+        }
+    }
+
     #[test]
     fn header_round_trips() {
         let h = VnetHdr { flags: 1, gso_type: 4, hdr_len: 74, gso_size: 1440, csum_start: 54, csum_offset: 16 };
