@@ -6,13 +6,11 @@ The unprivileged user is uid/gid 65534 (nobody), run with setpriv; the
 control group is gid 4242, given to it with --groups (no /etc/group entry
 is needed: vnetd takes a numeric gid)."""
 
-import socket
-import textwrap
+import subprocess
 import time
 
-import subprocess
-
-from netlab import VNETCTL, VNETD, Lab, run
+import netlab
+from netlab import VNETCTL, Lab, UnixSession, start_fails, write_token
 
 CONFIG = "INTERFACE ADD g1 02:00:00:00:00:01\nLINK ADD 198.18.0.2\nROUTE ADD any any edge 198.18.0.2 interface\n"
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--inh-caps=-all"]
@@ -32,14 +30,6 @@ def open_to_nobody(lab: Lab):
 
 def links_of(d) -> str:
     return d.ctl("LINK", "LIST").stdout
-
-
-def start_fails(lab, ns, *args):
-    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *args, check=False, timeout=10)
-    assert p.returncode == 1, p
-    lines = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
-    assert len(lines) == 1, p.stderr
-    return lines[0]
 
 
 def tcp_listening(lab, ns, port) -> bool:
@@ -112,38 +102,14 @@ def test_the_control_group_reads_and_changes_only_when_granted(lab):
     assert "uid 65534 pid" in d.log_text()
 
 
-def raw_tcp(ns_lab, ns, text: str, addr="127.0.0.1", port=9101, nobody=True, groups=False) -> str:
-    """Sends text over TCP from namespace ns and returns all vnetd answers until it closes."""
-    script = ns_lab.tmp / f"raw-{time.monotonic_ns()}.py"
-    script.write_text(textwrap.dedent(f"""
-        import socket, sys
-        s = socket.create_connection(({addr!r}, {port}), timeout=15)
-        s.sendall(sys.stdin.buffer.read())
-        out = b""
-        while True:
-            try:
-                b = s.recv(65536)
-            except (ConnectionResetError, socket.timeout):
-                break
-            if not b:
-                break
-            out += b
-        sys.stdout.write(out.decode())
-    """))
-    script.chmod(0o644)
-    prefix = NOBODY + ["--clear-groups"] if nobody else []
-    p = run(["ip", "netns", "exec", ns, *prefix, "python3", script], input=text, check=False, timeout=30)
-    assert p.returncode == 0, p
-    return p.stdout
+def raw_tcp(lab, ns, text: str, addr="127.0.0.1", port=9101, nobody=True) -> str:
+    """Sends text over TCP from namespace ns (as uid 65534 unless told) and returns all vnetd answers until it closes."""
+    return netlab.raw_tcp(lab, ns, text, addr=addr, port=port, user=NOBODY + ["--clear-groups"] if nobody else [])
 
 
 def tokens(lab):
-    admin, read = lab.tmp / "admin.token", lab.tmp / "read.token"
-    admin.write_text("admin-token-0123456789abcdef\n")
-    read.write_text("read-token-0123456789abcdef\n")
-    admin.chmod(0o600)
-    read.chmod(0o600)
-    return admin, read
+    return write_token(lab, "admin.token", "admin-token-0123456789abcdef"), \
+        write_token(lab, "read.token", "read-token-0123456789abcdef")
 
 
 def test_tcp_control_always_needs_a_token_even_on_loopback(lab):
@@ -268,25 +234,23 @@ def test_half_finished_requests_time_out_and_change_nothing(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h, CONFIG)
     before = links_of(d)
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.sock))
-    s.sendall(b"BEGIN\nLINK ADD 198.18.0.7\n")
-    s.settimeout(40)
+    s = UnixSession(d.sock)
+    s.send(b"BEGIN\nLINK ADD 198.18.0.7\n")
+    s.sock.settimeout(40)
     t0 = time.monotonic()
-    out = s.recv(4096)
+    out = s.readline()
     took = time.monotonic() - t0
     assert out == b"ERR request not finished within 30 s; closing the session\n", out
     assert 29 <= took <= 32, took
-    assert s.recv(4096) == b"", "the session is closed"
+    assert s.readline() == b"", "the session is closed"
     assert links_of(d) == before
 
 
 def test_request_size_bounds(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h, CONFIG)
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.sock))
-    f = s.makefile("rwb")
+    s = UnixSession(d.sock)
+    f = s.f
     # 100 000 lines is the most one request may have...
     f.write(b"BEGIN\n" + b"#\n" * 100_001 + b"COMMIT\n")
     f.flush()
