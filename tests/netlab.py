@@ -273,6 +273,24 @@ class Lab:
         self.close()
 
 
+def wait_until(cond, timeout=5.0, interval=0.05):
+    """Polls cond() until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+def udp_rcvbuf_errors(lab: Lab, ns: str) -> int:
+    """UDP datagrams the kernel dropped in `ns` because a socket's receive
+    buffer was full (/proc/net/snmp): the reason an exact count of a flood
+    can come up short without vnetd being at fault."""
+    lines = [l.split() for l in lab.x(ns, "cat", "/proc/net/snmp").stdout.splitlines() if l.startswith("Udp:")]
+    return int(dict(zip(lines[0], lines[1]))["RcvbufErrors"])
+
+
 # ---- the control protocol, raw (for tests of vnetd's control plane itself) ----
 
 def start_fails(lab: Lab, ns: str, *args, timeout=10) -> str:
