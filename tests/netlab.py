@@ -49,6 +49,10 @@ def overlay_ip(n: int) -> str:
     return f"198.19.0.{n}"
 
 
+def overlay_ip6(n: int) -> str:
+    return f"fd00:198:19::{n:x}"
+
+
 def guest_mac(n: int) -> str:
     return f"02:00:00:00:{n >> 8:02x}:{n & 0xff:02x}"
 
@@ -190,20 +194,24 @@ class Lab:
 
     # ---- guests ----
 
-    def attach_guest(self, host: str, tap: str, n: int, mtu: int | None = None, ns: str | None = None) -> Guest:
+    def attach_guest(self, host: str, tap: str, n: int, mtu: int | None = None, ns: str | None = None,
+                     ipv6: bool = False) -> Guest:
         """Moves the TAP vnetd made on `host` into a guest namespace (a new
-        one, or `ns` again) and gives it overlay_ip(n). The TAP's MAC is the
-        one vnetd registered."""
+        one, or `ns` again) and gives it overlay_ip(n) (and, with `ipv6`,
+        overlay_ip6(n)). The TAP's MAC is the one vnetd registered."""
         g = ns
         if g is None:
             g = self.ns(f"g{n}")
-            # No IPv6 chatter (router solicitations etc.) in the guests.
-            self.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-            self.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+            if not ipv6:
+                # No IPv6 chatter (router solicitations etc.) in the guests.
+                self.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+                self.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
         self.x(host, "ip", "link", "set", tap, "netns", g)
         if mtu:
             self.x(g, "ip", "link", "set", tap, "mtu", mtu)
         self.x(g, "ip", "addr", "add", f"{overlay_ip(n)}/24", "dev", tap)
+        if ipv6:
+            self.x(g, "ip", "-6", "addr", "add", f"{overlay_ip6(n)}/64", "dev", tap, "nodad")
         self.x(g, "ip", "link", "set", tap, "up")
         mac = self.x(g, "cat", f"/sys/class/net/{tap}/address").stdout.strip()
         return Guest(ns=g, tap=tap, mac=mac, ip=overlay_ip(n), host=host)
@@ -281,6 +289,13 @@ def wait_until(cond, timeout=5.0, interval=0.05):
         if v or time.monotonic() > deadline:
             return v
         time.sleep(interval)
+
+
+def wait_listening(lab: Lab, ns: str, port: int, udp=False, timeout=10.0):
+    """Waits until something in `ns` listens on `port` (TCP, or bound UDP)."""
+    flags = "-Hlun" if udp else "-Hltn"
+    if not wait_until(lambda: lab.x(ns, "ss", flags, f"sport = :{port}").stdout.strip(), timeout=timeout):
+        raise AssertionError(f"nothing listens on port {port} in {ns} after {timeout} s")
 
 
 def udp_rcvbuf_errors(lab: Lab, ns: str) -> int:
