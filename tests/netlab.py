@@ -16,8 +16,10 @@ import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,10 @@ def overlay_ip(n: int) -> str:
     return f"198.19.0.{n}"
 
 
+def overlay_ip6(n: int) -> str:
+    return f"fd00:198:19::{n:x}"
+
+
 def guest_mac(n: int) -> str:
     return f"02:00:00:00:{n >> 8:02x}:{n & 0xff:02x}"
 
@@ -67,6 +73,9 @@ class Vnetd:
     sock: Path
     proc: subprocess.Popen
     log: Path
+    # The signal the test itself stopped this vnetd with (None: still the
+    # lab's to stop, and it must then be alive and exit 0 on SIGTERM).
+    stopped_with: int | None = None
 
     def ctl(self, *words, check=True, timeout=30) -> subprocess.CompletedProcess:
         return run([VNETCTL, "--socket", self.sock, *words], check=check, timeout=timeout)
@@ -94,6 +103,8 @@ class Vnetd:
 
     def stop(self, sig=signal.SIGTERM, timeout=10) -> int:
         if self.proc.poll() is None:
+            if self.stopped_with is None:
+                self.stopped_with = sig
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=timeout)
@@ -177,7 +188,7 @@ class Lab:
                 path.write_text(config)
                 config = path
             cmd += ["--config", config]
-        with open(log, "w") as lf:
+        with open(log, "a") as lf:  # O_APPEND: lines written by others are not overwritten
             proc = subprocess.Popen(["ip", "netns", "exec", host, *[str(c) for c in cmd]],
                                     stdout=lf, stderr=subprocess.STDOUT)
         d = Vnetd(self, host, sock, proc, log)
@@ -198,20 +209,24 @@ class Lab:
 
     # ---- guests ----
 
-    def attach_guest(self, host: str, tap: str, n: int, mtu: int | None = None, ns: str | None = None) -> Guest:
+    def attach_guest(self, host: str, tap: str, n: int, mtu: int | None = None, ns: str | None = None,
+                     ipv6: bool = False) -> Guest:
         """Moves the TAP vnetd made on `host` into a guest namespace (a new
-        one, or `ns` again) and gives it overlay_ip(n). The TAP's MAC is the
-        one vnetd registered."""
+        one, or `ns` again) and gives it overlay_ip(n) (and, with `ipv6`,
+        overlay_ip6(n)). The TAP's MAC is the one vnetd registered."""
         g = ns
         if g is None:
             g = self.ns(f"g{n}")
-            # No IPv6 chatter (router solicitations etc.) in the guests.
-            self.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-            self.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+            if not ipv6:
+                # No IPv6 chatter (router solicitations etc.) in the guests.
+                self.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+                self.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
         self.x(host, "ip", "link", "set", tap, "netns", g)
         if mtu:
             self.x(g, "ip", "link", "set", tap, "mtu", mtu)
         self.x(g, "ip", "addr", "add", f"{overlay_ip(n)}/24", "dev", tap)
+        if ipv6:
+            self.x(g, "ip", "-6", "addr", "add", f"{overlay_ip6(n)}/64", "dev", tap, "nodad")
         self.x(g, "ip", "link", "set", tap, "up")
         mac = self.x(g, "cat", f"/sys/class/net/{tap}/address").stdout.strip()
         return Guest(ns=g, tap=tap, mac=mac, ip=overlay_ip(n), host=host)
@@ -229,28 +244,158 @@ class Lab:
 
     # ---- teardown ----
 
-    def close(self):
+    def close(self) -> list[str]:
+        """Stops everything the lab started and removes what it made; returns
+        what went wrong, for the test to fail on: a vnetd that died during
+        the test, panicked, or did not exit 0 on SIGTERM (its own or the
+        test's), and anything with the lab's prefix left behind."""
+        problems = []
         for d in self.daemons:
             try:
-                d.stop(timeout=5)
-            except Exception:
-                pass
+                if d.stopped_with is None:
+                    if d.proc.poll() is not None:
+                        problems.append(f"vnetd on {d.host} died during the test (exit status {d.proc.returncode})")
+                    else:
+                        rc = d.stop(timeout=5)
+                        if rc != 0:
+                            problems.append(f"vnetd on {d.host} exited {rc} on SIGTERM (-9: killed after 5 s)")
+                elif d.stopped_with in (signal.SIGTERM, signal.SIGINT):
+                    rc = d.stop(timeout=5)
+                    if rc != 0:
+                        problems.append(f"vnetd on {d.host} exited {rc} on signal {d.stopped_with}")
+                else:
+                    d.stop(timeout=5)
+                if "panicked" in d.log_text():
+                    problems.append(f"vnetd on {d.host} panicked (log {d.log.name})")
+            except Exception as e:  # keep cleaning up
+                problems.append(f"stopping vnetd on {d.host}: {e!r}")
         for p in self.other_procs:
             if p.poll() is None:
                 p.kill()
                 try:
                     p.wait(timeout=5)
                 except Exception:
-                    pass
+                    problems.append(f"process {p.pid} ({p.args[:6]}) did not end after SIGKILL")
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        left = [n.split()[0] for n in run(["ip", "netns", "list"], check=False).stdout.splitlines()
+                if n.startswith(self.prefix)]
+        if left:
+            problems.append(f"namespaces left behind: {left}")
+        devs = [l for l in run(["ip", "-o", "link"], check=False).stdout.splitlines() if self.prefix in l]
+        if devs:
+            problems.append(f"devices left behind: {devs}")
+        self.saved_logs = {f"{d.host} ({d.log.name})": d.log_text() for d in self.daemons} if problems else {}
         shutil.rmtree(self.tmp, ignore_errors=True)
+        return problems
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def wait_until(cond, timeout=5.0, interval=0.05):
+    """Polls cond() until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+def wait_listening(lab: Lab, ns: str, port: int, udp=False, timeout=10.0):
+    """Waits until something in `ns` listens on `port` (TCP, or bound UDP)."""
+    flags = "-Hlun" if udp else "-Hltn"
+    if not wait_until(lambda: lab.x(ns, "ss", flags, f"sport = :{port}").stdout.strip(), timeout=timeout):
+        raise AssertionError(f"nothing listens on port {port} in {ns} after {timeout} s")
+
+
+def udp_rcvbuf_errors(lab: Lab, ns: str) -> int:
+    """UDP datagrams the kernel dropped in `ns` because a socket's receive
+    buffer was full (/proc/net/snmp): the reason an exact count of a flood
+    can come up short without vnetd being at fault."""
+    lines = [l.split() for l in lab.x(ns, "cat", "/proc/net/snmp").stdout.splitlines() if l.startswith("Udp:")]
+    return int(dict(zip(lines[0], lines[1]))["RcvbufErrors"])
+
+
+# ---- the control protocol, raw (for tests of vnetd's control plane itself) ----
+
+def start_fails(lab: Lab, ns: str, *args, timeout=10) -> str:
+    """Starts vnetd in `ns` expecting it to refuse: it must exit 1 with
+    exactly one `vnetd: ` line, which is returned."""
+    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *args, check=False, timeout=timeout)
+    assert p.returncode == 1, p
+    lines = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def write_token(lab: Lab, name: str, token: str, mode=0o600) -> Path:
+    path = lab.tmp / name
+    path.write_text(token + "\n")
+    path.chmod(mode)
+    return path
+
+
+class UnixSession:
+    """One raw session on a vnetd's Unix control socket (from the test's own
+    namespace: the socket is a file)."""
+
+    def __init__(self, sock: Path):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(str(sock))
+        self.f = self.sock.makefile("rwb")
+
+    def send(self, data: bytes | str):
+        self.f.write(data.encode() if isinstance(data, str) else data)
+        self.f.flush()
+
+    def readline(self) -> bytes:
+        return self.f.readline()
+
+    def reply(self) -> tuple[str, list[str]]:
+        """Reads one reply: ("OK n", its n lines) or ("ERR ...", [])."""
+        status = self.f.readline().decode().rstrip("\n")
+        if status.startswith("OK "):
+            return status, [self.f.readline().decode().rstrip("\n") for _ in range(int(status[3:]))]
+        return status, []
+
+    def request(self, text: str) -> tuple[str, list[str]]:
+        self.send(text)
+        return self.reply()
+
+    def close(self):
+        self.f.close()
+        self.sock.close()
+
+
+def raw_tcp(lab: Lab, ns: str, text: str, addr="127.0.0.1", port=9101, user: list[str] = ()) -> str:
+    """Sends `text` over TCP from namespace `ns` (as `user`: a setpriv
+    prefix, or root) and returns all vnetd answers until it closes the
+    session (or 15 s pass)."""
+    script = lab.tmp / f"raw-{time.monotonic_ns()}.py"
+    script.write_text(textwrap.dedent(f"""
+        import socket, sys
+        s = socket.create_connection(({addr!r}, {port}), timeout=15)
+        s.sendall(sys.stdin.buffer.read())
+        out = b""
+        while True:
+            try:
+                b = s.recv(65536)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not b:
+                break
+            out += b
+        sys.stdout.write(out.decode())
+    """))
+    script.chmod(0o644)
+    p = run(["ip", "netns", "exec", ns, *user, "python3", script], input=text, check=False, timeout=30)
+    assert p.returncode == 0, p
+    return p.stdout
 
 
 def underlay_ip6(i: int) -> str:

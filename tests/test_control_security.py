@@ -6,13 +6,11 @@ The unprivileged user is uid/gid 65534 (nobody), run with setpriv; the
 control group is gid 4242, given to it with --groups (no /etc/group entry
 is needed: vnetd takes a numeric gid)."""
 
-import socket
-import textwrap
+import subprocess
 import time
 
-import subprocess
-
-from netlab import VNETCTL, VNETD, Lab, run
+import netlab
+from netlab import VNETCTL, Lab, UnixSession, start_fails, write_token
 
 CONFIG = "INTERFACE ADD g1 02:00:00:00:00:01\nLINK ADD 198.18.0.2\nROUTE ADD any any edge 198.18.0.2 interface\n"
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--inh-caps=-all"]
@@ -32,14 +30,6 @@ def open_to_nobody(lab: Lab):
 
 def links_of(d) -> str:
     return d.ctl("LINK", "LIST").stdout
-
-
-def start_fails(lab, ns, *args):
-    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *args, check=False, timeout=10)
-    assert p.returncode == 1, p
-    lines = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
-    assert len(lines) == 1, p.stderr
-    return lines[0]
 
 
 def tcp_listening(lab, ns, port) -> bool:
@@ -112,38 +102,14 @@ def test_the_control_group_reads_and_changes_only_when_granted(lab):
     assert "uid 65534 pid" in d.log_text()
 
 
-def raw_tcp(ns_lab, ns, text: str, addr="127.0.0.1", port=9101, nobody=True, groups=False) -> str:
-    """Sends text over TCP from namespace ns and returns all vnetd answers until it closes."""
-    script = ns_lab.tmp / f"raw-{time.monotonic_ns()}.py"
-    script.write_text(textwrap.dedent(f"""
-        import socket, sys
-        s = socket.create_connection(({addr!r}, {port}), timeout=15)
-        s.sendall(sys.stdin.buffer.read())
-        out = b""
-        while True:
-            try:
-                b = s.recv(65536)
-            except (ConnectionResetError, socket.timeout):
-                break
-            if not b:
-                break
-            out += b
-        sys.stdout.write(out.decode())
-    """))
-    script.chmod(0o644)
-    prefix = NOBODY + ["--clear-groups"] if nobody else []
-    p = run(["ip", "netns", "exec", ns, *prefix, "python3", script], input=text, check=False, timeout=30)
-    assert p.returncode == 0, p
-    return p.stdout
+def raw_tcp(lab, ns, text: str, addr="127.0.0.1", port=9101, nobody=True) -> str:
+    """Sends text over TCP from namespace ns (as uid 65534 unless told) and returns all vnetd answers until it closes."""
+    return netlab.raw_tcp(lab, ns, text, addr=addr, port=port, user=NOBODY + ["--clear-groups"] if nobody else [])
 
 
 def tokens(lab):
-    admin, read = lab.tmp / "admin.token", lab.tmp / "read.token"
-    admin.write_text("admin-token-0123456789abcdef\n")
-    read.write_text("read-token-0123456789abcdef\n")
-    admin.chmod(0o600)
-    read.chmod(0o600)
-    return admin, read
+    return write_token(lab, "admin.token", "admin-token-0123456789abcdef"), \
+        write_token(lab, "read.token", "read-token-0123456789abcdef")
 
 
 def test_tcp_control_always_needs_a_token_even_on_loopback(lab):
@@ -268,25 +234,23 @@ def test_half_finished_requests_time_out_and_change_nothing(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h, CONFIG)
     before = links_of(d)
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.sock))
-    s.sendall(b"BEGIN\nLINK ADD 198.18.0.7\n")
-    s.settimeout(40)
+    s = UnixSession(d.sock)
+    s.send(b"BEGIN\nLINK ADD 198.18.0.7\n")
+    s.sock.settimeout(40)
     t0 = time.monotonic()
-    out = s.recv(4096)
+    out = s.readline()
     took = time.monotonic() - t0
     assert out == b"ERR request not finished within 30 s; closing the session\n", out
     assert 29 <= took <= 32, took
-    assert s.recv(4096) == b"", "the session is closed"
+    assert s.readline() == b"", "the session is closed"
     assert links_of(d) == before
 
 
 def test_request_size_bounds(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h, CONFIG)
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.sock))
-    f = s.makefile("rwb")
+    s = UnixSession(d.sock)
+    f = s.f
     # 100 000 lines is the most one request may have...
     f.write(b"BEGIN\n" + b"#\n" * 100_001 + b"COMMIT\n")
     f.flush()
@@ -304,3 +268,103 @@ def test_request_size_bounds(lab):
     f.flush()
     assert f.readline() == b"OK 1\n"
     s.close()
+
+
+def test_line_length_and_request_line_bounds_exactly(lab):
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    s = UnixSession(d.sock)
+    # A request of exactly 100 000 lines is taken whole (comments: they change nothing)...
+    s.send(b"BEGIN\n" + b"#\n" * 100_000 + b"COMMIT\n")
+    assert s.reply() == ("OK 0", [])
+    # ...a line of exactly 4096 bytes is read (and answered: it is no command)...
+    assert s.request("x" * 4096 + "\n")[0].startswith("ERR line 1: ")
+    assert s.request("LINK LIST\n")[0] == "OK 1"
+    # ...and one of 4097 bytes ends the session.
+    s.sock.settimeout(5)
+    s.send("x" * 4097 + "\n")
+    assert s.readline() == b"ERR line longer than 4096 bytes; closing the session\n"
+    assert s.readline() == b"", "the session is closed"
+    s.close()
+    assert UnixSession(d.sock).request("LINK LIST\n")[0] == "OK 1", "a new session is served"
+
+
+def test_tokens_shorter_than_16_characters_are_refused_at_start(lab):
+    h = lab.add_host(1)
+    short = write_token(lab, "short.token", "x" * 15)
+    line = start_fails(lab, h, "--control-tcp", "127.0.0.1:9101", "--control-token-file", short)
+    assert "must be at least 16 characters" in line, line
+    spaced = write_token(lab, "spaced.token", "token with spaces 0123")
+    line = start_fails(lab, h, "--control-tcp", "127.0.0.1:9101", "--control-token-file", spaced)
+    assert "without spaces" in line, line
+    ok = write_token(lab, "ok.token", "y" * 16)
+    d = lab.start_vnetd(h, CONFIG, "--control-tcp", "127.0.0.1:9101", "--control-token-file", ok)
+    assert raw_tcp(lab, h, "AUTH " + "y" * 16 + "\nLINK LIST\n", nobody=False).startswith("OK 0\nOK 1\n")
+    d.stop()
+
+
+BAD_AUTH = """
+import socket, time
+s = socket.create_connection(("127.0.0.1", 9101), timeout=10)
+t0 = time.monotonic()
+s.sendall(b"AUTH wrong-token-0123456789abc\\nLINK ADD 198.18.0.9\\n")
+f = s.makefile("rb")
+reply = f.readline()
+t1 = time.monotonic()
+rest = f.read()   # until vnetd closes the session
+t2 = time.monotonic()
+print(repr(reply), repr(rest), round(t1 - t0, 3), round(t2 - t1, 3), sep="\\t")
+"""
+
+
+def test_a_bad_token_is_answered_after_200_ms_and_ends_the_session(lab):
+    h = lab.add_host(1)
+    admin, _ = tokens(lab)
+    d = lab.start_vnetd(h, CONFIG, "--control-tcp", "127.0.0.1:9101", "--control-token-file", admin)
+    before = links_of(d)
+    reply, rest, answered, closed = lab.x(h, "python3", "-c", BAD_AUTH).stdout.strip().split("\t")
+    assert reply == repr(b"ERR authentication required (first line: AUTH <token>): bad token\n"), reply
+    # Answered after the 200 ms delay (not much later), then closed at once;
+    # the request after the bad AUTH was never run.
+    assert 0.2 <= float(answered) <= 1.0, answered
+    assert rest == "b''" and float(closed) <= 0.5, (rest, closed)
+    assert links_of(d) == before
+
+
+def test_tcp_sessions_are_capped_at_32_across_clients(lab):
+    # 8 sessions from each of 4 loopback addresses fill the listener's 32;
+    # a fifth address is refused by the total, not by its own count.
+    h = lab.add_host(1)
+    admin, _ = tokens(lab)
+    d = lab.start_vnetd(h, CONFIG, "--control-tcp", "127.0.0.1:9101", "--control-token-file", admin)
+    holder = lab.popen(h, "python3", "-c", HOLD_FROM, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    answers = holder.stdout.readline().split("|")
+    assert answers[:32] == [""] * 32, answers[:32]  # held, nothing said: they are waiting for AUTH
+    assert answers[32].startswith("ERR too many tcp control sessions (at most 32)"), answers[32]
+    assert "too many tcp control sessions" in d.log_text()
+    holder.stdin.close()
+    holder.wait(timeout=10)
+    # Freed: served again.
+    assert raw_tcp(lab, h, f"AUTH {admin.read_text().strip()}\nLINK LIST\n", nobody=False).startswith("OK 0\nOK 1\n")
+
+
+HOLD_FROM = """
+import socket, sys, time
+socks = []
+for a in range(2, 7):
+    for _ in range(8 if a < 6 else 1):
+        s = socket.socket()
+        s.bind((f"127.0.0.{a}", 0))
+        s.connect(("127.0.0.1", 9101))
+        socks.append(s)
+time.sleep(0.5)
+out = []
+for s in socks:
+    s.setblocking(False)
+    try:
+        out.append(s.recv(4096).decode().strip())
+    except BlockingIOError:
+        out.append("")
+print("|".join(out), flush=True)
+sys.stdin.read()
+"""

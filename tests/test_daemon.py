@@ -1,25 +1,15 @@
 """vnetd as a program: start-up errors, clean shutdown, the control channels."""
 
 import signal
-import socket
-import subprocess
 import time
 
-from netlab import VNETCTL, VNETD, Lab, run
+from netlab import VNETCTL, VNETD, UnixSession, run, start_fails, write_token
 
 CONFIG = "INTERFACE ADD g1 02:00:00:00:00:01\nLINK ADD 198.18.0.2\nROUTE ADD any any edge 198.18.0.2 interface\n"
 
 
 def links(lab, ns):
     return lab.x(ns, "ip", "-o", "link").stdout
-
-
-def start_fails(lab, ns, *args, timeout=10):
-    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *args, check=False, timeout=timeout)
-    assert p.returncode == 1, p
-    lines = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
-    assert len(lines) == 1, p.stderr
-    return lines[0]
 
 
 def test_sigterm_and_sigint_shut_down_cleanly(lab):
@@ -41,10 +31,7 @@ def test_udp_port_in_use_is_one_clear_line(lab):
 
 
 def token_file(lab):
-    token = lab.tmp / "token"
-    token.write_text("s3cret-token-0123456789\n")
-    token.chmod(0o600)
-    return token
+    return write_token(lab, "token", "s3cret-token-0123456789")
 
 
 def test_control_port_in_use_is_one_clear_line(lab):
@@ -97,18 +84,8 @@ def test_control_over_tcp_and_unix_socket(lab):
 def test_raw_protocol_begin_commit_abort(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h, CONFIG)
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.sock))
-    f = s.makefile("rw")
-
-    def req(text):
-        f.write(text)
-        f.flush()
-        status = f.readline().strip()
-        if status.startswith("OK "):
-            return status, [f.readline().rstrip("\n") for _ in range(int(status[3:]))]
-        return status, []
-
+    s = UnixSession(d.sock)
+    req = s.request
     assert req("route list\n") == ("OK 1", ["route 0 any any edge 198.18.0.2 interface"])
     assert req("BEGIN\nLINK ADD 198.18.0.3\nABORT\n") == ("OK 0", [])
     assert "198.18.0.3" not in d.ctl("LINK", "LIST").stdout
@@ -131,9 +108,7 @@ def test_vnetctl_exit_codes(lab):
 
 def test_remote_control_needs_the_token(lab):
     h1, h2 = lab.add_host(1), lab.add_host(2)
-    token = lab.tmp / "token"
-    token.write_text("s3cret-token-0123456789\n")
-    token.chmod(0o644)
+    token = write_token(lab, "token", "s3cret-token-0123456789", mode=0o644)
     line = start_fails(lab, h1, "--control-tcp", "198.18.0.1:9101", "--control-token-file", token)
     assert "readable by others" in line
     token.chmod(0o600)
@@ -142,8 +117,7 @@ def test_remote_control_needs_the_token(lab):
     ok = lab.x(h2, VNETCTL, "--tcp", "198.18.0.1:9101", "--token-file", token, "LINK", "LIST")
     assert "198.18.0.2" in ok.stdout
     # Without it, or with a wrong one: refused, and nothing changes.
-    bad = lab.tmp / "bad"
-    bad.write_text("not-the-token-at-all-000\n")
+    bad = write_token(lab, "bad", "not-the-token-at-all-000")
     r = lab.x(h2, VNETCTL, "--tcp", "198.18.0.1:9101", "LINK", "ADD", "198.18.0.9", check=False)
     assert r.returncode == 2 and "--token-file" in r.stderr, r.stderr
     r = lab.x(h2, VNETCTL, "--tcp", "198.18.0.1:9101", "--token-file", bad, "LINK", "ADD", "198.18.0.9", check=False)
@@ -155,16 +129,12 @@ def test_remote_control_needs_the_token(lab):
 def test_control_requests_are_rate_bounded(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h, CONFIG)
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(str(d.sock))
-    f = s.makefile("rw")
+    s = UnixSession(d.sock)
     start = time.time()
     n = 2500
-    f.write("route list\n" * n)
-    f.flush()
+    s.send("route list\n" * n)
     for _ in range(n):
-        assert f.readline().startswith("OK ")
-        f.readline()
+        assert s.reply()[0] == "OK 1"
     elapsed = time.time() - start
     # 1000 a second after a burst of 100: (2500 - 100) / 1000 = 2.4 s.
     assert 2.3 <= elapsed <= 4.0, f"{n} requests took {elapsed:.2f}s: want 1000/s after a burst of 100"

@@ -90,7 +90,9 @@ def test_sigkill_under_traffic_then_restart_resumes_with_guests_unchanged(lab):
     restart_ms = (time.monotonic() - t0) * 1000
     gap_ms = finish_stream(recv, send)
     assert (ifindex(lab, g2, "g2"), lab.x(g2.ns, "ip", "-o", "addr", "show", "g2").stdout) == before
-    assert gap_ms < 5000, f"traffic resumed only after {gap_ms} ms"
+    # vnetd was down 500 ms on purpose, then starts in ~60 ms; TCP resends
+    # at its next retransmission timeout (measured: 620-650 ms in all).
+    assert gap_ms <= 2000, f"traffic resumed only after {gap_ms} ms"
     assert lab.reaches(g2, g1)
     record("sigkill_restart", {"longest_gap_ms": gap_ms, "restart_ms": round(restart_ms, 1)})
     # A clean stop keeps persistent TAPs too (vnetd restarts or upgrades);
@@ -142,6 +144,8 @@ def test_route_and_link_churn_under_traffic_loses_nothing(lab):
         assert all(v == 0 for k, v in st.items() if k.startswith("drop_")), (key, st)
     st = d[2].stats()["interface g2"]
     assert all(v == 0 for k, v in st.items() if k.startswith("drop_")), st
+    # The paced stream never stalled (measured: 12-31 ms longest gaps).
+    assert gap_ms <= 500, f"the stream stalled {gap_ms} ms during the churn"
     record("churn", {"changes": rounds * 4, "changes_per_s": round(changes_per_s), "longest_gap_ms": gap_ms})
 
 
@@ -170,7 +174,7 @@ def test_migration_keeps_a_tcp_connection_open(lab):
     d[2].ctl_file(f"ROUTE DEL any {m} edge {underlay_ip(1)} any\nROUTE ADD any {m} edge {underlay_ip(3)} any\n")
     control_ms = (time.monotonic() - t0) * 1000
     gap_ms = finish_stream(recv, send)
-    assert gap_ms < 3000, f"outage {gap_ms} ms"
+    assert gap_ms <= 500, f"outage {gap_ms} ms"  # measured: 7-26 ms
     # The guest's traffic now flows through host 3.
     assert d[3].stats()["interface g7"]["out_frames"] > 1000
     assert lab.reaches(g7, g2)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from netlab import REPO, guest_mac, mesh_config, overlay_ip, underlay_ip, underlay_ip6
+from netlab import REPO, guest_mac, mesh_config, overlay_ip, underlay_ip, underlay_ip6, wait_until
 
 EXAMPLES = REPO / "examples" / "links"
 from test_datapath import transfer
@@ -189,6 +189,16 @@ def test_direct_link_puts_a_plain_lan_host_on_the_overlay(lab):
     transfer(lab, g2, pg, 5_000_000, port=5002)
     s = d1.stats()["link lan"]
     assert s["in_frames"] > 0 and s["out_frames"] > 0
+    assert s["drop_oversize"] == 0
+    # A frame bigger than the LAN takes (g2 at MTU 9000, the LAN at 1500) is
+    # not put on it: dropped and counted on the direct link.
+    lab.x(g2.ns, "ip", "link", "set", "g2", "mtu", "9000")
+    lab.x(g2.ns, "ip", "neigh", "replace", pg.ip, "lladdr", p_mac, "dev", "g2", "nud", "permanent")
+    r = lab.x(g2.ns, "ping", "-c", "3", "-i", "0.2", "-W", "1", "-s", "8000", pg.ip, check=False)
+    assert "0 received" in r.stdout, r.stdout
+    assert wait_until(lambda: d1.stats()["link lan"]["drop_oversize"] == 3, timeout=5), d1.stats()["link lan"]
+    assert d1.stats()["link lan"]["out_frames"] == s["out_frames"]
+    assert d1.stats()["global"]["drop_oversize"] == 3
 
 
 def test_ipv6_underlay_udp_then_tcp_switched_at_run_time(lab):
@@ -221,4 +231,7 @@ def test_per_link_mtu_is_advertised_and_enforced(lab):
     transfer(lab, g[1], g[2], 10_000_000)
     s = d[1].stats()["link 198.18.0.2"]
     assert s["out_bytes"] / s["out_frames"] <= 1172
-    assert d[1].stats()["offload"]["segmented"] > 0
+    off = d[1].stats()["offload"]
+    assert off["segmented"] > 0
+    # Not one frame bigger than the link's max_frame (the average would hide it).
+    assert off["fragmented"] == 0, off

@@ -2,12 +2,14 @@
 """A paced TCP stream that measures its own outages.
 
   stream.py recv PORT              accept one connection; print "<bytes> <sha256> <longest gap ms>"
-  stream.py send HOST PORT SECONDS send 16 KiB every 2 ms for SECONDS; print "<bytes> <sha256>"
+  stream.py send HOST PORT SECONDS send 16 KiB every 2 ms for SECONDS (or, given "eof", until
+                                   its standard input closes); print "<bytes> <sha256>"
 """
 import hashlib
 import random
 import socket
 import sys
+import threading
 import time
 
 
@@ -27,11 +29,16 @@ def main():
             total += len(chunk)
         print(total, h.hexdigest(), round(gap * 1000, 1), flush=True)
     else:
-        host, port, seconds = sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+        host, port = sys.argv[2], int(sys.argv[3])
         rng = random.Random(7)
         conn = socket.create_connection((host, port), timeout=60)
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        stop = threading.Event()
+        if sys.argv[4] == "eof":
+            threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+            end = time.monotonic() + 3600
+        else:
+            end = time.monotonic() + float(sys.argv[4])
+        while time.monotonic() < end and not stop.is_set():
             chunk = rng.randbytes(16384)
             conn.sendall(chunk)
             h.update(chunk)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Moves bytes over TCP and reports their SHA-256, to check a transfer end to end.
 
-  xfer.py recv PORT            accept one connection, print "<bytes> <sha256>"
+  xfer.py recv PORT [ADDR]     accept one connection (on ADDR, default 0.0.0.0; IPv6 too), print "<bytes> <sha256>"
   xfer.py send HOST PORT N     send N pseudo-random bytes, print "<bytes> <sha256>"
 """
 import hashlib
@@ -15,7 +15,8 @@ def main():
     h = hashlib.sha256()
     total = 0
     if mode == "recv":
-        srv = socket.create_server(("0.0.0.0", int(sys.argv[2])))
+        addr = sys.argv[3] if len(sys.argv) > 3 else "0.0.0.0"
+        srv = socket.create_server((addr, int(sys.argv[2])), family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
         print("listening", flush=True)
         conn, _ = srv.accept()
         while chunk := conn.recv(1 << 20):
