@@ -8,7 +8,7 @@
 //! Resources (TAPs) made by a failed request are dropped with the copy, so a
 //! bad request changes nothing. Building the snapshot to publish is the
 //! request's commit point: only then are the fates of persistent TAPs
-//! settled (`Nic::in_force`, `Nic::deleted`).
+//! settled (`VirtualNic::in_force`, `VirtualNic::deleted`).
 //!
 //! **Ids.** Interfaces, links and routes have ids (`id`) given when added and
 //! never changed or reused: the ports of the rule table (`Port`) are these
@@ -23,15 +23,17 @@
 //! without it (`control::Control`): never by whichever thread happens to let
 //! go of it last.
 
-use crate::link::tcp::{LinkKey, TcpLink};
-use crate::nic::{rtnl, tap, Nic, PacketPort, Tap};
+use crate::link::direct::DirectLink;
+use crate::link::tcp::{LinkKey, TcpLink, TcpTransport};
+use crate::link::udp::UdpLink;
+use crate::link::{GsoState, Rx, Transport, UdpEndpoint};
+use crate::nic::{rtnl, tap, QemuNic, Tap, VirtualNic};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU64, AtomicU8};
 use vnet_core::command::{
     Attach, Command, IfaceRef, IfaceSetting, LinkProto, LinkRef, Mode, RouteRef, Setting, YieldStrategy,
 };
@@ -48,7 +50,7 @@ pub struct Interface {
     pub attach: Attach,
     /// The guest's network namespace, when vnetd made the TAP there.
     pub netns: Option<String>,
-    pub nic: Nic,
+    pub nic: Box<dyn VirtualNic>,
     pub stats: Counters,
     /// The mode the dispatcher runs the interface in now (`Mode as u8`):
     /// guest- or VMM-driven, whatever the configured mode.
@@ -65,32 +67,9 @@ impl Interface {
 
     /// Tears the interface down (the control plane, once no dispatcher uses
     /// it): closes its NIC, so its TAP goes or stays as its request settled
-    /// (`Nic::in_force`, `Nic::deleted`).
+    /// (`VirtualNic::in_force`, `VirtualNic::deleted`).
     pub fn teardown(self) {
         drop(self.nic);
-    }
-}
-
-/// How a link carries frames, and what it needs to.
-pub enum LinkKind {
-    /// VNET/P: the bare frame as a UDP datagram (the daemon's UDP socket).
-    Udp,
-    /// RFC 7348 VXLAN with this VNI (the daemon's VXLAN socket).
-    Vxlan { vni: u32 },
-    /// A TCP connection, authenticated by the link's key.
-    Tcp(Arc<TcpLink>),
-    /// Raw on a host device, through a packet socket.
-    Direct { port: PacketPort, device: String },
-}
-
-impl LinkKind {
-    pub fn name(&self) -> &'static str {
-        match self {
-            LinkKind::Udp => "udp",
-            LinkKind::Vxlan { .. } => "vxlan",
-            LinkKind::Tcp(_) => "tcp",
-            LinkKind::Direct { .. } => "direct",
-        }
     }
 }
 
@@ -98,7 +77,11 @@ pub struct Link {
     /// Stable id (the rule table's port): never changed or reused.
     pub id: u32,
     pub name: String,
-    pub kind: LinkKind,
+    /// How it was asked for (kind, VNI, device, key name): what the
+    /// control plane checks duplicates against.
+    pub proto: LinkProto,
+    /// How it carries frames: what the datapath uses.
+    pub transport: Arc<dyn Transport>,
     /// The peer's address (none for a direct link).
     pub remote: Option<SocketAddr>,
     /// Underlay MTU toward the peer: given, or the kernel's path MTU (for a
@@ -108,44 +91,17 @@ pub struct Link {
     /// TCP super-frames are cut to fit it.
     pub max_frame: usize,
     pub stats: Counters,
-    /// UDP GSO refused on this link (e.g. `mtu` set above the real path)
-    /// until this time (ms since `epoch()`); 0 while it works.
-    gso_off_until_ms: AtomicU64,
+    pub gso: GsoState,
 }
 
 /// Smallest frame a link is sized for: room for TCP headers and some data.
 const ETH_MIN_FOR_TCP: usize = 256;
-/// How long a link sends segment by segment after UDP GSO was refused,
-/// before trying GSO again.
-const GSO_RETRY: Duration = Duration::from_secs(30);
-
-fn epoch() -> Instant {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    *START.get_or_init(Instant::now)
-}
 
 impl Link {
-    /// Whether to try UDP GSO on this link now.
-    #[inline]
-    pub fn gso_ok(&self) -> bool {
-        let until = self.gso_off_until_ms.load(Relaxed);
-        until == 0 || epoch().elapsed().as_millis() as u64 >= until
-    }
-
-    /// The kernel refused GSO on this link: send segment by segment for a
-    /// while, on this link only.
-    pub fn gso_refused(&self) {
-        let until = (epoch().elapsed() + GSO_RETRY).as_millis() as u64;
-        self.gso_off_until_ms.store(until.max(1), Relaxed);
-    }
-
     /// Tears the link down (the control plane, once no dispatcher uses it);
     /// returns the frames it still held, to be counted as dropped.
     pub fn teardown(self) -> usize {
-        match &self.kind {
-            LinkKind::Tcp(t) => t.stop(),
-            _ => 0,
-        }
+        self.transport.teardown()
     }
 }
 
@@ -162,10 +118,10 @@ pub enum Retired {
 pub trait LinkEnv {
     /// The kernel's path MTU toward an address.
     fn path_mtu(&self, to: SocketAddr) -> Option<u32>;
-    /// Whether vnetd has a UDP socket of that family (IPv4 if `v4`).
-    fn has_udp(&self, v4: bool) -> bool;
-    /// Makes sure the VXLAN socket of that family exists.
-    fn ensure_vxlan(&self, v4: bool) -> Result<(), String>;
+    /// vnetd's UDP socket of that family (IPv4 if `v4`), if it has one.
+    fn udp(&self, v4: bool) -> Option<Arc<UdpEndpoint>>;
+    /// The VXLAN socket of that family, made if needed.
+    fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String>;
     /// Makes sure TCP link connections are accepted.
     fn ensure_tcp_acceptor(&self) -> Result<(), String>;
 }
@@ -360,10 +316,10 @@ impl Topology {
                     }
                 }
                 let mtu = mtu.unwrap_or(settings.default_mtu);
-                let nic = match (attach, netns) {
-                    (Attach::Netns, None) => Tap::create(name, mtu, *mac).map(Nic::Tap),
-                    (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, *mac, ns).map(|(t, _)| Nic::Tap(t)),
-                    (Attach::Qemu, _) => Nic::qemu(name, mtu),
+                let nic: Box<dyn VirtualNic> = match (attach, netns) {
+                    (Attach::Netns, None) => Tap::create(name, mtu, *mac).map(|t| Box::new(t) as Box<dyn VirtualNic>),
+                    (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, *mac, ns).map(|(t, _)| Box::new(t) as Box<dyn VirtualNic>),
+                    (Attach::Qemu, _) => QemuNic::new(name, mtu).map(|n| Box::new(n) as Box<dyn VirtualNic>),
                 }
                 .map_err(|e| format!("{e:#}"))?;
                 let idx = self.next_iface;
@@ -472,81 +428,82 @@ impl Topology {
                 return Err(format!("{ip} is not a unicast address"));
             }
         }
-        let (kind, remote, name, mtu, overhead) = match (proto, ip) {
+        let (transport, remote, name, mtu, overhead): (Arc<dyn Transport>, _, _, _, _) = match (proto, ip) {
             (LinkProto::Direct { device }, _) => {
                 direct_allowed(settings, device)?;
                 let dev_mtu = tap::device_mtu(device).map_err(|e| format!("no device {device} on this host ({e})"))?;
-                if self.links.values().any(|l| matches!(&l.kind, LinkKind::Direct { device: d, .. } if d == device)) {
+                if self.links.values().any(|l| matches!(&l.proto, LinkProto::Direct { device: d } if d == device)) {
                     return Err(format!("device {device} already has a direct link"));
                 }
-                let port = PacketPort::bind(device).map_err(|e| format!("{e:#}"))?;
-                let kind = LinkKind::Direct { port, device: device.clone() };
+                let link = DirectLink::bind(device).map_err(|e| format!("{e:#}"))?;
                 // A direct link's MTU is its device's; frames carry only Ethernet.
-                (kind, None, name.unwrap_or_else(|| device.clone()), mtu.unwrap_or(dev_mtu), -14i64)
+                (Arc::new(link), None, name.unwrap_or_else(|| device.clone()), mtu.unwrap_or(dev_mtu), -14i64)
             }
             (_, None) => return Err("this link needs a remote address".into()),
             (proto, Some(ip)) => {
                 let v4 = ip.is_ipv4();
                 let family = if v4 { 0 } else { 20 };
-                let (kind, default_port, overhead) = match proto {
+                let default_port = match proto {
+                    LinkProto::Vxlan { .. } => vnet_core::command::VXLAN_PORT,
+                    _ => settings.default_link_port,
+                };
+                let remote = SocketAddr::new(ip, port.unwrap_or(default_port));
+                let (transport, overhead): (Arc<dyn Transport>, i64) = match proto {
                     LinkProto::Udp => {
-                        if !env.has_udp(v4) {
+                        let Some(ep) = env.udp(v4) else {
                             return Err(format!("vnetd has no UDP socket for {} (see --udp-bind)", if v4 { "IPv4" } else { "IPv6" }));
-                        }
-                        (LinkKind::Udp, settings.default_link_port, 28 + family)
+                        };
+                        (Arc::new(UdpLink::new(ep, remote, None)), 28 + family)
                     }
-                    LinkProto::Vxlan { vni } => {
-                        env.ensure_vxlan(v4)?;
-                        (LinkKind::Vxlan { vni: *vni }, vnet_core::command::VXLAN_PORT, 36 + family)
-                    }
+                    LinkProto::Vxlan { vni } => (Arc::new(UdpLink::new(env.vxlan(v4)?, remote, Some(*vni))), 36 + family),
                     LinkProto::Tcp { key } => {
                         let key = LinkKey::load(&settings.link_key_dir, key)?;
                         env.ensure_tcp_acceptor()?;
-                        let remote = SocketAddr::new(ip, port.unwrap_or(settings.default_link_port));
-                        (LinkKind::Tcp(TcpLink::new(remote, key)?), settings.default_link_port, 40 + family)
+                        (Arc::new(TcpTransport(TcpLink::new(remote, key)?)), 40 + family)
                     }
-                    LinkProto::Direct { .. } => unreachable!(),
+                    LinkProto::Direct { .. } => unreachable!("matched above"),
                 };
-                let remote = SocketAddr::new(ip, port.unwrap_or(default_port));
                 let mtu = mtu.or_else(|| env.path_mtu(remote)).unwrap_or(1500);
-                (kind, Some(remote), name.unwrap_or_else(|| ip.to_string()), mtu, overhead as i64)
+                (transport, Some(remote), name.unwrap_or_else(|| ip.to_string()), mtu, overhead)
             }
         };
         if let Some(l) = self.links.values().find(|l| l.name == name) {
             return Err(format!("a link named {name} exists (index {})", l.id));
         }
-        if let (Some(r), Some(l)) = (remote, self.links.values().find(|l| l.remote == remote && l.kind.name() == kind.name())) {
-            let same_vni = match (&l.kind, &kind) {
-                (LinkKind::Vxlan { vni: a }, LinkKind::Vxlan { vni: b }) => a == b,
+        let kind = transport.kind();
+        if let (Some(r), Some(l)) = (remote, self.links.values().find(|l| l.remote == remote && l.transport.kind() == kind)) {
+            let same_vni = match (&l.proto, proto) {
+                (LinkProto::Vxlan { vni: a }, LinkProto::Vxlan { vni: b }) => a == b,
                 _ => true,
             };
             if same_vni {
-                return Err(format!("link {} already goes to {r} by {}", l.name, kind.name()));
+                return Err(format!("link {} already goes to {r} by {kind}", l.name));
             }
         }
-        if let (LinkKind::Tcp(_), Some(r)) = (&kind, remote) {
-            if self.links.values().any(|l| matches!(l.kind, LinkKind::Tcp(_)) && l.remote.map(|x| x.ip()) == Some(r.ip())) {
+        if let (LinkProto::Tcp { .. }, Some(r)) = (proto, remote) {
+            if self.links.values().any(|l| matches!(l.proto, LinkProto::Tcp { .. }) && l.remote.map(|x| x.ip()) == Some(r.ip())) {
                 return Err(format!("a TCP link to {} exists (the peer is told apart by its address)", r.ip()));
             }
         }
         let max_frame = ((mtu as i64 - overhead).max(ETH_MIN_FOR_TCP as i64)) as usize;
         let idx = self.next_link;
         self.next_link += 1;
-        let (kind_name, shown) = (kind.name(), remote.map_or(String::new(), |r| format!(" {r}")));
+        let shown = remote.map_or(String::new(), |r| format!(" {r}"));
         self.links.insert(
             idx,
             Arc::new(Link {
                 id: idx,
                 name: name.clone(),
-                kind,
+                proto: proto.clone(),
+                transport,
                 remote,
                 mtu,
                 max_frame,
                 stats: Counters::default(),
-                gso_off_until_ms: AtomicU64::new(0),
+                gso: GsoState::default(),
             }),
         );
-        Ok(format!("added link {idx} {name} {kind_name}{shown} mtu {mtu}"))
+        Ok(format!("added link {idx} {name} {kind}{shown} mtu {mtu}"))
     }
 
     fn find_iface(&self, r: &IfaceRef) -> Result<&Arc<Interface>, String> {
@@ -632,18 +589,18 @@ impl Topology {
         let mut tcp = HashMap::new();
         for (slot, l) in links.iter().enumerate() {
             let Some(remote) = l.remote else { continue };
-            match &l.kind {
-                LinkKind::Udp => {
+            match l.transport.rx() {
+                Rx::Shared { vni: None } => {
                     by_addr.insert(remote, slot as u32);
                     by_ip.entry(remote.ip()).and_modify(|e| *e = None).or_insert(Some(slot as u32));
                 }
-                LinkKind::Vxlan { vni } => {
-                    vxlan.insert((remote.ip(), *vni), slot as u32);
+                Rx::Shared { vni: Some(vni) } => {
+                    vxlan.insert((remote.ip(), vni), slot as u32);
                 }
-                LinkKind::Tcp(t) => {
+                Rx::Stream(t) => {
                     tcp.insert(remote.ip().to_canonical(), t.clone());
                 }
-                LinkKind::Direct { .. } => {}
+                Rx::Device(_) => {}
             }
         }
         let iface_dispatch = ifaces
@@ -774,11 +731,11 @@ mod tests {
         fn path_mtu(&self, _: SocketAddr) -> Option<u32> {
             None
         }
-        fn has_udp(&self, _: bool) -> bool {
-            true
+        fn udp(&self, _: bool) -> Option<Arc<UdpEndpoint>> {
+            None
         }
-        fn ensure_vxlan(&self, _: bool) -> Result<(), String> {
-            Ok(())
+        fn vxlan(&self, _: bool) -> Result<Arc<UdpEndpoint>, String> {
+            Err("no VXLAN here".into())
         }
         fn ensure_tcp_acceptor(&self) -> Result<(), String> {
             Ok(())

@@ -8,7 +8,8 @@ pub mod server;
 
 use crate::dispatch::Datapath;
 use crate::stats::Drop;
-use crate::topology::{LinkKind, Retired, Settings, Topology};
+use crate::link::Rx;
+use crate::topology::{Retired, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use access::{Caller, Role};
 use std::sync::{Arc, Mutex};
@@ -114,7 +115,7 @@ impl Control {
             self.dp.publish(work.snapshot(generation));
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
-                if let LinkKind::Tcp(t) = &l.kind {
+                if let Rx::Stream(t) = l.transport.rx() {
                     t.start();
                 }
             }
@@ -239,26 +240,12 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
 fn list_links(t: &Topology, out: &mut Vec<String>) {
     for l in t.links.values() {
         let remote = l.remote.map_or(String::new(), |r| format!(" remote={r}"));
-        let extra = match &l.kind {
-            LinkKind::Vxlan { vni } => format!(" vni={vni}"),
-            LinkKind::Tcp(t) => {
-                let (state, since) = t.state();
-                format!(
-                    " state={} since={:.1}s connects={} auth_failures={}",
-                    state.name(),
-                    since.as_secs_f64(),
-                    t.connects.load(Relaxed),
-                    t.auth_failures.load(Relaxed)
-                )
-            }
-            LinkKind::Direct { device, .. } => format!(" device={device}"),
-            LinkKind::Udp => String::new(),
-        };
+        let extra = l.transport.describe();
         out.push(format!(
             "link {} name={} proto={}{remote} mtu={} max_frame={}{extra}",
             l.id,
             l.name,
-            l.kind.name(),
+            l.transport.kind(),
             l.mtu,
             l.max_frame
         ));

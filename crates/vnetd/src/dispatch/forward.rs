@@ -1,23 +1,23 @@
 //! Forwarding one frame: route it through the core, then deliver it to each
 //! destination in the form that destination takes.
 //!
-//! - To a guest (TAP or QEMU NIC): as it is, offload metadata and all — a
-//!   64 KiB TCP super-frame stays one write.
-//! - To a link: cut to the link's frame size (TCP segmentation, sent with one
-//!   UDP GSO call), partial checksums finished; plain frames are sent at once
-//!   (guest-driven) or queued for one `sendmmsg` per pass (VMM-driven).
+//! - To a guest's NIC: as it is, offload metadata and all — a 64 KiB TCP
+//!   super-frame stays one write.
+//! - To a link: as it is if the link takes offloaded frames (a device);
+//!   otherwise cut to the link's frame size (TCP segmentation) and partial
+//!   checksums finished, then handed to the link's `Transport`, which sends
+//!   at once, queues for one `sendmmsg` per pass (VMM-driven), or buffers.
 //! - From a link, runs of TCP segments bound for one guest are merged back
 //!   into a super-frame (`TcpCoalescer`) before the write.
+//!
+//! Nothing here depends on which kind a NIC or a link is.
 
 use super::Datapath;
-use crate::link::tcp::MAX_TCP_FRAME;
-use crate::link::udp::{TxBatch, UdpEndpoint, MAX_GSO_SEGMENTS};
-use crate::nic::{send_vnet, MAX_PARTS};
+use crate::link::{Segments, Sent, TxCtx, TxQueue};
+use crate::nic::MAX_PARTS;
 use crate::stats::{Counters, Drop};
-use crate::topology::{LinkKind, Slot, Snapshot};
-use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
-use std::io::{self, IoSlice};
+use crate::topology::{Link, Slot, Snapshot};
+use std::io;
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -25,10 +25,6 @@ use vnet_core::mac::frame_macs;
 use vnet_core::offload::{self, Run, SegmentPlan, TcpCoalescer, VnetHdr, F_NEEDS_CSUM};
 use vnet_core::table::{Hit, Port};
 use vnet_core::{Mac, RouteCache};
-
-/// Largest payload of one UDP GSO call we build (the kernel's limit is a
-/// 64 KiB datagram).
-const MAX_GSO_BYTES: usize = 65000;
 
 pub struct Forwarder {
     dp: Arc<Datapath>,
@@ -39,16 +35,12 @@ pub struct Forwarder {
     hits: Vec<(u32, Slot)>,
     last: Option<(u64, Port, Mac, Mac)>,
     plan: SegmentPlan,
-    /// One batch per UDP socket: VNET/P v4, v6; VXLAN v4, v6.
-    tx: [TxBatch; 4],
     coalescer: TcpCoalescer,
     /// The id of the interface the pending run goes to (an id, not a slot:
     /// it is looked up again in the snapshot that ends the run).
     pending_dest: u32,
-    /// Slots of TCP links given frames this pass, to write out at `flush`.
-    tcp_dirty: Vec<u32>,
-    /// Queue plain link sends for one `sendmmsg` per pass (VMM-driven).
-    pub batching: bool,
+    /// Link sends queued or buffered this pass (`batching` on: VMM-driven).
+    pub tx: TxQueue,
 }
 
 impl Forwarder {
@@ -59,11 +51,9 @@ impl Forwarder {
             hits: Vec::with_capacity(16),
             last: None,
             plan: SegmentPlan::default(),
-            tx: Default::default(),
             coalescer: TcpCoalescer::default(),
             pending_dest: 0,
-            tcp_dirty: Vec::new(),
-            batching: false,
+            tx: TxQueue::default(),
         }
     }
 
@@ -192,7 +182,7 @@ impl Forwarder {
             }
             Err(e) => {
                 for _ in 0..frames {
-                    self.dp.drop_at(Some(&iface.stats), classify(&e));
+                    self.dp.drop_at(Some(&iface.stats), crate::link::classify(&e));
                 }
             }
         }
@@ -212,20 +202,17 @@ impl Forwarder {
             }
             Slot::Link(s) => {
                 let link = &snap.links[s as usize];
-                if let LinkKind::Direct { port, .. } = &link.kind {
-                    // Onto the LAN as it is; the kernel segments super-frames.
-                    if !vnet.is_gso() && frame.len() > link.max_frame {
-                        self.dp.drop_at(Some(&link.stats), Drop::Oversize);
-                        return;
-                    }
-                    let r = send_vnet(port.as_raw_fd(), vnet, &[frame]);
-                    self.account(&link.stats, r.map(|_| frame.len()));
+                let t = &*link.transport;
+                if t.takes_offloads() {
+                    let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.dp.offload };
+                    let sent = t.send(&mut self.tx, &cx, vnet, frame);
+                    self.count(link, sent);
                     return;
                 }
                 // TCP that does not fit the link is cut to fit it (a guest
                 // with a big MTU sends big frames even without TSO).
                 if vnet.is_gso() || (frame.len() > link.max_frame && offload::tcp_payload_offset(frame).is_some()) {
-                    self.send_segmented(snap, s, frame, vnet);
+                    self.send_segmented(link, s, frame, vnet);
                     return;
                 }
                 if vnet.flags & F_NEEDS_CSUM != 0 {
@@ -236,58 +223,16 @@ impl Forwarder {
                     self.dp.offload.checksums.fetch_add(1, Relaxed);
                     vnet.flags &= !F_NEEDS_CSUM;
                 }
-                let Some(remote) = link.remote else { return };
-                let (ep, which, prefix) = match &link.kind {
-                    LinkKind::Tcp(t) => {
-                        if frame.len() > MAX_TCP_FRAME {
-                            self.dp.drop_at(Some(&link.stats), Drop::Oversize);
-                        } else if !t.enqueue(&[frame]) {
-                            self.dp.drop_at(Some(&link.stats), Drop::QueueFull);
-                        } else {
-                            self.tcp_touched(s);
-                        }
-                        // Counted as sent when written to the connection.
-                        return;
-                    }
-                    LinkKind::Udp => (self.dp.udp_for(&remote), if remote.is_ipv4() { 0 } else { 1 }, None),
-                    LinkKind::Vxlan { vni } => {
-                        (self.dp.vxlan_for(&remote), if remote.is_ipv4() { 2 } else { 3 }, Some(vnet_core::wire::vxlan_header(*vni)))
-                    }
-                    LinkKind::Direct { .. } => unreachable!(),
-                };
-                let Some(ep) = ep else {
-                    self.dp.drop_at(Some(&link.stats), Drop::TxError);
-                    return;
-                };
-                let plen = prefix.map_or(0, |p| p.len());
-                if frame.len() + plen > ep.max_payload() {
-                    self.dp.drop_at(Some(&link.stats), Drop::Oversize);
-                    return;
-                }
-                if frame.len() > link.max_frame {
-                    self.dp.offload.fragmented.fetch_add(1, Relaxed);
-                }
-                let pre = prefix.unwrap_or_default();
-                let parts: [&[u8]; 2] = [&pre[..plen], frame];
-                if self.batching {
-                    if !self.tx[which].push(&parts, remote, s) {
-                        self.flush(snap);
-                        self.tx[which].push(&parts, remote, s);
-                    }
-                } else {
-                    let iov = [IoSlice::new(parts[0]), IoSlice::new(parts[1])];
-                    let r = ep.send_iov(&iov, remote, None);
-                    self.account(&link.stats, r.map(|_| frame.len()));
-                }
+                let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.dp.offload };
+                let sent = t.send(&mut self.tx, &cx, vnet, frame);
+                self.count(link, sent);
             }
         }
     }
 
-    /// Cuts a TCP super-frame to the link's frame size and sends the
-    /// segments: over UDP or VXLAN with UDP GSO (one call per up to 64
-    /// segments), over TCP into the link's queue.
-    fn send_segmented(&mut self, snap: &Snapshot, slot: u32, frame: &[u8], vnet: &VnetHdr) {
-        let link = &snap.links[slot as usize];
+    /// Cuts a TCP super-frame to the link's frame size and hands the
+    /// segments to the link.
+    fn send_segmented(&mut self, link: &Link, slot: u32, frame: &[u8], vnet: &VnetHdr) {
         let Some(hl) = offload::tcp_payload_offset(frame) else {
             self.dp.drop_at(Some(&link.stats), Drop::Malformed);
             return;
@@ -302,87 +247,27 @@ impl Forwarder {
             self.dp.drop_at(Some(&link.stats), Drop::Malformed);
             return;
         }
-        let n = self.plan.len();
         self.dp.offload.segmented.fetch_add(1, Relaxed);
-        self.dp.offload.segments.fetch_add(n as u64, Relaxed);
-        let Some(remote) = link.remote else { return };
-        let (ep, prefix) = match &link.kind {
-            LinkKind::Tcp(t) => {
-                for k in 0..n {
-                    if !t.enqueue(&[self.plan.header(k), &frame[self.plan.payload[k].clone()]]) {
-                        self.dp.drop_at(Some(&link.stats), Drop::QueueFull);
-                    }
-                }
-                self.tcp_touched(slot);
-                return;
-            }
-            LinkKind::Udp => (self.dp.udp_for(&remote), None),
-            LinkKind::Vxlan { vni } => (self.dp.vxlan_for(&remote), Some(vnet_core::wire::vxlan_header(*vni))),
-            LinkKind::Direct { .. } => return,
-        };
-        let Some(ep) = ep else {
-            self.dp.drop_at(Some(&link.stats), Drop::TxError);
-            return;
-        };
-        let pre = prefix.unwrap_or_default();
-        let pre: &[u8] = if prefix.is_some() { &pre } else { &[] };
-        let seg_size = pre.len() + hl + mss;
-        let per_call = (MAX_GSO_BYTES / seg_size).clamp(1, MAX_GSO_SEGMENTS);
-        let mut i = 0;
-        while i < n {
-            let end = (i + per_call).min(n);
-            let bytes: usize = (i..end).map(|k| self.plan.frame_len(k)).sum();
-            let result = if end - i == 1 || !link.gso_ok() {
-                self.send_each(ep, pre, frame, i, end, remote)
-            } else {
-                let mut iov = [IoSlice::new(&[]); 3 * MAX_GSO_SEGMENTS];
-                let mut m = 0;
-                for seg in i..end {
-                    if !pre.is_empty() {
-                        iov[m] = IoSlice::new(pre);
-                        m += 1;
-                    }
-                    iov[m] = IoSlice::new(self.plan.header(seg));
-                    iov[m + 1] = IoSlice::new(&frame[self.plan.payload[seg].clone()]);
-                    m += 2;
-                }
-                match ep.send_iov(&iov[..m], remote, Some(seg_size as u16)) {
-                    Ok(_) => {
-                        self.dp.offload.gso_sends.fetch_add(1, Relaxed);
-                        Ok(())
-                    }
-                    // The kernel refused GSO toward this peer (no checksum
-                    // offload, or segments above the path MTU): send this
-                    // link's segments one by one for a while.
-                    Err(e) if matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL)) => {
-                        tracing::info!(link = %link.name, "UDP GSO refused ({e}); sending segments one by one for a while");
-                        link.gso_refused();
-                        self.send_each(ep, pre, frame, i, end, remote)
-                    }
-                    Err(e) => Err(e),
-                }
-            };
-            match result {
-                Ok(()) => {
-                    link.stats.sent_many(end - i, bytes);
-                    self.dp.global.sent_many(end - i, bytes);
-                }
-                Err(e) => {
-                    for _ in i..end {
-                        self.dp.drop_at(Some(&link.stats), classify(&e));
-                    }
-                }
-            }
-            i = end;
-        }
+        self.dp.offload.segments.fetch_add(self.plan.len() as u64, Relaxed);
+        let segs = Segments { plan: &self.plan, frame, seg_size: hl + mss };
+        let cx = TxCtx { slot, max_frame: link.max_frame, gso: &link.gso, offload: &self.dp.offload };
+        let sent = link.transport.send_segments(&mut self.tx, &cx, &segs);
+        self.count(link, sent);
     }
 
-    fn send_each(&self, ep: &UdpEndpoint, pre: &[u8], frame: &[u8], from: usize, to: usize, remote: SocketAddr) -> io::Result<()> {
-        for k in from..to {
-            let iov = [IoSlice::new(pre), IoSlice::new(self.plan.header(k)), IoSlice::new(&frame[self.plan.payload[k].clone()])];
-            ep.send_iov(&iov, remote, None)?;
+    /// Counts what a link did with frames now (queued ones are counted when
+    /// written out).
+    #[inline]
+    fn count(&self, link: &Link, sent: Sent) {
+        if sent.frames > 0 {
+            link.stats.sent_many(sent.frames, sent.bytes);
+            self.dp.global.sent_many(sent.frames, sent.bytes);
         }
-        Ok(())
+        if let Some(why) = sent.why {
+            for _ in 0..sent.dropped {
+                self.dp.drop_at(Some(&link.stats), why);
+            }
+        }
     }
 
     #[inline]
@@ -393,7 +278,7 @@ impl Forwarder {
                 self.dp.global.sent(n);
             }
             Err(e) => {
-                let why = classify(&e);
+                let why = crate::link::classify(&e);
                 if why == Drop::TxError {
                     tracing::debug!("send failed: {e}");
                 }
@@ -402,54 +287,32 @@ impl Forwarder {
         }
     }
 
-    /// The TCP link at `slot` was given frames: write them out at `flush`.
-    #[inline]
-    fn tcp_touched(&mut self, slot: u32) {
-        if self.tcp_dirty.last() != Some(&slot) && !self.tcp_dirty.contains(&slot) {
-            self.tcp_dirty.push(slot);
-        }
-    }
-
-    /// Sends the queued link datagrams (one `sendmmsg` per socket) and
-    /// writes out the TCP links given frames (one `write` each).
+    /// Sends what this pass queued (one `sendmmsg` per UDP socket), writes
+    /// out the links that buffered frames, and counts it all.
     pub fn flush(&mut self, snap: &Snapshot) {
-        for slot in self.tcp_dirty.drain(..) {
+        self.tx.flush();
+        for (slot, len, err) in self.tx.done.drain(..) {
             let Some(link) = snap.links.get(slot as usize) else { continue };
-            if let LinkKind::Tcp(t) = &link.kind {
-                let w = t.write_out();
-                super::account_tcp(&self.dp, link, w);
-            }
-        }
-        let dp = &self.dp;
-        let eps = [dp.udp4.as_ref(), dp.udp6.as_ref(), dp.vxlan4.get(), dp.vxlan6.get()];
-        for (tx, ep) in self.tx.iter_mut().zip(eps) {
-            if tx.is_empty() {
-                continue;
-            }
-            let Some(ep) = ep else { continue };
-            let mut n = 0u64;
-            ep.flush(tx, |slot, len, err| {
-                n += 1;
-                let Some(link) = snap.links.get(slot as usize) else { return };
-                match err {
-                    None => {
-                        link.stats.sent(len);
-                        dp.global.sent(len);
-                    }
-                    Some(e) => dp.drop_at(Some(&link.stats), classify(&e)),
+            match err {
+                None => {
+                    link.stats.sent(len);
+                    self.dp.global.sent(len);
                 }
-            });
-            dp.dispatch.tx_batches.fetch_add(1, Relaxed);
-            dp.dispatch.tx_batched.fetch_add(n, Relaxed);
+                Some(why) => self.dp.drop_at(Some(&link.stats), why),
+            }
         }
-    }
-}
-
-fn classify(e: &io::Error) -> Drop {
-    match e.raw_os_error() {
-        Some(libc::EAGAIN) | Some(libc::ENOBUFS) => Drop::QueueFull,
-        Some(libc::EIO) | Some(libc::ENETDOWN) => Drop::Down,
-        Some(libc::EMSGSIZE) => Drop::Oversize,
-        _ => Drop::TxError,
+        for slot in self.tx.buffered.drain(..) {
+            let Some(link) = snap.links.get(slot as usize) else { continue };
+            let (frames, bytes) = link.transport.write_out();
+            if frames > 0 {
+                link.stats.sent_many(frames, bytes);
+                self.dp.global.sent_many(frames, bytes);
+            }
+        }
+        let d = &self.dp.dispatch;
+        if self.tx.batches_sent > 0 {
+            d.tx_batches.fetch_add(std::mem::take(&mut self.tx.batches_sent), Relaxed);
+            d.tx_batched.fetch_add(std::mem::take(&mut self.tx.batched), Relaxed);
+        }
     }
 }

@@ -10,9 +10,9 @@ mod forward;
 mod worker;
 
 
-use crate::link::tcp::{TcpAcceptor, Written};
+use crate::link::tcp::TcpAcceptor;
 use crate::link::UdpEndpoint;
-use crate::topology::{Link, LinkEnv};
+use crate::topology::LinkEnv;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
 use crate::stats::{Counters, DispatchCounters, Drop, OffloadCounters};
@@ -33,11 +33,11 @@ pub struct Datapath {
     pub offload: OffloadCounters,
     pub dispatch: DispatchCounters,
     /// The VNET/P UDP sockets, IPv4 and IPv6 (either may be absent).
-    pub udp4: Option<UdpEndpoint>,
-    pub udp6: Option<UdpEndpoint>,
+    pub udp4: Option<Arc<UdpEndpoint>>,
+    pub udp6: Option<Arc<UdpEndpoint>>,
     /// VXLAN sockets, made when the first VXLAN link of a family is added.
-    pub vxlan4: OnceLock<UdpEndpoint>,
-    pub vxlan6: OnceLock<UdpEndpoint>,
+    pub vxlan4: OnceLock<Arc<UdpEndpoint>>,
+    pub vxlan6: OnceLock<Arc<UdpEndpoint>>,
     vxlan_port: u16,
     /// Accepts TCP link connections, once a TCP link exists.
     tcp_acceptor: OnceLock<TcpAcceptor>,
@@ -81,8 +81,8 @@ impl Datapath {
             global: Counters::default(),
             offload: OffloadCounters::default(),
             dispatch: DispatchCounters::default(),
-            udp4,
-            udp6,
+            udp4: udp4.map(Arc::new),
+            udp6: udp6.map(Arc::new),
             vxlan4: OnceLock::new(),
             vxlan6: OnceLock::new(),
             vxlan_port,
@@ -91,26 +91,6 @@ impl Datapath {
             workers,
             stop: AtomicBool::new(false),
         })
-    }
-
-    /// The VNET/P UDP socket for a peer's address family.
-    #[inline]
-    pub fn udp_for(&self, peer: &SocketAddr) -> Option<&UdpEndpoint> {
-        if peer.is_ipv4() {
-            self.udp4.as_ref()
-        } else {
-            self.udp6.as_ref()
-        }
-    }
-
-    /// The VXLAN socket for a peer's address family.
-    #[inline]
-    pub fn vxlan_for(&self, peer: &SocketAddr) -> Option<&UdpEndpoint> {
-        if peer.is_ipv4() {
-            self.vxlan4.get()
-        } else {
-            self.vxlan6.get()
-        }
     }
 
     /// Where the UDP sockets listen (for SHOW).
@@ -177,15 +157,6 @@ impl Datapath {
     }
 }
 
-/// Counts what a TCP link's write took out of its send buffer as sent.
-#[inline]
-pub(crate) fn account_tcp(dp: &Datapath, link: &Link, w: Written) {
-    if w.frames > 0 {
-        link.stats.sent_many(w.frames, w.bytes);
-        dp.global.sent_many(w.frames, w.bytes);
-    }
-}
-
 /// Starts every dispatcher thread; `on_failure` runs if one fails.
 pub fn spawn(dp: &Arc<Datapath>, on_failure: fn()) -> Result<Vec<JoinHandle<Result<()>>>> {
     (0..dp.workers.len())
@@ -211,27 +182,26 @@ pub fn spawn(dp: &Arc<Datapath>, on_failure: fn()) -> Result<Vec<JoinHandle<Resu
 
 impl LinkEnv for Arc<Datapath> {
     fn path_mtu(&self, to: SocketAddr) -> Option<u32> {
-        self.udp_for(&to).and_then(|u| u.path_mtu(to))
+        self.udp(to.is_ipv4()).and_then(|u| u.path_mtu(to))
     }
 
-    fn has_udp(&self, v4: bool) -> bool {
+    fn udp(&self, v4: bool) -> Option<Arc<UdpEndpoint>> {
         if v4 {
-            self.udp4.is_some()
+            self.udp4.clone()
         } else {
-            self.udp6.is_some()
+            self.udp6.clone()
         }
     }
 
-    fn ensure_vxlan(&self, v4: bool) -> Result<(), String> {
-        let (cell, ip): (&OnceLock<UdpEndpoint>, IpAddr) =
+    fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String> {
+        let (cell, ip): (&OnceLock<Arc<UdpEndpoint>>, IpAddr) =
             if v4 { (&self.vxlan4, Ipv4Addr::UNSPECIFIED.into()) } else { (&self.vxlan6, Ipv6Addr::UNSPECIFIED.into()) };
-        if cell.get().is_some() {
-            return Ok(());
+        if let Some(ep) = cell.get() {
+            return Ok(ep.clone());
         }
-        let ep = UdpEndpoint::bind(SocketAddr::new(ip, self.vxlan_port)).map_err(|e| format!("{e:#}"))?;
-        let _ = cell.set(ep);
+        let ep = Arc::new(UdpEndpoint::bind(SocketAddr::new(ip, self.vxlan_port)).map_err(|e| format!("{e:#}"))?);
         // Thread 0 watches the new socket from its next snapshot on.
-        Ok(())
+        Ok(cell.get_or_init(|| ep).clone())
     }
 
     fn ensure_tcp_acceptor(&self) -> Result<(), String> {

@@ -28,7 +28,8 @@ use crate::link::tcp::{Conn, TcpLink};
 use crate::link::udp::{RxBatch, UdpEndpoint};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::Drop;
-use crate::topology::{IfaceDispatch, LinkKind, Slot, Snapshot};
+use crate::link::Rx;
+use crate::topology::{IfaceDispatch, Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
 use anyhow::{bail, Result};
 use std::io::{self, Read};
@@ -269,12 +270,12 @@ impl Worker {
                     continue;
                 }
                 if token >= TOKEN_SOCKET {
-                    self.fwd.batching = polling;
+                    self.fwd.tx.batching = polling;
                     self.drain_socket((token - TOKEN_SOCKET) as usize);
                     continue;
                 }
                 let at = (token & 0xffff_ffff) as usize;
-                self.fwd.batching = false;
+                self.fwd.tx.batching = false;
                 match token & KIND_MASK {
                     KIND_NIC => {
                         if let Some(o) = self.owned.get(at) {
@@ -312,7 +313,7 @@ impl Worker {
 
     /// One VMM-driven pass: every polled NIC, and the UDP socket on thread 0.
     fn poll_pass(&mut self) -> usize {
-        self.fwd.batching = true;
+        self.fwd.tx.batching = true;
         let mut work = 0;
         for i in 0..self.owned.len() {
             if self.owned[i].polled {
@@ -430,7 +431,7 @@ impl Worker {
     fn drain_direct(&mut self, slot: u32) -> usize {
         let snap = &self.snap;
         let Some(link) = snap.links.get(slot as usize) else { return 0 };
-        let LinkKind::Direct { port, .. } = &link.kind else { return 0 };
+        let Rx::Device(port) = link.transport.rx() else { return 0 };
         let quota = snap.dispatch.quota as usize;
         let mut n = 0;
         while n < quota {
@@ -513,7 +514,10 @@ impl Worker {
         let Some(port) = self.tcp.get(at) else { return };
         let link = &self.snap.links[port.slot as usize];
         let w = port.link.write_out();
-        super::account_tcp(&self.dp, link, w);
+        if w.frames > 0 {
+            link.stats.sent_many(w.frames, w.bytes);
+            self.dp.global.sent_many(w.frames, w.bytes);
+        }
         if !w.blocked {
             self.sync_tcp(at);
         }
@@ -586,7 +590,8 @@ impl Worker {
                 Mode::VmmDriven => true,
                 Mode::Adaptive => was_polled.unwrap_or(false),
             };
-            let fd = iface.nic.as_raw_fd();
+            let fd = iface.nic.event_fd();
+            iface.nic.set_notify(!polled);
             if !polled && self.epoll.add(fd, KIND_NIC | owned.len() as u64).is_err() {
                 tracing::warn!(iface = %iface.name, "cannot watch NIC");
             }
@@ -602,7 +607,7 @@ impl Worker {
         }
         self.direct.clear();
         for (slot, link) in next.links.iter().enumerate() {
-            if let LinkKind::Direct { port, .. } = &link.kind {
+            if let Rx::Device(port) = link.transport.rx() {
                 if mine(link.id) {
                     let fd = port.as_raw_fd();
                     if self.epoll.add(fd, KIND_DIRECT | self.direct.len() as u64).is_ok() {
@@ -620,7 +625,7 @@ impl Worker {
             }
         }
         for (slot, link) in next.links.iter().enumerate() {
-            let LinkKind::Tcp(t) = &link.kind else { continue };
+            let Rx::Stream(t) = link.transport.rx() else { continue };
             if !mine(link.id) {
                 continue;
             }
@@ -690,6 +695,7 @@ impl Worker {
                 continue;
             }
             o.polled = !o.polled;
+            iface.nic.set_notify(!o.polled);
             if o.polled {
                 self.epoll.del(o.fd);
             } else if self.epoll.add(o.fd, KIND_NIC | at as u64).is_err() {
@@ -705,9 +711,9 @@ impl Worker {
 /// The UDP socket `i`: VNET/P IPv4, IPv6, VXLAN IPv4, IPv6.
 fn socket(dp: &Datapath, i: usize) -> Option<&UdpEndpoint> {
     match i {
-        0 => dp.udp4.as_ref(),
-        1 => dp.udp6.as_ref(),
-        2 => dp.vxlan4.get(),
-        _ => dp.vxlan6.get(),
+        0 => dp.udp4.as_deref(),
+        1 => dp.udp6.as_deref(),
+        2 => dp.vxlan4.get().map(|e| &**e),
+        _ => dp.vxlan6.get().map(|e| &**e),
     }
 }

@@ -1,13 +1,257 @@
 //! Links (the papers' "edges"): how frames travel to and from other hosts.
 //!
-//! - `udp`: VNET/P's encapsulation, the bare frame as a UDP datagram, and the
-//!   UDP socket machinery (GSO, GRO, batches) VXLAN shares.
-//! - VXLAN (RFC 7348) shares `udp`'s sockets; its header is
-//!   `vnet_core::wire`'s.
-//! - `tcp`: frames over a TCP connection, for networks where UDP does not pass.
-//! - direct links (raw onto a host device) use `nic::packet::PacketPort`.
+//! Every kind is one module behind `Transport`; the forwarder never asks
+//! which kind a link is.
+//!
+//! - `udp`: VNET/P's encapsulation (the bare frame as a UDP datagram) and
+//!   VXLAN (RFC 7348, an 8-byte header first), on the daemon's shared UDP
+//!   sockets, with the socket machinery (GSO, GRO, batches).
+//! - `tcp`: frames over a TCP connection opened by a key handshake, for
+//!   networks where UDP does not pass.
+//! - `direct`: raw onto a host device's LAN, through a packet socket.
+//!
+//! A new kind is a new module implementing `Transport`: how it sends a frame
+//! and a run of segments, and which of the three receive shapes (`Rx`) it
+//! has, which decides how a dispatcher reads it.
 
+pub mod direct;
 pub mod tcp;
 pub mod udp;
 
+use crate::nic::PacketPort;
+use crate::stats::{Drop, OffloadCounters};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 pub use udp::UdpEndpoint;
+use udp::TxBatch;
+use vnet_core::offload::{SegmentPlan, VnetHdr};
+
+/// How a link's frames arrive.
+pub enum Rx<'a> {
+    /// On a socket shared by many links, each datagram told apart by its
+    /// sender's address and, for VXLAN, its VNI.
+    Shared { vni: Option<u32> },
+    /// On the link's own device (a packet socket): frames with virtio-net
+    /// headers.
+    Device(&'a PacketPort),
+    /// On the link's own stream connection.
+    Stream(&'a Arc<tcp::TcpLink>),
+}
+
+/// What became of frames handed to a link.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sent {
+    /// Sent now: frames and bytes.
+    pub frames: usize,
+    pub bytes: usize,
+    /// Dropped now, for `why`.
+    pub dropped: usize,
+    pub why: Option<Drop>,
+}
+
+impl Sent {
+    pub fn now(frames: usize, bytes: usize) -> Sent {
+        Sent { frames, bytes, ..Sent::default() }
+    }
+
+    pub fn dropped(why: Drop, frames: usize) -> Sent {
+        Sent { dropped: frames, why: Some(why), ..Sent::default() }
+    }
+
+    /// Queued, to be counted later (`TxQueue::done`, or the link's
+    /// `write_out` for the links in `TxQueue::buffered`).
+    pub fn later() -> Sent {
+        Sent::default()
+    }
+
+    pub fn add(&mut self, o: Sent) {
+        self.frames += o.frames;
+        self.bytes += o.bytes;
+        self.dropped += o.dropped;
+        self.why = o.why.or(self.why);
+    }
+}
+
+/// What a link's send needs to know of the link and the daemon.
+pub struct TxCtx<'a> {
+    /// The link's slot in the snapshot being forwarded with (for the
+    /// accounting of queued datagrams).
+    pub slot: u32,
+    /// Largest frame that crosses the underlay in one datagram.
+    pub max_frame: usize,
+    pub gso: &'a GsoState,
+    pub offload: &'a OffloadCounters,
+}
+
+/// The segments cut from one super-frame: segment `k` is
+/// `plan.header(k)` then `frame[plan.payload[k]]`, each `seg_size` bytes but
+/// the last.
+pub struct Segments<'a> {
+    pub plan: &'a SegmentPlan,
+    pub frame: &'a [u8],
+    pub seg_size: usize,
+}
+
+impl Segments<'_> {
+    pub fn len(&self) -> usize {
+        self.plan.len()
+    }
+
+    pub fn bytes(&self, from: usize, to: usize) -> usize {
+        (from..to).map(|k| self.plan.frame_len(k)).sum()
+    }
+}
+
+/// A link kind.
+pub trait Transport: Send + Sync {
+    /// `udp`, `vxlan`, `tcp`, `direct`: what `LINK LIST` shows.
+    fn kind(&self) -> &'static str;
+    /// How its frames arrive.
+    fn rx(&self) -> Rx<'_>;
+    /// Whether it takes offloaded frames as they are (super-frames, partial
+    /// checksums), as a device does; otherwise the forwarder finishes
+    /// checksums and cuts super-frames to `max_frame` first.
+    fn takes_offloads(&self) -> bool {
+        false
+    }
+    /// Sends one frame: whole, its checksums complete unless
+    /// `takes_offloads`.
+    fn send(&self, q: &mut TxQueue, cx: &TxCtx, vnet: &VnetHdr, frame: &[u8]) -> Sent;
+    /// Sends the segments of one super-frame.
+    fn send_segments(&self, q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent;
+    /// Writes out what `send` buffered (it then marked the link in
+    /// `TxQueue::buffered`): complete frames and bytes written.
+    fn write_out(&self) -> (usize, usize) {
+        (0, 0)
+    }
+    /// Extra `LINK LIST` fields, each starting with a space.
+    fn describe(&self) -> String {
+        String::new()
+    }
+    /// Retires the link's resources (connections, threads); returns the
+    /// frames still waiting, to be counted as dropped.
+    fn teardown(&self) -> usize {
+        0
+    }
+}
+
+/// A dispatcher's queued link sends: datagrams for one `sendmmsg` per UDP
+/// socket, and the links that buffered frames this pass. Outcomes of
+/// queued datagrams land in `done` for the forwarder to count.
+#[derive(Default)]
+pub struct TxQueue {
+    /// Queue datagrams for one `sendmmsg` per pass (VMM-driven) instead of
+    /// sending each at once.
+    pub batching: bool,
+    batches: Vec<(Arc<UdpEndpoint>, TxBatch)>,
+    /// Slots of links that buffered frames, to `write_out` at the end of the pass.
+    pub buffered: Vec<u32>,
+    /// Queued datagrams sent or failed: (link slot, bytes, the drop reason
+    /// if it failed).
+    pub done: Vec<(u32, usize, Option<Drop>)>,
+    /// `sendmmsg` calls made and datagrams in them.
+    pub batches_sent: u64,
+    pub batched: u64,
+}
+
+impl TxQueue {
+    /// Queues a datagram made of `parts` for `ep`; a full batch is sent first.
+    pub fn push(&mut self, ep: &Arc<UdpEndpoint>, parts: &[&[u8]], to: SocketAddr, slot: u32) {
+        let i = match self.batches.iter().position(|(e, _)| Arc::ptr_eq(e, ep)) {
+            Some(i) => i,
+            None => {
+                self.batches.push((ep.clone(), TxBatch::default()));
+                self.batches.len() - 1
+            }
+        };
+        if !self.batches[i].1.push(parts, to, slot) {
+            self.flush_one(i);
+            self.batches[i].1.push(parts, to, slot);
+        }
+    }
+
+    fn flush_one(&mut self, i: usize) {
+        let (ep, tx) = &mut self.batches[i];
+        if tx.is_empty() {
+            return;
+        }
+        let done = &mut self.done;
+        let mut n = 0u64;
+        ep.flush(tx, |slot, len, err| {
+            n += 1;
+            done.push((slot, len, err.map(|e| classify(&e))));
+        });
+        self.batches_sent += 1;
+        self.batched += n;
+    }
+
+    /// Sends every queued datagram.
+    pub fn flush(&mut self) {
+        for i in 0..self.batches.len() {
+            self.flush_one(i);
+        }
+    }
+
+    /// Marks the link at `slot` as holding buffered frames.
+    pub fn buffered(&mut self, slot: u32) {
+        if self.buffered.last() != Some(&slot) && !self.buffered.contains(&slot) {
+            self.buffered.push(slot);
+        }
+    }
+}
+
+/// Whether UDP GSO works toward a link's peer. The kernel refuses it (EIO,
+/// EINVAL) without checksum offload or when segments exceed the path MTU
+/// (e.g. a link `mtu` above the real path): that link then sends segment
+/// by segment for `GSO_RETRY`, then tries again. Other links are unaffected.
+#[derive(Default)]
+pub struct GsoState {
+    /// Off until this time (ms since `epoch()`); 0 while it works.
+    off_until_ms: AtomicU64,
+}
+
+const GSO_RETRY: Duration = Duration::from_secs(30);
+
+fn epoch() -> Instant {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *START.get_or_init(Instant::now)
+}
+
+impl GsoState {
+    #[inline]
+    pub fn ok(&self) -> bool {
+        let until = self.off_until_ms.load(Relaxed);
+        until == 0 || epoch().elapsed().as_millis() as u64 >= until
+    }
+
+    pub fn refused(&self) {
+        let until = (epoch().elapsed() + GSO_RETRY).as_millis() as u64;
+        self.off_until_ms.store(until.max(1), Relaxed);
+    }
+}
+
+/// The drop reason for a send error.
+pub fn classify(e: &std::io::Error) -> Drop {
+    match e.raw_os_error() {
+        Some(libc::EAGAIN) | Some(libc::ENOBUFS) => Drop::QueueFull,
+        Some(libc::EIO) | Some(libc::ENETDOWN) => Drop::Down,
+        Some(libc::EMSGSIZE) => Drop::Oversize,
+        _ => Drop::TxError,
+    }
+}
+
+/// `Sent` for the result of sending `frames` frames of `bytes` bytes at once.
+pub fn sent_now(r: std::io::Result<()>, frames: usize, bytes: usize) -> Sent {
+    match r {
+        Ok(()) => Sent::now(frames, bytes),
+        Err(e) => {
+            let why = classify(&e);
+            if why == Drop::TxError {
+                tracing::debug!("send failed: {e}");
+            }
+            Sent::dropped(why, frames)
+        }
+    }
+}

@@ -28,6 +28,7 @@
 //!
 //! This module knows nothing of the topology or the dispatcher: its callers
 //! count frames and find links (`TcpAcceptor::start` takes a lookup).
+//! `TcpTransport` is the link kind the forwarder sees.
 
 use anyhow::{Context, Result};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -40,7 +41,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue};
+use crate::stats::Drop;
 use vnet_core::linkauth::{self, Nonce};
+use vnet_core::offload::VnetHdr;
 
 pub use vnet_core::wire::MAX_TCP_FRAME;
 /// Bytes (frames and their length prefixes) a link's send buffer holds at
@@ -556,6 +560,62 @@ fn tune(stream: &TcpStream) {
     let _ = s.set_tcp_user_timeout(Some(USER_TIMEOUT));
     let ka = TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_PROBES);
     let _ = s.set_tcp_keepalive(&ka);
+}
+
+/// The TCP link kind: frames go into the link's send buffer and are written
+/// out at the end of the dispatcher's pass.
+pub struct TcpTransport(pub Arc<TcpLink>);
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn rx(&self) -> Rx<'_> {
+        Rx::Stream(&self.0)
+    }
+
+    fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: &[u8]) -> Sent {
+        if frame.len() > MAX_TCP_FRAME {
+            return Sent::dropped(Drop::Oversize, 1);
+        }
+        if !self.0.enqueue(&[frame]) {
+            return Sent::dropped(Drop::QueueFull, 1);
+        }
+        q.buffered(cx.slot);
+        Sent::later()
+    }
+
+    fn send_segments(&self, q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent {
+        let mut out = Sent::later();
+        for k in 0..segs.len() {
+            if !self.0.enqueue(&[segs.plan.header(k), &segs.frame[segs.plan.payload[k].clone()]]) {
+                out.add(Sent::dropped(Drop::QueueFull, 1));
+            }
+        }
+        q.buffered(cx.slot);
+        out
+    }
+
+    fn write_out(&self) -> (usize, usize) {
+        let w = self.0.write_out();
+        (w.frames, w.bytes)
+    }
+
+    fn describe(&self) -> String {
+        let (state, since) = self.0.state();
+        format!(
+            " state={} since={:.1}s connects={} auth_failures={}",
+            state.name(),
+            since.as_secs_f64(),
+            self.0.connects.load(Relaxed),
+            self.0.auth_failures.load(Relaxed)
+        )
+    }
+
+    fn teardown(&self) -> usize {
+        self.0.stop()
+    }
 }
 
 /// Finds the TCP link for a peer's address.

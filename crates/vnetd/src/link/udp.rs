@@ -1,6 +1,7 @@
-//! The daemon's UDP endpoint: one socket, bound to the daemon's port, shared
-//! by every UDP link. A link is just a remote address; a received datagram is
-//! attributed to a link by its sender's address.
+//! The daemon's UDP endpoints (VNET/P's port and VXLAN's), each one socket
+//! shared by every link of its kind, and the UDP and VXLAN link kinds on
+//! them (`UdpLink`). A link is just a remote address (and a VNI); a received
+//! datagram is attributed to a link by its sender's address.
 //!
 //! Speed comes from the kernel's UDP offloads, with the wire unchanged (one
 //! Ethernet frame per datagram): `UDP_GRO` hands us runs of same-sized
@@ -13,6 +14,12 @@ use std::io::{self, IoSlice};
 use std::mem::{size_of, zeroed};
 use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue};
+use crate::stats::Drop;
+use vnet_core::offload::VnetHdr;
+use vnet_core::wire::{vxlan_header, VXLAN_HDR_LEN};
 
 /// Largest UDP payload over IPv4 (65535 - 20 IP - 8 UDP): the largest frame
 /// a UDP link can carry. Larger frames are dropped as oversize.
@@ -178,8 +185,15 @@ impl UdpEndpoint {
             // SAFETY: headers point at live buffers owned by `tx`.
             let sent = unsafe { libc::sendmmsg(self.socket.as_raw_fd(), tx.msgs[start..].as_mut_ptr(), n as u32, 0) };
             if sent <= 0 {
-                // The first datagram failed: report it and go on with the rest.
                 let e = io::Error::last_os_error();
+                if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOBUFS)) {
+                    // The socket is full: the rest would fail the same way.
+                    for i in start..tx.count {
+                        done(tx.links[i], tx.spans[i].1, Some(io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(libc::EAGAIN))));
+                    }
+                    break;
+                }
+                // The first datagram failed: report it and go on with the rest.
                 done(tx.links[start], tx.spans[start].1, Some(e));
                 start += 1;
                 continue;
@@ -196,6 +210,125 @@ impl UdpEndpoint {
 impl AsRawFd for UdpEndpoint {
     fn as_raw_fd(&self) -> RawFd {
         self.socket.as_raw_fd()
+    }
+}
+
+/// A UDP link (VNET/P) or, with a VNI, a VXLAN link: a remote address on
+/// one of the daemon's shared UDP sockets.
+pub struct UdpLink {
+    ep: Arc<UdpEndpoint>,
+    remote: SocketAddr,
+    vni: Option<u32>,
+}
+
+/// Largest payload of one UDP GSO call we build (the kernel's limit is a
+/// 64 KiB datagram).
+const MAX_GSO_BYTES: usize = 65000;
+
+impl UdpLink {
+    pub fn new(ep: Arc<UdpEndpoint>, remote: SocketAddr, vni: Option<u32>) -> UdpLink {
+        UdpLink { ep, remote, vni }
+    }
+
+    fn prefix(&self) -> ([u8; VXLAN_HDR_LEN], usize) {
+        match self.vni {
+            Some(v) => (vxlan_header(v), VXLAN_HDR_LEN),
+            None => ([0; VXLAN_HDR_LEN], 0),
+        }
+    }
+
+    /// Sends segments `from..to` one datagram each; how many went.
+    fn send_each(&self, pre: &[u8], segs: &Segments, from: usize, to: usize) -> (usize, io::Result<()>) {
+        for k in from..to {
+            let iov = [IoSlice::new(pre), IoSlice::new(segs.plan.header(k)), IoSlice::new(&segs.frame[segs.plan.payload[k].clone()])];
+            if let Err(e) = self.ep.send_iov(&iov, self.remote, None) {
+                return (k - from, Err(e));
+            }
+        }
+        (to - from, Ok(()))
+    }
+}
+
+impl Transport for UdpLink {
+    fn kind(&self) -> &'static str {
+        if self.vni.is_some() {
+            "vxlan"
+        } else {
+            "udp"
+        }
+    }
+
+    fn rx(&self) -> Rx<'_> {
+        Rx::Shared { vni: self.vni }
+    }
+
+    fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: &[u8]) -> Sent {
+        let (pre, plen) = self.prefix();
+        if frame.len() + plen > self.ep.max_payload() {
+            return Sent::dropped(Drop::Oversize, 1);
+        }
+        if frame.len() > cx.max_frame {
+            cx.offload.fragmented.fetch_add(1, Relaxed);
+        }
+        let parts: [&[u8]; 2] = [&pre[..plen], frame];
+        if q.batching {
+            q.push(&self.ep, &parts, self.remote, cx.slot);
+            return Sent::later();
+        }
+        let iov = [IoSlice::new(parts[0]), IoSlice::new(parts[1])];
+        sent_now(self.ep.send_iov(&iov, self.remote, None).map(|_| ()), 1, frame.len())
+    }
+
+    /// One UDP GSO call per up to 64 segments; segment by segment while the
+    /// kernel refuses GSO toward this peer.
+    fn send_segments(&self, _q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent {
+        let (pre, plen) = self.prefix();
+        let pre = &pre[..plen];
+        let seg_size = plen + segs.seg_size;
+        let per_call = (MAX_GSO_BYTES / seg_size).clamp(1, MAX_GSO_SEGMENTS);
+        let n = segs.len();
+        let mut out = Sent::default();
+        let mut i = 0;
+        while i < n {
+            let end = (i + per_call).min(n);
+            let (went, r) = if end - i == 1 || !cx.gso.ok() {
+                self.send_each(pre, segs, i, end)
+            } else {
+                let mut iov = [IoSlice::new(&[]); 3 * MAX_GSO_SEGMENTS];
+                let mut m = 0;
+                for k in i..end {
+                    if !pre.is_empty() {
+                        iov[m] = IoSlice::new(pre);
+                        m += 1;
+                    }
+                    iov[m] = IoSlice::new(segs.plan.header(k));
+                    iov[m + 1] = IoSlice::new(&segs.frame[segs.plan.payload[k].clone()]);
+                    m += 2;
+                }
+                match self.ep.send_iov(&iov[..m], self.remote, Some(seg_size as u16)) {
+                    Ok(_) => {
+                        cx.offload.gso_sends.fetch_add(1, Relaxed);
+                        (end - i, Ok(()))
+                    }
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL)) => {
+                        tracing::info!(remote = %self.remote, "UDP GSO refused ({e}); sending segments one by one for a while");
+                        cx.gso.refused();
+                        self.send_each(pre, segs, i, end)
+                    }
+                    Err(e) => (0, Err(e)),
+                }
+            };
+            out.add(Sent::now(went, segs.bytes(i, i + went)));
+            if let Err(e) = r {
+                out.add(sent_now(Err(e), end - i - went, 0));
+            }
+            i = end;
+        }
+        out
+    }
+
+    fn describe(&self) -> String {
+        self.vni.map_or(String::new(), |v| format!(" vni={v}"))
     }
 }
 
@@ -291,7 +424,7 @@ impl TxBatch {
         self.count == 0
     }
 
-    fn clear(&mut self) {
+    pub(super) fn clear(&mut self) {
         self.data.clear();
         self.spans.clear();
         self.addrs.clear();

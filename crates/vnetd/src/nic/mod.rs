@@ -1,9 +1,9 @@
 //! Virtual NICs: how guest frames enter and leave the daemon.
 //!
-//! A guest's NIC is a TAP device, attached one of two ways:
-//! - `Nic::Tap`: vnetd holds the TAP's file side; the network device is the
+//! Each kind implements `VirtualNic`. Today both are TAP devices:
+//! - `Tap`: vnetd holds the TAP's file side; the network device is the
 //!   guest's NIC (moved into a guest namespace or container).
-//! - `Nic::Qemu`: QEMU holds the file side (`-netdev tap,ifname=..`); vnetd
+//! - `QemuNic`: QEMU holds the file side (`-netdev tap,ifname=..`); vnetd
 //!   reads and writes the TAP device through a packet socket.
 //!
 //! Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
@@ -25,9 +25,30 @@ pub use packet::PacketPort;
 pub const MAX_PARTS: usize = 64;
 pub use tap::{QemuTap, Tap};
 
-pub enum Nic {
-    Tap(Tap),
-    Qemu { port: PacketPort, tap: QemuTap },
+/// A guest's virtual NIC, as the dispatcher uses it. A new kind (say, a
+/// vhost-user NIC) is one more implementation; the dispatcher never asks
+/// which kind it has.
+pub trait VirtualNic: Send + Sync {
+    /// Reads one frame without blocking: `buf[start..end]`, with its offload
+    /// metadata (every NIC kind here speaks virtio-net headers, so a guest's
+    /// super-frames and partial checksums arrive labelled).
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received>;
+    /// Sends one frame made of `parts`, with offload metadata `vnet` (all
+    /// zero for a plain frame); returns the frame's length.
+    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize>;
+    /// A descriptor that is readable while frames wait: the dispatcher
+    /// watches it while the NIC runs guest-driven.
+    fn event_fd(&self) -> RawFd;
+    /// Notifications on (guest-driven: the dispatcher sleeps until a frame)
+    /// or off (VMM-driven: it polls). For a TAP the dispatcher's epoll
+    /// membership is the whole switch; a NIC with shared rings would also
+    /// tell the guest here (virtio's `VRING_USED_F_NO_NOTIFY`).
+    fn set_notify(&self, _on: bool) {}
+    /// The request that holds this NIC committed with it in force.
+    fn in_force(&self) {}
+    /// The request that deleted its interface committed (`detach`: the
+    /// device stays for another vnetd, e.g. after a migration).
+    fn deleted(&self, _detach: bool) {}
 }
 
 /// One received frame: `buf[start..end]`, and its offload metadata.
@@ -37,57 +58,82 @@ pub struct Received {
     pub vnet: VnetHdr,
 }
 
-impl Nic {
+fn parse_received(buf: &[u8], n: usize) -> io::Result<Received> {
+    let vnet = VnetHdr::parse(&buf[..n]).ok_or_else(|| io::Error::from_raw_os_error(libc::EPROTO))?;
+    Ok(Received { start: VNET_HDR_LEN, end: n, vnet })
+}
+
+/// vnetd holds the TAP's file side; the network device is the guest's NIC
+/// (moved into a guest namespace or container). Persistent when made in a
+/// guest's namespace: it then stays when vnetd exits.
+impl VirtualNic for Tap {
+    #[inline]
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        let n = Tap::recv(self, buf)?;
+        parse_received(buf, n)
+    }
+
+    #[inline]
+    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        send_vnet(self.as_raw_fd(), vnet, parts)
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.as_raw_fd()
+    }
+
+    fn in_force(&self) {
+        self.keep();
+    }
+
+    fn deleted(&self, detach: bool) {
+        if !detach {
+            self.remove_on_close();
+        }
+    }
+}
+
+/// QEMU holds the TAP's file side (`-netdev tap,ifname=..`); vnetd reads and
+/// writes the TAP device through a packet socket.
+pub struct QemuNic {
+    port: PacketPort,
+    tap: QemuTap,
+}
+
+impl QemuNic {
     /// A QEMU TAP: made (or, if vnetd made it earlier, taken over) and
     /// read through a packet socket. If the socket cannot be bound, a TAP
     /// made here goes again and one taken over stays.
-    pub fn qemu(device: &str, mtu: u32) -> Result<Nic> {
+    pub fn new(device: &str, mtu: u32) -> Result<QemuNic> {
         let tap = Tap::create_for_qemu(device, mtu)?;
         let port = PacketPort::bind(device)?;
-        Ok(Nic::Qemu { port, tap })
+        Ok(QemuNic { port, tap })
     }
+}
 
-    /// The request that holds this NIC committed with it in force: a
-    /// persistent TAP stays when vnetd exits (a QEMU TAP goes with vnetd,
-    /// as it goes with its interface).
-    pub fn in_force(&self) {
-        match self {
-            Nic::Tap(t) => t.keep(),
-            Nic::Qemu { tap, .. } => tap.remove_on_drop(true),
-        }
-    }
-
-    /// The request that deleted this NIC's interface committed: its
-    /// persistent TAP goes with it, unless only detached (the device stays
-    /// for another vnetd, e.g. after a migration).
-    pub fn deleted(&self, detach: bool) {
-        match self {
-            Nic::Tap(t) if !detach => t.remove_on_close(),
-            Nic::Tap(_) => {}
-            Nic::Qemu { tap, .. } => tap.remove_on_drop(!detach),
-        }
-    }
-
-    /// Reads one frame: `buf[start..end]`, with its offload metadata.
+impl VirtualNic for QemuNic {
     #[inline]
-    pub fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        let n = match self {
-            Nic::Tap(t) => t.recv(buf)?,
-            Nic::Qemu { port, .. } => port.recv(buf)?,
-        };
-        let vnet = VnetHdr::parse(&buf[..n]).ok_or_else(|| io::Error::from_raw_os_error(libc::EPROTO))?;
-        Ok(Received { start: VNET_HDR_LEN, end: n, vnet })
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        let n = self.port.recv(buf)?;
+        parse_received(buf, n)
     }
 
-    /// Sends one frame made of `parts`, with offload metadata `vnet` (all
-    /// zero for a plain frame); returns the frame's length.
     #[inline]
-    pub fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        let fd = match self {
-            Nic::Tap(t) => t.as_raw_fd(),
-            Nic::Qemu { port, .. } => port.as_raw_fd(),
-        };
-        send_vnet(fd, vnet, parts)
+    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        send_vnet(self.port.as_raw_fd(), vnet, parts)
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.port.as_raw_fd()
+    }
+
+    /// A QEMU TAP in force goes when vnetd exits, as with its interface.
+    fn in_force(&self) {
+        self.tap.remove_on_drop(true);
+    }
+
+    fn deleted(&self, detach: bool) {
+        self.tap.remove_on_drop(!detach);
     }
 }
 
@@ -105,13 +151,4 @@ pub fn send_vnet(fd: RawFd, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize
     }
     let n = tap::writev(fd, &iov[..1 + n_parts])?;
     Ok(n.saturating_sub(VNET_HDR_LEN))
-}
-
-impl AsRawFd for Nic {
-    fn as_raw_fd(&self) -> RawFd {
-        match self {
-            Nic::Tap(t) => t.as_raw_fd(),
-            Nic::Qemu { port, .. } => port.as_raw_fd(),
-        }
-    }
 }
