@@ -75,8 +75,8 @@ struct Args {
     /// MTU of interfaces added without one.
     #[arg(long, default_value_t = 1500)]
     default_mtu: u32,
-    /// Dispatcher threads (interfaces are spread over them; thread 0 also
-    /// serves the UDP links).
+    /// Dispatcher threads (interfaces and links are spread over them; each
+    /// reads its own UDP socket, peers spread over them by the kernel).
     #[arg(long, default_value_t = 1)]
     dispatchers: usize,
     /// Pin dispatcher thread i to the i-th CPU of this list, e.g. 1 or 2,3.
@@ -129,21 +129,29 @@ fn run(args: Args) -> Result<()> {
         None => None,
     };
 
+    if !(1..=64).contains(&args.dispatchers) {
+        bail!("--dispatchers {} is out of range 1..64", args.dispatchers);
+    }
+    if let Some(c) = args.cpus.iter().find(|&&c| c >= libc::CPU_SETSIZE as usize) {
+        bail!("--cpus {c} is beyond the kernel's CPU set ({})", libc::CPU_SETSIZE);
+    }
     // Bind everything first, so a busy port is reported before anything runs.
+    // One UDP socket per dispatcher and family, on the same port.
+    let n = args.dispatchers;
     let (udp4, udp6) = match args.udp_bind {
-        Some(ip) if ip.is_ipv4() => (Some(UdpEndpoint::bind(SocketAddr::new(ip, args.udp_port))?), None),
-        Some(ip) => (None, Some(UdpEndpoint::bind(SocketAddr::new(ip, args.udp_port))?)),
+        Some(ip) if ip.is_ipv4() => (UdpEndpoint::bind_group(SocketAddr::new(ip, args.udp_port), n)?, Vec::new()),
+        Some(ip) => (Vec::new(), UdpEndpoint::bind_group(SocketAddr::new(ip, args.udp_port), n)?),
         None => {
-            let v4 = UdpEndpoint::bind(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), args.udp_port))?;
+            let v4 = UdpEndpoint::bind_group(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), args.udp_port), n)?;
             // IPv6 is optional: a host without it still runs IPv4 links.
-            let v6 = match UdpEndpoint::bind(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), args.udp_port)) {
-                Ok(u) => Some(u),
+            let v6 = match UdpEndpoint::bind_group(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), args.udp_port), n) {
+                Ok(g) => g,
                 Err(e) => {
                     tracing::warn!("no IPv6 links: {e:#}");
-                    None
+                    Vec::new()
                 }
             };
-            (Some(v4), v6)
+            (v4, v6)
         }
     };
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
@@ -158,9 +166,6 @@ fn run(args: Args) -> Result<()> {
         direct_devices: args.allow_direct.clone(),
         link_key_dir: args.link_key_dir.clone(),
     };
-    if !(1..=64).contains(&args.dispatchers) {
-        bail!("--dispatchers {} is out of range 1..64", args.dispatchers);
-    }
     let dp = Arc::new(Datapath::new(udp4, udp6, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?);
     // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
     let dispatchers = dispatch::spawn(&dp, || {

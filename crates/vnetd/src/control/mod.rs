@@ -58,7 +58,7 @@ impl Control {
                         let name = l.name.clone();
                         let waiting = l.teardown();
                         for _ in 0..waiting {
-                            self.dp.drop_at(None, Drop::Down);
+                            self.dp.control.drop_at(None, Drop::Down);
                         }
                         if waiting > 0 {
                             tracing::info!(link = %name, "link deleted with {waiting} frame(s) unsent (counted as down)");
@@ -155,9 +155,10 @@ impl Control {
     fn stats(&self, scope: StatsScope, t: &Topology, out: &mut Vec<String>) {
         let all = scope == StatsScope::All;
         if all || scope == StatsScope::Global {
-            out.push(format!("global {}", self.dp.global.render()));
-            out.push(format!("offload {}", self.dp.offload.render()));
-            out.push(format!("dispatch {}", self.dp.dispatch.render()));
+            let [global, offload, dispatch] = self.dp.totals();
+            out.push(format!("global {global}"));
+            out.push(format!("offload {offload}"));
+            out.push(format!("dispatch {dispatch}"));
         }
         if all || scope == StatsScope::Interfaces {
             for i in t.ifaces.values() {
@@ -209,7 +210,7 @@ impl Control {
 
     /// Drops of one reason over the whole daemon (for the log at exit).
     pub fn total_drops(&self, why: Drop) -> u64 {
-        self.dp.global.drops(why)
+        self.dp.total_drops(why)
     }
 }
 

@@ -12,10 +12,9 @@
 //!
 //! Nothing here depends on which kind a NIC or a link is.
 
-use super::Datapath;
 use crate::link::{Segments, Sent, TxCtx, TxQueue};
 use crate::nic::MAX_PARTS;
-use crate::stats::{Counters, Drop};
+use crate::stats::{Counters, Drop, ThreadStats};
 use crate::topology::{Link, Slot, Snapshot};
 use std::io;
 use std::ops::Range;
@@ -27,7 +26,8 @@ use vnet_core::table::{Hit, Port};
 use vnet_core::{Mac, RouteCache};
 
 pub struct Forwarder {
-    dp: Arc<Datapath>,
+    /// This thread's daemon-wide counters.
+    st: Arc<ThreadStats>,
     cache: RouteCache,
     /// The destinations of the last frame routed (rule index and the
     /// destination's slot), and for which table generation, origin and MACs:
@@ -44,9 +44,9 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    pub fn new(dp: Arc<Datapath>) -> Forwarder {
+    pub fn new(st: Arc<ThreadStats>) -> Forwarder {
         Forwarder {
-            dp,
+            st,
             cache: RouteCache::default(),
             hits: Vec::with_capacity(16),
             last: None,
@@ -72,9 +72,9 @@ impl Forwarder {
             }
         };
         origin_stats.received(frame.len());
-        self.dp.global.received(frame.len());
+        self.st.global.received(frame.len());
         let Some((dst, src)) = frame_macs(frame) else {
-            self.dp.drop_at(Some(origin_stats), Drop::Malformed);
+            self.st.drop_at(Some(origin_stats), Drop::Malformed);
             return false;
         };
         let key = Some((snap.table.generation(), port, src, dst));
@@ -86,14 +86,14 @@ impl Forwarder {
             self.last = key;
         }
         if self.hits.is_empty() {
-            self.dp.drop_at(Some(origin_stats), Drop::NoRoute);
+            self.st.drop_at(Some(origin_stats), Drop::NoRoute);
             return false;
         }
         for &(rule, _) in &self.hits {
             snap.routes[rule as usize].stats.sent(frame.len());
         }
         if self.hits.len() > 1 {
-            self.dp.dispatch.fanout_copies.fetch_add(self.hits.len() as u64 - 1, Relaxed);
+            self.st.dispatch.fanout_copies.fetch_add(self.hits.len() as u64 - 1, Relaxed);
         }
         true
     }
@@ -150,7 +150,7 @@ impl Forwarder {
                 Run::Merged { frames, .. } => frames,
             };
             for _ in 0..frames {
-                self.dp.drop_at(None, Drop::NoRoute);
+                self.st.drop_at(None, Drop::NoRoute);
             }
             return;
         };
@@ -159,7 +159,7 @@ impl Forwarder {
             Run::Empty => return,
             Run::Single(r) => {
                 if r.len() > iface.max_frame() {
-                    self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&iface.stats), Drop::Oversize);
                     return;
                 }
                 (iface.nic.send(&VnetHdr::default(), &[&buf[r.clone()]]), 1, r.len())
@@ -170,19 +170,19 @@ impl Forwarder {
                 for (p, r) in parts[1..].iter_mut().zip(payloads) {
                     *p = &buf[r.clone()];
                 }
-                self.dp.offload.coalesced.fetch_add(1, Relaxed);
-                self.dp.offload.coalesced_segments.fetch_add(frames as u64, Relaxed);
+                self.st.offload.coalesced.fetch_add(1, Relaxed);
+                self.st.offload.coalesced_segments.fetch_add(frames as u64, Relaxed);
                 (iface.nic.send(&vnet, &parts[..1 + payloads.len()]), frames, frame_bytes)
             }
         };
         match result {
             Ok(_) => {
                 iface.stats.sent_many(frames, bytes);
-                self.dp.global.sent_many(frames, bytes);
+                self.st.global.sent_many(frames, bytes);
             }
             Err(e) => {
                 for _ in 0..frames {
-                    self.dp.drop_at(Some(&iface.stats), crate::link::classify(&e));
+                    self.st.drop_at(Some(&iface.stats), crate::link::classify(&e));
                 }
             }
         }
@@ -194,7 +194,7 @@ impl Forwarder {
             Slot::Iface(s) => {
                 let iface = &snap.ifaces[s as usize];
                 if !vnet.is_gso() && frame.len() > iface.max_frame() {
-                    self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&iface.stats), Drop::Oversize);
                     return;
                 }
                 let r = iface.nic.send(vnet, &[frame]);
@@ -204,7 +204,7 @@ impl Forwarder {
                 let link = &snap.links[s as usize];
                 let t = &*link.transport;
                 if t.takes_offloads() {
-                    let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.dp.offload };
+                    let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.st.offload };
                     let sent = t.send(&mut self.tx, &cx, vnet, frame);
                     self.count(link, sent);
                     return;
@@ -217,13 +217,13 @@ impl Forwarder {
                 }
                 if vnet.flags & F_NEEDS_CSUM != 0 {
                     if offload::complete_checksum(frame, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
-                        self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+                        self.st.drop_at(Some(&link.stats), Drop::Malformed);
                         return;
                     }
-                    self.dp.offload.checksums.fetch_add(1, Relaxed);
+                    self.st.offload.checksums.fetch_add(1, Relaxed);
                     vnet.flags &= !F_NEEDS_CSUM;
                 }
-                let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.dp.offload };
+                let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.st.offload };
                 let sent = t.send(&mut self.tx, &cx, vnet, frame);
                 self.count(link, sent);
             }
@@ -234,23 +234,23 @@ impl Forwarder {
     /// segments to the link.
     fn send_segmented(&mut self, link: &Link, slot: u32, frame: &[u8], vnet: &VnetHdr) {
         let Some(hl) = offload::tcp_payload_offset(frame) else {
-            self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+            self.st.drop_at(Some(&link.stats), Drop::Malformed);
             return;
         };
         let gso_size = if vnet.is_gso() { vnet.gso_size as usize } else { usize::MAX };
         if gso_size < offload::MIN_GSO_SIZE {
-            self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+            self.st.drop_at(Some(&link.stats), Drop::Malformed);
             return;
         }
         let mss = gso_size.min(link.max_frame.saturating_sub(hl)).max(8);
         if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
-            self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+            self.st.drop_at(Some(&link.stats), Drop::Malformed);
             return;
         }
-        self.dp.offload.segmented.fetch_add(1, Relaxed);
-        self.dp.offload.segments.fetch_add(self.plan.len() as u64, Relaxed);
+        self.st.offload.segmented.fetch_add(1, Relaxed);
+        self.st.offload.segments.fetch_add(self.plan.len() as u64, Relaxed);
         let segs = Segments { plan: &self.plan, frame, seg_size: hl + mss };
-        let cx = TxCtx { slot, max_frame: link.max_frame, gso: &link.gso, offload: &self.dp.offload };
+        let cx = TxCtx { slot, max_frame: link.max_frame, gso: &link.gso, offload: &self.st.offload };
         let sent = link.transport.send_segments(&mut self.tx, &cx, &segs);
         self.count(link, sent);
     }
@@ -261,11 +261,11 @@ impl Forwarder {
     fn count(&self, link: &Link, sent: Sent) {
         if sent.frames > 0 {
             link.stats.sent_many(sent.frames, sent.bytes);
-            self.dp.global.sent_many(sent.frames, sent.bytes);
+            self.st.global.sent_many(sent.frames, sent.bytes);
         }
         if let Some(why) = sent.why {
             for _ in 0..sent.dropped {
-                self.dp.drop_at(Some(&link.stats), why);
+                self.st.drop_at(Some(&link.stats), why);
             }
         }
     }
@@ -275,14 +275,14 @@ impl Forwarder {
         match r {
             Ok(n) => {
                 stats.sent(n);
-                self.dp.global.sent(n);
+                self.st.global.sent(n);
             }
             Err(e) => {
                 let why = crate::link::classify(&e);
                 if why == Drop::TxError {
                     tracing::debug!("send failed: {e}");
                 }
-                self.dp.drop_at(Some(stats), why);
+                self.st.drop_at(Some(stats), why);
             }
         }
     }
@@ -296,9 +296,9 @@ impl Forwarder {
             match err {
                 None => {
                     link.stats.sent(len);
-                    self.dp.global.sent(len);
+                    self.st.global.sent(len);
                 }
-                Some(why) => self.dp.drop_at(Some(&link.stats), why),
+                Some(why) => self.st.drop_at(Some(&link.stats), why),
             }
         }
         for slot in self.tx.buffered.drain(..) {
@@ -306,10 +306,11 @@ impl Forwarder {
             let (frames, bytes) = link.transport.write_out();
             if frames > 0 {
                 link.stats.sent_many(frames, bytes);
-                self.dp.global.sent_many(frames, bytes);
+                self.st.global.sent_many(frames, bytes);
             }
         }
-        let d = &self.dp.dispatch;
+        let d = &self.st.dispatch;
+        d.cache_entries.store(self.cache.len() as u64, Relaxed);
         if self.tx.batches_sent > 0 {
             d.tx_batches.fetch_add(std::mem::take(&mut self.tx.batches_sent), Relaxed);
             d.tx_batched.fetch_add(std::mem::take(&mut self.tx.batched), Relaxed);

@@ -15,7 +15,7 @@ use crate::link::UdpEndpoint;
 use crate::topology::LinkEnv;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
-use crate::stats::{Counters, DispatchCounters, Drop, OffloadCounters};
+use crate::stats::{render_totals, Drop, ThreadStats};
 use crate::topology::Snapshot;
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
@@ -28,16 +28,18 @@ use std::time::{Duration, Instant};
 /// What the control plane and the dispatcher threads share.
 pub struct Datapath {
     snapshot: ArcSwap<Snapshot>,
-    /// Totals over everything, and drops no port can be blamed for.
-    pub global: Counters,
-    pub offload: OffloadCounters,
-    pub dispatch: DispatchCounters,
+    /// Daemon-wide counters of the threads that are not dispatchers (TCP
+    /// acceptor, control); each dispatcher has its own (`WorkerLink`).
+    pub control: ThreadStats,
     /// The VNET/P UDP sockets, IPv4 and IPv6 (either may be absent).
-    pub udp4: Option<Arc<UdpEndpoint>>,
-    pub udp6: Option<Arc<UdpEndpoint>>,
-    /// VXLAN sockets, made when the first VXLAN link of a family is added.
-    pub vxlan4: OnceLock<Arc<UdpEndpoint>>,
-    pub vxlan6: OnceLock<Arc<UdpEndpoint>>,
+    /// One socket per dispatcher on the same port (`SO_REUSEPORT`); empty
+    /// if vnetd has none of that family. The first one sends.
+    pub udp4: Vec<Arc<UdpEndpoint>>,
+    pub udp6: Vec<Arc<UdpEndpoint>>,
+    /// VXLAN sockets (a group as above), made when the first VXLAN link of
+    /// a family is added.
+    pub vxlan4: OnceLock<Vec<Arc<UdpEndpoint>>>,
+    pub vxlan6: OnceLock<Vec<Arc<UdpEndpoint>>>,
     vxlan_port: u16,
     /// Accepts TCP link connections, once a TCP link exists.
     tcp_acceptor: OnceLock<TcpAcceptor>,
@@ -49,6 +51,7 @@ pub struct Datapath {
 /// The control plane's handle on one dispatcher thread.
 struct WorkerLink {
     wake: EventFd,
+    stats: Arc<ThreadStats>,
     /// Generation of the snapshot the worker is running.
     running: AtomicU64,
     cpu: Option<usize>,
@@ -59,8 +62,8 @@ impl Datapath {
     /// `cpus[i]` when given. VXLAN sockets bind `vxlan_port`; TCP links
     /// listen on `tcp_port`.
     pub fn new(
-        udp4: Option<UdpEndpoint>,
-        udp6: Option<UdpEndpoint>,
+        udp4: Vec<Arc<UdpEndpoint>>,
+        udp6: Vec<Arc<UdpEndpoint>>,
         vxlan_port: u16,
         tcp_port: u16,
         workers: usize,
@@ -71,6 +74,7 @@ impl Datapath {
                 Ok(WorkerLink {
                     wake: EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
                         .context("eventfd")?,
+                    stats: Arc::new(ThreadStats::default()),
                     running: AtomicU64::new(0),
                     cpu: cpus.get(i).copied(),
                 })
@@ -78,11 +82,9 @@ impl Datapath {
             .collect::<Result<Vec<_>>>()?;
         Ok(Datapath {
             snapshot: ArcSwap::from_pointee(Snapshot::empty()),
-            global: Counters::default(),
-            offload: OffloadCounters::default(),
-            dispatch: DispatchCounters::default(),
-            udp4: udp4.map(Arc::new),
-            udp6: udp6.map(Arc::new),
+            control: ThreadStats::default(),
+            udp4,
+            udp6,
             vxlan4: OnceLock::new(),
             vxlan6: OnceLock::new(),
             vxlan_port,
@@ -95,8 +97,10 @@ impl Datapath {
 
     /// Where the UDP sockets listen (for SHOW).
     pub fn udp_addrs(&self) -> String {
-        let mut v: Vec<String> = [&self.udp4, &self.udp6].iter().filter_map(|u| u.as_ref()).map(|u| u.local_addr().to_string()).collect();
-        v.extend([&self.vxlan4, &self.vxlan6].iter().filter_map(|u| u.get()).map(|u| format!("vxlan:{}", u.local_addr())));
+        let mut v: Vec<String> = [&self.udp4, &self.udp6].iter().filter_map(|u| u.first()).map(|u| u.local_addr().to_string()).collect();
+        v.extend(
+            [&self.vxlan4, &self.vxlan6].iter().filter_map(|u| u.get().and_then(|g| g.first())).map(|u| format!("vxlan:{}", u.local_addr())),
+        );
         if let Some(t) = self.tcp_acceptor.get() {
             v.push(format!("tcp:{}", t.local));
         }
@@ -148,12 +152,22 @@ impl Datapath {
         }
     }
 
-    #[inline]
-    pub fn drop_at(&self, port_stats: Option<&Counters>, why: Drop) {
-        self.global.dropped(why);
-        if let Some(s) = port_stats {
-            s.dropped(why);
-        }
+    /// The `global`, `offload` and `dispatch` lines of `STATS`: sums over
+    /// every thread.
+    pub fn totals(&self) -> [String; 3] {
+        let mut all: Vec<&ThreadStats> = self.workers.iter().map(|w| &*w.stats).collect();
+        all.push(&self.control);
+        render_totals(&all)
+    }
+
+    /// Drops of one reason over the whole daemon.
+    pub fn total_drops(&self, why: Drop) -> u64 {
+        self.control.global.drops(why) + self.workers.iter().map(|w| w.stats.global.drops(why)).sum::<u64>()
+    }
+
+    /// Dispatcher `i`'s counters.
+    pub(crate) fn worker_stats(&self, i: usize) -> Arc<ThreadStats> {
+        self.workers[i].stats.clone()
     }
 }
 
@@ -187,21 +201,21 @@ impl LinkEnv for Arc<Datapath> {
 
     fn udp(&self, v4: bool) -> Option<Arc<UdpEndpoint>> {
         if v4 {
-            self.udp4.clone()
+            self.udp4.first().cloned()
         } else {
-            self.udp6.clone()
+            self.udp6.first().cloned()
         }
     }
 
     fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String> {
-        let (cell, ip): (&OnceLock<Arc<UdpEndpoint>>, IpAddr) =
+        let (cell, ip): (&OnceLock<Vec<Arc<UdpEndpoint>>>, IpAddr) =
             if v4 { (&self.vxlan4, Ipv4Addr::UNSPECIFIED.into()) } else { (&self.vxlan6, Ipv6Addr::UNSPECIFIED.into()) };
-        if let Some(ep) = cell.get() {
-            return Ok(ep.clone());
+        if let Some(g) = cell.get() {
+            return Ok(g[0].clone());
         }
-        let ep = Arc::new(UdpEndpoint::bind(SocketAddr::new(ip, self.vxlan_port)).map_err(|e| format!("{e:#}"))?);
-        // Thread 0 watches the new socket from its next snapshot on.
-        Ok(cell.get_or_init(|| ep).clone())
+        let group = UdpEndpoint::bind_group(SocketAddr::new(ip, self.vxlan_port), self.workers.len()).map_err(|e| format!("{e:#}"))?;
+        // Each dispatcher watches its socket from its next snapshot on.
+        Ok(cell.get_or_init(|| group)[0].clone())
     }
 
     fn ensure_tcp_acceptor(&self) -> Result<(), String> {
@@ -215,8 +229,8 @@ impl LinkEnv for Arc<Datapath> {
             let dp = dp.upgrade()?;
             let found = dp.snapshot().tcp_link_for(peer).cloned();
             if found.is_none() {
-                dp.global.received(0);
-                dp.drop_at(None, Drop::UnknownSender);
+                dp.control.global.received(0);
+                dp.control.drop_at(None, Drop::UnknownSender);
             }
             found
         });

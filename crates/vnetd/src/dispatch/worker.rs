@@ -1,8 +1,8 @@
 //! One dispatcher thread and its modes.
 //!
 //! The thread owns some interfaces, direct links and TCP links (id modulo
-//! the number of threads; thread 0 also owns the UDP sockets). Each
-//! interface runs
+//! the number of threads), and its own socket of each UDP group (the kernel
+//! spreads peers over them with `SO_REUSEPORT`). Each interface runs
 //!
 //! - **guest-driven**: its NIC is in the epoll set; the thread sleeps in
 //!   `epoll_wait` and handles each frame the moment it arrives, sending it at
@@ -27,7 +27,7 @@ use super::Datapath;
 use crate::link::tcp::{Conn, TcpLink};
 use crate::link::udp::{RxBatch, UdpEndpoint};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
-use crate::stats::Drop;
+use crate::stats::{Drop, ThreadStats};
 use crate::link::Rx;
 use crate::topology::{IfaceDispatch, Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
@@ -182,6 +182,8 @@ struct TcpPort {
 
 struct Worker {
     dp: Arc<Datapath>,
+    /// This thread's daemon-wide counters (the forwarder's too).
+    st: Arc<ThreadStats>,
     index: usize,
     epoll: Epoll,
     snap: Arc<Snapshot>,
@@ -201,8 +203,10 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
     let epoll = Epoll::new()?;
     epoll.add(dp.workers[index].wake.as_raw_fd(), TOKEN_WAKE)?;
     let snap = Arc::new(Snapshot::empty());
+    let st = dp.worker_stats(index);
     let mut w = Worker {
-        fwd: Forwarder::new(dp.clone()),
+        fwd: Forwarder::new(st.clone()),
+        st,
         dp,
         index,
         epoll,
@@ -232,11 +236,11 @@ impl Worker {
                 let work = self.poll_pass();
                 let now = Instant::now();
                 if work > 0 {
-                    self.dp.dispatch.busy_passes.fetch_add(1, Relaxed);
+                    self.st.dispatch.busy_passes.fetch_add(1, Relaxed);
                     self.last_work = now;
                     timeout = Some(Duration::ZERO);
                 } else {
-                    self.dp.dispatch.idle_passes.fetch_add(1, Relaxed);
+                    self.st.dispatch.idle_passes.fetch_add(1, Relaxed);
                     let sleep = Duration::from_micros(d.sleep_us as u64);
                     let immediate = match d.yield_strategy {
                         YieldStrategy::Immediate => true,
@@ -244,12 +248,12 @@ impl Worker {
                         YieldStrategy::Adaptive => now.duration_since(self.last_work) < Duration::from_micros(d.nowork_us as u64),
                     };
                     if immediate {
-                        self.dp.dispatch.yields.fetch_add(1, Relaxed);
+                        self.st.dispatch.yields.fetch_add(1, Relaxed);
                         // SAFETY: plain sched_yield.
                         unsafe { libc::sched_yield() };
                         timeout = Some(Duration::ZERO);
                     } else {
-                        self.dp.dispatch.sleeps.fetch_add(1, Relaxed);
+                        self.st.dispatch.sleeps.fetch_add(1, Relaxed);
                         timeout = Some(sleep);
                     }
                 }
@@ -259,7 +263,7 @@ impl Worker {
                 Err(e) => bail!("epoll wait failed: {e}"),
             };
             if n > 0 {
-                self.dp.dispatch.wakeups.fetch_add(1, Relaxed);
+                self.st.dispatch.wakeups.fetch_add(1, Relaxed);
             }
             let mut woken = false;
             for i in 0..n {
@@ -311,7 +315,7 @@ impl Worker {
         }
     }
 
-    /// One VMM-driven pass: every polled NIC, and the UDP socket on thread 0.
+    /// One VMM-driven pass: every polled NIC, and this thread's UDP sockets.
     fn poll_pass(&mut self) -> usize {
         self.fwd.tx.batching = true;
         let mut work = 0;
@@ -320,11 +324,9 @@ impl Worker {
                 work += self.drain_nic(self.owned[i].slot);
             }
         }
-        if self.index == 0 {
-            for i in 0..4 {
-                if self.sockets[i] {
-                    work += self.drain_socket(i);
-                }
+        for i in 0..4 {
+            if self.sockets[i] {
+                work += self.drain_socket(i);
             }
         }
         self.fwd.flush(&self.snap);
@@ -345,7 +347,7 @@ impl Worker {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    self.dp.drop_at(Some(&iface.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&iface.stats), Drop::Oversize);
                 }
                 Err(e) => {
                     tracing::warn!(iface = %iface.name, "read from NIC failed: {e}");
@@ -354,8 +356,8 @@ impl Worker {
             }
         }
         if n > 0 {
-            self.dp.dispatch.rx_frames.fetch_add(n as u64, Relaxed);
-            self.dp.dispatch.rx_passes.fetch_add(1, Relaxed);
+            self.st.dispatch.rx_frames.fetch_add(n as u64, Relaxed);
+            self.st.dispatch.rx_passes.fetch_add(1, Relaxed);
         }
         n
     }
@@ -364,7 +366,8 @@ impl Worker {
     /// their datagrams); returns how many.
     fn drain_socket(&mut self, i: usize) -> usize {
         let dp = &*self.dp;
-        let Some(ep) = socket(dp, i) else { return 0 };
+        let st = &*self.st;
+        let Some(ep) = socket(dp, i, self.index) else { return 0 };
         let is_vxlan = i >= 2;
         let snap = &self.snap;
         let quota = snap.dispatch.quota as usize;
@@ -390,14 +393,14 @@ impl Worker {
                 let udp_link = if is_vxlan { None } else { snap.link_for_sender(from) };
                 if !is_vxlan && udp_link.is_none() {
                     for r in gro_segments(len, seg) {
-                        dp.global.received(r.len());
-                        dp.drop_at(None, Drop::UnknownSender);
+                        st.global.received(r.len());
+                        st.drop_at(None, Drop::UnknownSender);
                     }
                     tracing::debug!(%from, "datagram from an address with no link dropped");
                     continue;
                 }
                 if count > 1 {
-                    dp.offload.gro_runs.fetch_add(1, Relaxed);
+                    st.offload.gro_runs.fetch_add(1, Relaxed);
                 }
                 let truncated = self.rx.truncated[m];
                 let buf = self.rx.buf_mut(m);
@@ -407,8 +410,8 @@ impl Worker {
                         match vni.and_then(|vni| snap.vxlan_link_for(from.ip(), vni)) {
                             Some(l) => (l, r.start + VXLAN_HDR_LEN),
                             None => {
-                                dp.global.received(r.len());
-                                dp.drop_at(None, if vni.is_some() { Drop::UnknownSender } else { Drop::Malformed });
+                                st.global.received(r.len());
+                                st.drop_at(None, if vni.is_some() { Drop::UnknownSender } else { Drop::Malformed });
                                 continue;
                             }
                         }
@@ -416,7 +419,7 @@ impl Worker {
                         (udp_link.unwrap(), r.start)
                     };
                     if truncated {
-                        dp.drop_at(Some(&snap.links[link as usize].stats), Drop::Oversize);
+                        st.drop_at(Some(&snap.links[link as usize].stats), Drop::Oversize);
                         break;
                     }
                     self.fwd.from_link(snap, link, buf, start..r.end);
@@ -443,7 +446,7 @@ impl Worker {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    self.dp.drop_at(Some(&link.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&link.stats), Drop::Oversize);
                 }
                 Err(e) => {
                     tracing::warn!(link = %link.name, "read from device failed: {e}");
@@ -497,7 +500,7 @@ impl Worker {
             self.fwd.end_run(snap, port.framer.buf());
             if let Some(b) = bad {
                 // The stream is out of step: nothing after this can be trusted.
-                self.dp.drop_at(Some(&link.stats), Drop::Malformed);
+                self.st.drop_at(Some(&link.stats), Drop::Malformed);
                 tracing::warn!(link = %link.name, len = b.0, "bad frame length on TCP link; reconnecting");
                 ended = true;
                 break;
@@ -516,7 +519,7 @@ impl Worker {
         let w = port.link.write_out();
         if w.frames > 0 {
             link.stats.sent_many(w.frames, w.bytes);
-            self.dp.global.sent_many(w.frames, w.bytes);
+            self.st.global.sent_many(w.frames, w.bytes);
         }
         if !w.blocked {
             self.sync_tcp(at);
@@ -658,13 +661,12 @@ impl Worker {
             }
             self.sync_tcp(at);
         }
-        // Thread 0 serves the UDP sockets, VXLAN's once they exist.
-        if self.index == 0 {
-            for i in 0..4 {
-                if !self.sockets[i] {
-                    if let Some(fd) = socket(&self.dp, i).map(|e| e.as_raw_fd()) {
-                        self.sockets[i] = self.epoll.add(fd, TOKEN_SOCKET + i as u64).is_ok();
-                    }
+        // Each thread reads its own socket of each UDP group (VXLAN's once
+        // they exist).
+        for i in 0..4 {
+            if !self.sockets[i] {
+                if let Some(fd) = socket(&self.dp, i, self.index).map(|e| e.as_raw_fd()) {
+                    self.sockets[i] = self.epoll.add(fd, TOKEN_SOCKET + i as u64).is_ok();
                 }
             }
         }
@@ -708,12 +710,13 @@ impl Worker {
     }
 }
 
-/// The UDP socket `i`: VNET/P IPv4, IPv6, VXLAN IPv4, IPv6.
-fn socket(dp: &Datapath, i: usize) -> Option<&UdpEndpoint> {
-    match i {
-        0 => dp.udp4.as_deref(),
-        1 => dp.udp6.as_deref(),
-        2 => dp.vxlan4.get().map(|e| &**e),
-        _ => dp.vxlan6.get().map(|e| &**e),
-    }
+/// Thread `t`'s socket of UDP group `i`: VNET/P IPv4, IPv6, VXLAN IPv4, IPv6.
+fn socket(dp: &Datapath, i: usize, t: usize) -> Option<&UdpEndpoint> {
+    let group: &[Arc<UdpEndpoint>] = match i {
+        0 => &dp.udp4,
+        1 => &dp.udp6,
+        2 => dp.vxlan4.get().map_or(&[], |g| &g[..]),
+        _ => dp.vxlan6.get().map_or(&[], |g| &g[..]),
+    };
+    group.get(t).map(|e| &**e)
 }

@@ -44,14 +44,40 @@ pub struct UdpEndpoint {
     gro: bool,
 }
 
+/// Socket buffer size asked for: big buffers absorb bursts between
+/// dispatcher passes.
+const SOCKET_BUFFER: usize = 16 << 20;
+
 impl UdpEndpoint {
     pub fn bind(addr: SocketAddr) -> Result<UdpEndpoint> {
+        Self::bind_with(addr, false)
+    }
+
+    /// `n` sockets on one port (`SO_REUSEPORT` when `n` > 1), one per
+    /// dispatcher: the kernel spreads received datagrams over them by flow
+    /// (the peer's address and port), so each peer's frames stay in order
+    /// on one thread. The first one also sends. A port another socket
+    /// already holds is refused, as for one socket.
+    pub fn bind_group(addr: SocketAddr, n: usize) -> Result<Vec<Arc<UdpEndpoint>>> {
+        if n <= 1 {
+            return Ok(vec![Arc::new(Self::bind(addr)?)]);
+        }
+        // Joining a reuse group never fails for the same user, so check
+        // first that nobody holds the port.
+        let probe = Self::bind(addr)?;
+        let addr = probe.local_addr();
+        drop(probe);
+        (0..n).map(|_| Self::bind_with(addr, true).map(Arc::new)).collect()
+    }
+
+    fn bind_with(addr: SocketAddr, reuse_port: bool) -> Result<UdpEndpoint> {
         let domain = if addr.is_ipv4() { Domain::IPV4 } else { Domain::IPV6 };
         let sock = Socket::new(domain, Type::DGRAM.nonblocking().cloexec(), Some(Protocol::UDP))
             .context("cannot create UDP socket")?;
-        // Big buffers absorb bursts between dispatcher passes.
-        let _ = sock.set_recv_buffer_size(16 << 20);
-        let _ = sock.set_send_buffer_size(16 << 20);
+        if reuse_port {
+            sock.set_reuse_port(true).context("SO_REUSEPORT")?;
+        }
+        set_buffers(&sock, SOCKET_BUFFER, &addr.to_string());
         if addr.is_ipv4() {
             // Frames bigger than the underlay's MTU are carried by IP
             // fragmentation, as VNET/P did: never set DF.
@@ -445,6 +471,28 @@ fn gro_segment_size(h: &libc::msghdr) -> usize {
         }
     }
     0
+}
+
+/// Sets a socket's receive and send buffers to `size`, past the sysctl caps
+/// (`SO_RCVBUFFORCE`, `SO_SNDBUFFORCE`: vnetd runs as root) where it may,
+/// and logs the sizes the kernel actually gave if they are smaller.
+pub fn set_buffers(sock: &Socket, size: usize, what: &str) {
+    let fd = sock.as_raw_fd();
+    let v = size.min(i32::MAX as usize) as libc::c_int;
+    if setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, v).is_err() {
+        let _ = sock.set_recv_buffer_size(size);
+    }
+    if setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, v).is_err() {
+        let _ = sock.set_send_buffer_size(size);
+    }
+    // The kernel reports twice what it grants (bookkeeping included).
+    let rcv = sock.recv_buffer_size().unwrap_or(0) / 2;
+    let snd = sock.send_buffer_size().unwrap_or(0) / 2;
+    if rcv < size || snd < size {
+        tracing::warn!("{what}: socket buffers are {rcv} (receive) and {snd} (send) bytes, not the {size} asked (without CAP_NET_ADMIN, net.core.rmem_max/wmem_max cap them)");
+    } else {
+        tracing::debug!("{what}: socket buffers {rcv} / {snd} bytes");
+    }
 }
 
 fn setsockopt_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, val: libc::c_int) -> io::Result<()> {

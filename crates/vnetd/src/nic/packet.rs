@@ -38,8 +38,13 @@ impl PacketPort {
         setsockopt_int(raw, libc::SOL_PACKET, PACKET_VNET_HDR, 1)?;
         // Our own transmissions are not input.
         setsockopt_int(raw, libc::SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)?;
-        let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, 8 << 20);
-        let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_SNDBUF, 8 << 20);
+        // Past the sysctl caps: vnetd is root (SO_RCVBUFFORCE).
+        if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20).is_err() {
+            let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, 8 << 20);
+        }
+        if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, 8 << 20).is_err() {
+            let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_SNDBUF, 8 << 20);
+        }
         // SAFETY: sockaddr_ll is plain data; zeroed is valid.
         let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
         sll.sll_family = libc::AF_PACKET as u16;
