@@ -96,6 +96,7 @@ class Vnetd:
             if kind in ("global", "offload", "dispatch"):
                 out[kind] = vals
             elif kind == "route":
+                vals["rule"] = line.split(" rule=", 1)[1].strip()
                 out[f"route {words[1]}"] = vals
             else:
                 out[f"{kind} {vals['name']}"] = vals
