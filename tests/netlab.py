@@ -279,7 +279,7 @@ class Lab:
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        self.problems = self.close()  # for the caller to fail on (see close)
 
 
 def wait_until(cond, timeout=5.0, interval=0.05):
