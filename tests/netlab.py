@@ -96,6 +96,7 @@ class Vnetd:
             if kind in ("global", "offload", "dispatch"):
                 out[kind] = vals
             elif kind == "route":
+                vals["rule"] = line.split(" rule=", 1)[1].strip()
                 out[f"route {words[1]}"] = vals
             else:
                 out[f"{kind} {vals['name']}"] = vals
@@ -293,7 +294,7 @@ class Lab:
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        self.problems = self.close()  # for the caller to fail on (see close)
 
 
 def wait_until(cond, timeout=5.0, interval=0.05):

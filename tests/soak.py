@@ -107,9 +107,12 @@ def main():
                 c.kill()
                 out = c.communicate()[0]
             try:
-                end = json.loads(out)["end"]
-            except (ValueError, KeyError):
-                failures.append(f"iperf3 {name}: exit {c.returncode}, no result: {out[-500:]!r}")
+                result = json.loads(out)
+                end = result["end"]
+                if "error" in result or not end:
+                    raise KeyError(result.get("error"))
+            except (ValueError, KeyError) as e:
+                failures.append(f"iperf3 {name}: exit {c.returncode}, no result ({e}): {out[-300:]!r}")
                 continue
             if c.returncode != 0:
                 failures.append(f"iperf3 {name}: exit {c.returncode}")
@@ -185,6 +188,8 @@ def main():
                 stat["udp_rcvbuf_errors"] = udp_snmp(lab, gg.ns)["RcvbufErrors"]
                 report.setdefault("guests", {})[f"g{n}"] = stat
             print("guests' own drops (TAP queues, socket buffers):", report["guests"])
+    # The lab's teardown: every vnetd exits 0 on SIGTERM, none panicked, nothing is left.
+    failures += [f"teardown: {p}" for p in lab.problems]
     report["failures"] = failures
     report["ok"] = not failures
     Path(a.out).parent.mkdir(exist_ok=True)

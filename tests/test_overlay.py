@@ -3,11 +3,10 @@ real ping and TCP traffic across the overlay."""
 
 import hashlib
 import socket
-import time
 
 import pytest
 
-from netlab import Lab, guest_mac, mesh_config, overlay_ip, underlay_ip, REPO
+from netlab import Lab, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until, REPO
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 
@@ -19,6 +18,13 @@ def build_mesh(lab: Lab, layout: dict[int, list[int]], mtu=None, underlay_mtu=15
     daemons = {h: lab.start_vnetd(hosts[h], mesh_config(h, by_host, mtu=mtu)) for h in layout}
     guests = {n: lab.attach_guest(hosts[h], f"g{n}", n) for h, ns in layout.items() for n in ns}
     return hosts, daemons, guests
+
+
+def route(stats, rule: str) -> dict:
+    """The STATS entry of the route whose rule is `rule`."""
+    found = [v for k, v in stats.items() if k.startswith("route ") and v["rule"] == rule]
+    assert len(found) == 1, (rule, [v["rule"] for k, v in stats.items() if k.startswith("route ")])
+    return found[0]
 
 
 def neigh(lab, g, ip):
@@ -35,9 +41,14 @@ def test_two_hosts_ping_with_arp_through_broadcast_routes(lab):
     assert "5 received" in r.stdout
     assert g[2].mac in neigh(lab, g[1], g[2].ip)
     assert lab.ping(g[2], g[1], count=3).returncode == 0
-    s1 = daemons[1].stats()
-    bcast = [v for k, v in s1.items() if k.startswith("route") and v["frames"] > 0]
-    assert bcast, s1
+    s1, s2 = daemons[1].stats(), daemons[2].stats()
+    # g1's ARP request went out through the broadcast route to the link, and
+    # host 2 handed it to g2 through its broadcast route (g2 learned g1 from
+    # it: no broadcast back).
+    out = route(s1, f"any ff:ff:ff:ff:ff:ff edge {underlay_ip(2)} interface")
+    assert out["frames"] >= 1, s1
+    assert route(s2, f"any ff:ff:ff:ff:ff:ff interface {g[2].mac} any")["frames"] == out["frames"], s2
+    assert route(s2, f"any ff:ff:ff:ff:ff:ff edge {underlay_ip(1)} interface")["frames"] == 0, s2
     assert s1["link 198.18.0.2"]["out_frames"] >= 6
     assert s1["global"]["drop_no_route"] == 0
 
@@ -97,15 +108,16 @@ def test_datagram_from_unknown_sender_never_reaches_a_guest(lab):
     before_rx = _rx_packets(lab, g[1])
     before = daemons[1].stats()["global"]
     _send_datagram(lab, hosts[2], "198.18.0.99", (underlay_ip(1), 9000), frame)
-    time.sleep(0.5)
+    wait_until(lambda: daemons[1].stats()["global"]["drop_unknown_sender"] > before["drop_unknown_sender"])
     after = daemons[1].stats()["global"]
     assert after["drop_unknown_sender"] == before["drop_unknown_sender"] + 1
     assert _rx_packets(lab, g[1]) == before_rx
     # The same datagram from the link's address is delivered: the check above
     # would have seen it.
     _send_datagram(lab, hosts[2], underlay_ip(2), (underlay_ip(1), 9000), frame, src_port=9999)
-    time.sleep(0.5)
+    wait_until(lambda: _rx_packets(lab, g[1]) > before_rx)
     assert _rx_packets(lab, g[1]) == before_rx + 1
+    assert daemons[1].stats()["global"]["drop_unknown_sender"] == before["drop_unknown_sender"] + 1
 
 
 def test_malformed_request_is_refused_whole_with_line_and_reason(lab):
@@ -143,9 +155,19 @@ def test_three_hosts_two_guests_each_all_reach_each_other(lab):
     _, daemons, g = build_mesh(lab, {1: [1, 2], 2: [3, 4], 3: [5, 6]})
     failed = [(a, b) for a in g for b in g if a != b and not lab.reaches(g[a], g[b])]
     assert failed == []
-    # Each broadcast crossed each link at most once: no loops.
-    for d in daemons.values():
-        assert d.stats()["global"]["drop_no_route"] == 0
+    # No loops: each broadcast (the guests' ARP requests) left its host once
+    # on each link and reached each of the 5 other guests exactly once.
+    stats = {h: d.stats() for h, d in daemons.items()}
+    originated = 0
+    for h, st in stats.items():
+        to_links = [route(st, f"any ff:ff:ff:ff:ff:ff edge {underlay_ip(o)} interface")["frames"] for o in stats if o != h]
+        assert len(set(to_links)) == 1, (h, to_links)  # the same broadcasts to each other host
+        originated += to_links[0]
+    delivered = sum(route(stats[h], f"any ff:ff:ff:ff:ff:ff interface {g[n].mac} any")["frames"]
+                    for h, ns in {1: [1, 2], 2: [3, 4], 3: [5, 6]}.items() for n in ns)
+    assert originated >= 6 and delivered == 5 * originated, (originated, delivered)
+    for st in stats.values():
+        assert st["global"]["drop_no_route"] == 0
 
 
 def test_runtime_interface_link_and_route_changes(lab):
