@@ -773,3 +773,6 @@ mod tests {
         assert!(t.links.is_empty());
     }
 }
+#[cfg(test)]
+#[path = "topology_tests.rs"]
+mod apply_tests;
