@@ -8,7 +8,7 @@ use std::fmt;
 use std::hash::Hash;
 
 /// A local endpoint of the datapath: an interface (virtual NIC) or a link
-/// (edge), by its slot in the daemon's current topology.
+/// (edge), by its id: given when it is added, never changed or reused.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
 pub enum Port {
     Interface(u32),

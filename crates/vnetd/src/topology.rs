@@ -423,6 +423,9 @@ impl Topology {
         settings: &Settings,
         env: &dyn LinkEnv,
     ) -> Result<String, String> {
+        // An IPv4-mapped IPv6 address is the IPv4 peer: one link per peer,
+        // sent from and matched on the IPv4 socket.
+        let ip = ip.map(|ip| ip.to_canonical());
         if let Some(ip) = ip {
             if ip.is_unspecified() || ip.is_multicast() {
                 return Err(format!("{ip} is not a unicast address"));
