@@ -96,7 +96,7 @@ pub struct Hit {
 /// generation; route caches notice the generation and start afresh.
 ///
 /// The rules are indexed by the MACs they name, so a lookup visits only the
-/// rules that can match the frame (see [`Index`]), not every rule.
+/// rules that can match the frame, not every rule.
 #[derive(Clone, Debug, Default)]
 pub struct RouteTable {
     rules: Vec<Rule>,
