@@ -9,12 +9,16 @@
 //! The cache is bounded twice, so that a guest sending from made-up MACs can
 //! neither grow memory nor flush the flows of others:
 //! - each origin (interface or link) holds at most `per_origin` entries; an
-//!   origin at its budget loses its own entries, and only those;
+//!   origin that reaches it loses all its entries, and no one else's;
 //! - the whole cache holds at most `capacity` entries; when it is full, the
-//!   origin holding the most entries loses them. With the default budget (a
-//!   quarter of the capacity) that takes five or more busy origins, and an
-//!   origin holding fewer entries than some other origin is never the one
-//!   evicted.
+//!   origin holding the most entries loses all of them. With the default
+//!   budget (a quarter of the capacity) that takes five or more busy origins,
+//!   and an origin holding fewer entries than some other origin is never the
+//!   one evicted.
+//!
+//! Evicting is a pass over the map (`retain`), paid by the call after the
+//! insertion that reached a bound; a flooding origin pays it once per
+//! `per_origin` misses.
 
 use crate::mac::Mac;
 use crate::table::{Hit, Port, RouteTable};
