@@ -27,6 +27,7 @@
 use crate::mac::Mac;
 use crate::table::{Hit, Port, RouteTable};
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 
 /// Bound on entries in all, so a flood of made-up MACs cannot grow memory
 /// without limit.
@@ -35,7 +36,26 @@ pub const DEFAULT_CAPACITY: usize = 16 * 1024;
 /// Bound on one origin's entries, by default: a quarter of the capacity.
 pub const DEFAULT_PER_ORIGIN: usize = DEFAULT_CAPACITY / 4;
 
-type Key = (Port, Mac, Mac);
+/// (origin, destination MAC, source MAC).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Key(Port, Mac, Mac);
+
+/// Two words of hash input for the 20 bytes of key, rather than the derived
+/// six writes (enum tag, id, and a length and bytes per MAC). Equal keys
+/// hash equally; that some bits of a port's id share the second word's top
+/// with its kind costs only the odd collision.
+impl Hash for Key {
+    #[inline]
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        let (kind, id) = match self.0 {
+            Port::Interface(i) => (0u64, i as u64),
+            Port::Link(i) => (1u64, i as u64),
+        };
+        let word = |m: Mac| u64::from_le_bytes([m.0[0], m.0[1], m.0[2], m.0[3], m.0[4], m.0[5], 0, 0]);
+        h.write_u64(word(self.1) | id << 48);
+        h.write_u64(word(self.2) | (id >> 16) << 48 | kind << 63);
+    }
+}
 
 pub struct RouteCache {
     generation: u64,
@@ -119,7 +139,7 @@ impl RouteCache {
         if self.generation != table.generation() {
             self.restart(table.generation());
         }
-        let key = (origin, dst, src);
+        let key = Key(origin, dst, src);
         if let Some(&(start, len)) = self.map.get(&key) {
             self.hits += 1;
             return &self.hits_of[start as usize..(start + len) as usize];
@@ -141,7 +161,7 @@ impl RouteCache {
     #[inline(never)]
     fn miss(&mut self, table: &RouteTable, key: Key) -> &[Hit] {
         self.misses += 1;
-        let (origin, dst, src) = key;
+        let Key(origin, dst, src) = key;
         if self.origin_len(origin) >= self.per_origin {
             self.evict(origin);
         } else if self.map.len() >= self.capacity {
@@ -335,6 +355,30 @@ mod tests {
         let misses = c.misses;
         c.route(&t4, Port::Interface(0), mac(100), B);
         assert_eq!(c.misses, misses + 1);
+    }
+
+    /// Keys that differ only where the hash folds bits together (an id's
+    /// high bits, the kind) are still different keys.
+    #[test]
+    fn keys_differ_in_every_part() {
+        let t = RouteTable::new(
+            vec![
+                Rule { src_mac: MacQual::Any, dst_mac: MacQual::Any, src: SrcMatch::Exactly(Port::Link(1 << 31)), dst: Port::Link(1) },
+                Rule { src_mac: MacQual::Any, dst_mac: MacQual::Any, src: SrcMatch::AnyInterface, dst: Port::Link(2) },
+            ],
+            1,
+        );
+        let mut c = RouteCache::default();
+        let from = [Port::Interface(0), Port::Link(0), Port::Link(1 << 31), Port::Interface(1 << 31), Port::Link(1 << 16)];
+        let want = [vec![Port::Link(2)], vec![], vec![Port::Link(1)], vec![Port::Link(2)], vec![]];
+        for round in 0..2 {
+            for (o, w) in from.iter().zip(&want) {
+                assert_eq!(&ports(c.route(&t, *o, A, B)), w, "{o:?}, round {round}");
+            }
+        }
+        assert_eq!((c.misses, c.hits, c.len()), (5, 5, 5));
+        assert!(c.route(&t, Port::Interface(0), B, A) == [Hit { dst: Port::Link(2), rule: 1 }]);
+        assert_eq!(c.len(), 6, "the MACs swapped are another key");
     }
 
     /// Every answer is the table's, through evictions of other origins and
