@@ -172,13 +172,13 @@ impl State {
             assert_ne!(h.dst, origin, "split horizon");
             assert!(self.direct[..i].iter().all(|x| x.dst != h.dst), "duplicate destination");
         }
-        let before: Vec<usize> = PORTS.iter().map(|&p| self.cache.origin_len(p)).collect();
+        let before: [usize; 6] = PORTS.map(|p| self.cache.origin_len(p));
         let len_before = self.cache.len();
         let cached = self.cache.route(&self.table, origin, src, dst);
         assert_eq!(cached, &self.direct[..], "cache vs table (generation {}): from {origin:?} {src} -> {dst}", self.generation);
         let c = &self.cache;
         assert!(c.len() <= self.capacity, "cache holds {} > {}", c.len(), self.capacity);
-        let after: Vec<usize> = PORTS.iter().map(|&p| c.origin_len(p)).collect();
+        let after: [usize; 6] = PORTS.map(|p| c.origin_len(p));
         assert_eq!(after.iter().sum::<usize>(), c.len(), "per-origin counts vs len");
         for (i, &p) in PORTS.iter().enumerate() {
             assert!(after[i] <= self.per_origin, "{p:?} holds {} > {}", after[i], self.per_origin);

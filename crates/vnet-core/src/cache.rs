@@ -9,17 +9,25 @@
 //! The cache is bounded twice, so that a guest sending from made-up MACs can
 //! neither grow memory nor flush the flows of others:
 //! - each origin (interface or link) holds at most `per_origin` entries; an
-//!   origin at its budget loses its own entries, and only those;
+//!   origin that needs one more loses all its entries first, and no one
+//!   else's;
 //! - the whole cache holds at most `capacity` entries; when it is full, the
-//!   origin holding the most entries loses them. With the default budget (a
-//!   quarter of the capacity) that takes five or more busy origins, and an
-//!   origin holding fewer entries than some other origin is never the one
-//!   evicted.
+//!   origin holding the most entries loses all of them. With the default
+//!   budget (a quarter of the capacity) that takes five or more busy origins,
+//!   and an origin holding fewer entries than some other origin is never the
+//!   one evicted.
+//!
+//! Evicting is a pass over the map (`retain`) on the miss that needs room; a
+//! flooding origin pays it once per `per_origin` misses.
+//!
+//! The hits of every entry are kept in one array, each entry naming its run,
+//! so a miss allocates nothing (past the array's growth) and an eviction frees
+//! nothing; a hit is one hash lookup.
 
 use crate::mac::Mac;
 use crate::table::{Hit, Port, RouteTable};
-use std::collections::hash_map::{Entry, VacantEntry};
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 
 /// Bound on entries in all, so a flood of made-up MACs cannot grow memory
 /// without limit.
@@ -28,38 +36,44 @@ pub const DEFAULT_CAPACITY: usize = 16 * 1024;
 /// Bound on one origin's entries, by default: a quarter of the capacity.
 pub const DEFAULT_PER_ORIGIN: usize = DEFAULT_CAPACITY / 4;
 
-type Key = (Port, Mac, Mac);
+/// (origin, destination MAC, source MAC).
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Key(Port, Mac, Mac);
 
-/// What the next call must evict before it may insert (decided by the
-/// insertion that reached a bound, done by the next call so that the entry
-/// just inserted can be handed out).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Evict {
-    Origin(Port),
-    Largest,
+/// Two words of hash input for the 20 bytes of key, rather than the derived
+/// six writes (enum tag, id, and a length and bytes per MAC). Equal keys
+/// hash equally; that some bits of a port's id share the second word's top
+/// with its kind costs only the odd collision.
+impl Hash for Key {
+    #[inline]
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        let (kind, id) = match self.0 {
+            Port::Interface(i) => (0u64, i as u64),
+            Port::Link(i) => (1u64, i as u64),
+        };
+        let word = |m: Mac| u64::from_le_bytes([m.0[0], m.0[1], m.0[2], m.0[3], m.0[4], m.0[5], 0, 0]);
+        h.write_u64(word(self.1) | id << 48);
+        h.write_u64(word(self.2) | (id >> 16) << 48 | kind << 63);
+    }
 }
 
 pub struct RouteCache {
     generation: u64,
-    map: HashMap<Key, Box<[Hit]>, ahash::RandomState>,
-    /// Everything but the map that a miss touches, apart so that a miss can
-    /// update it while it holds the map's vacant entry.
-    books: Books,
+    /// Each entry's hits: `hits_of[start..start + len]`.
+    map: HashMap<Key, (u32, u32), ahash::RandomState>,
+    hits_of: Vec<Hit>,
+    /// Where an eviction compacts the survivors' hits (then swapped in).
+    spare: Vec<Hit>,
+    capacity: usize,
+    per_origin: usize,
+    /// Entries held per origin; the values sum to the map's length.
+    held: HashMap<Port, usize, ahash::RandomState>,
+    scratch: Vec<Hit>,
     pub hits: u64,
     pub misses: u64,
     /// Entries dropped to stay within the bounds (not counting the whole
     /// cache dropped for a new table generation).
     pub evictions: u64,
-}
-
-struct Books {
-    capacity: usize,
-    per_origin: usize,
-    /// Entries held per origin; the values sum to `len`, the map's length.
-    held: HashMap<Port, usize, ahash::RandomState>,
-    len: usize,
-    pending: Option<Evict>,
-    scratch: Vec<Hit>,
 }
 
 impl Default for RouteCache {
@@ -82,14 +96,12 @@ impl RouteCache {
         RouteCache {
             generation: u64::MAX,
             map: HashMap::with_capacity_and_hasher(256, ahash::RandomState::new()),
-            books: Books {
-                capacity,
-                per_origin: per_origin.clamp(1, capacity),
-                held: HashMap::default(),
-                len: 0,
-                pending: None,
-                scratch: Vec::new(),
-            },
+            hits_of: Vec::new(),
+            spare: Vec::new(),
+            capacity,
+            per_origin: per_origin.clamp(1, capacity),
+            held: HashMap::default(),
+            scratch: Vec::new(),
             hits: 0,
             misses: 0,
             evictions: 0,
@@ -98,98 +110,97 @@ impl RouteCache {
 
     /// Entries held.
     pub fn len(&self) -> usize {
-        self.books.len
+        self.map.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.books.len == 0
+        self.map.is_empty()
     }
 
     /// Entries held for frames from `origin`.
     pub fn origin_len(&self, origin: Port) -> usize {
-        self.books.held.get(&origin).copied().unwrap_or(0)
+        self.held.get(&origin).copied().unwrap_or(0)
     }
 
     /// The bound on entries in all.
     pub fn capacity(&self) -> usize {
-        self.books.capacity
+        self.capacity
     }
 
     /// The bound on one origin's entries.
     pub fn per_origin(&self) -> usize {
-        self.books.per_origin
+        self.per_origin
     }
 
     /// The destinations for a frame, from the cache or (on a miss) the table.
     /// A hit is one hash lookup and allocates nothing.
     #[inline]
     pub fn route(&mut self, table: &RouteTable, origin: Port, src: Mac, dst: Mac) -> &[Hit] {
-        if self.generation != table.generation() || self.books.pending.is_some() {
-            self.make_room(table.generation());
+        if self.generation != table.generation() {
+            self.restart(table.generation());
         }
-        match self.map.entry((origin, dst, src)) {
-            Entry::Occupied(e) => {
-                self.hits += 1;
-                e.into_mut()
-            }
-            Entry::Vacant(v) => {
-                self.misses += 1;
-                self.books.insert(v, table)
-            }
+        let key = Key(origin, dst, src);
+        if let Some(&(start, len)) = self.map.get(&key) {
+            self.hits += 1;
+            return &self.hits_of[start as usize..(start + len) as usize];
         }
+        self.miss(table, key)
     }
 
-    /// Starts afresh for a new table generation, or evicts what the last
-    /// insertion asked for, so the next insertion stays within both bounds.
     #[cold]
     #[inline(never)]
-    fn make_room(&mut self, generation: u64) {
-        let b = &mut self.books;
-        if self.generation != generation {
-            self.map.clear();
-            b.held.clear();
-            b.len = 0;
-            b.pending = None;
-            self.generation = generation;
-            return;
-        }
-        let victim = match b.pending.take() {
-            Some(Evict::Origin(o)) => o,
+    fn restart(&mut self, generation: u64) {
+        self.map.clear();
+        self.hits_of.clear();
+        self.held.clear();
+        self.generation = generation;
+    }
+
+    /// Asks the table, making room first if the origin is at its budget or
+    /// the cache is full. Out of line, so the hit path stays small.
+    #[inline(never)]
+    fn miss(&mut self, table: &RouteTable, key: Key) -> &[Hit] {
+        self.misses += 1;
+        let Key(origin, dst, src) = key;
+        if self.origin_len(origin) >= self.per_origin {
+            self.evict(origin);
+        } else if self.map.len() >= self.capacity {
             // The most entries; among equals, the greatest port, so the
             // choice does not depend on the hasher's order.
-            Some(Evict::Largest) => match b.held.iter().max_by_key(|&(p, n)| (*n, *p)) {
-                Some((&p, _)) => p,
-                None => return,
-            },
-            None => return,
-        };
-        let removed = b.held.remove(&victim).unwrap_or(0);
-        if removed > 0 {
-            self.map.retain(|k, _| k.0 != victim);
-            b.len -= removed;
-            self.evictions += removed as u64;
+            if let Some((&victim, _)) = self.held.iter().max_by_key(|&(p, n)| (*n, *p)) {
+                self.evict(victim);
+            }
         }
-        debug_assert_eq!(b.len, self.map.len());
-    }
-}
-
-impl Books {
-    /// A miss: asks the table, fills the vacant entry, and notes what to
-    /// evict if this insertion reached a bound. Kept out of line, so the hit
-    /// path stays small.
-    #[inline(never)]
-    fn insert<'m>(&mut self, v: VacantEntry<'m, Key, Box<[Hit]>>, table: &RouteTable) -> &'m [Hit] {
-        let (origin, dst, src) = *v.key();
         table.lookup(origin, src, dst, &mut self.scratch);
-        self.len += 1;
-        let held = self.held.entry(origin).or_insert(0);
-        *held += 1;
-        if *held >= self.per_origin {
-            self.pending = Some(Evict::Origin(origin));
-        } else if self.len >= self.capacity {
-            self.pending = Some(Evict::Largest);
+        if self.hits_of.len() + self.scratch.len() > u32::MAX as usize {
+            // Runs are numbered in u32: out of numbers (never with a sane
+            // table), start over.
+            self.restart(self.generation);
         }
-        v.insert(self.scratch.as_slice().into())
+        let start = self.hits_of.len();
+        self.hits_of.extend_from_slice(&self.scratch);
+        self.map.insert(key, (start as u32, self.scratch.len() as u32));
+        *self.held.entry(origin).or_insert(0) += 1;
+        &self.hits_of[start..]
+    }
+
+    /// Drops every entry of `victim`, and compacts the hits of the rest.
+    fn evict(&mut self, victim: Port) {
+        let Some(removed) = self.held.remove(&victim) else { return };
+        let (old, new) = (&self.hits_of, &mut self.spare);
+        new.clear();
+        self.map.retain(|k, run| {
+            if k.0 == victim {
+                return false;
+            }
+            let (start, len) = (run.0 as usize, run.1 as usize);
+            run.0 = new.len() as u32;
+            new.extend_from_slice(&old[start..start + len]);
+            true
+        });
+        std::mem::swap(&mut self.hits_of, &mut self.spare);
+        self.evictions += removed as u64;
+        debug_assert_eq!(self.held.values().sum::<usize>(), self.map.len());
     }
 }
 
@@ -329,8 +340,8 @@ mod tests {
         let t2 = RouteTable::new(vec![to(MacQual::Any, Port::Link(1))], 2);
         assert_eq!(ports(c.route(&t2, Port::Interface(0), mac(0), B)), vec![Port::Link(1)]);
         assert_eq!((c.len(), c.origin_len(Port::Interface(0)), c.origin_len(Port::Interface(1))), (1, 1, 0));
-        // Also when the last insertion of the old generation left an
-        // eviction pending.
+        assert_eq!(c.hits_of.len(), 1, "the old generation's hits are gone too");
+        // Also when an origin was at its budget.
         for i in 0..24 {
             c.route(&t2, Port::Interface(0), mac(100 + i), B);
         }
@@ -344,6 +355,56 @@ mod tests {
         let misses = c.misses;
         c.route(&t4, Port::Interface(0), mac(100), B);
         assert_eq!(c.misses, misses + 1);
+    }
+
+    /// Keys that differ only where the hash folds bits together (an id's
+    /// high bits, the kind) are still different keys.
+    #[test]
+    fn keys_differ_in_every_part() {
+        let t = RouteTable::new(
+            vec![
+                Rule { src_mac: MacQual::Any, dst_mac: MacQual::Any, src: SrcMatch::Exactly(Port::Link(1 << 31)), dst: Port::Link(1) },
+                Rule { src_mac: MacQual::Any, dst_mac: MacQual::Any, src: SrcMatch::AnyInterface, dst: Port::Link(2) },
+            ],
+            1,
+        );
+        let mut c = RouteCache::default();
+        let from = [Port::Interface(0), Port::Link(0), Port::Link(1 << 31), Port::Interface(1 << 31), Port::Link(1 << 16)];
+        let want = [vec![Port::Link(2)], vec![], vec![Port::Link(1)], vec![Port::Link(2)], vec![]];
+        for round in 0..2 {
+            for (o, w) in from.iter().zip(&want) {
+                assert_eq!(&ports(c.route(&t, *o, A, B)), w, "{o:?}, round {round}");
+            }
+        }
+        assert_eq!((c.misses, c.hits, c.len()), (5, 5, 5));
+        assert!(c.route(&t, Port::Interface(0), B, A) == [Hit { dst: Port::Link(2), rule: 1 }]);
+        assert_eq!(c.len(), 6, "the MACs swapped are another key");
+    }
+
+    /// Every answer is the table's, through evictions of other origins and
+    /// of the asking one, when entries differ in their hits (one, several
+    /// or none).
+    #[test]
+    fn answers_stay_right_through_evictions() {
+        let mut rules: Vec<Rule> = (0..200).map(|i| to(MacQual::Addr(mac(i)), Port::Link(i % 7))).collect();
+        rules.extend((0..5).map(|i| to(MacQual::Addr(Mac::BROADCAST), Port::Interface(i))));
+        let t = RouteTable::new(rules, 1);
+        let mut c = RouteCache::with_capacity(40);
+        let mut want = Vec::new();
+        let mut x = 1u32;
+        for n in 0..20_000 {
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            let origin = Port::Interface((x >> 8) % 6);
+            let dst = match (x >> 12) % 10 {
+                0 => Mac::BROADCAST,
+                1 => mac(1000), // no route
+                _ => mac((x >> 16) % 20),
+            };
+            let src = mac((x >> 24) % 2);
+            t.lookup(origin, src, dst, &mut want);
+            assert_eq!(c.route(&t, origin, src, dst), &want[..], "frame {n}: from {origin:?} {src} -> {dst}");
+        }
+        assert!(c.evictions > 1000 && c.hits > 1000, "{} evicted, {} hits", c.evictions, c.hits);
     }
 
     #[test]

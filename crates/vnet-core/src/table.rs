@@ -96,7 +96,7 @@ pub struct Hit {
 /// generation; route caches notice the generation and start afresh.
 ///
 /// The rules are indexed by the MACs they name, so a lookup visits only the
-/// rules that can match the frame (see [`Index`]), not every rule.
+/// rules that can match the frame, not every rule.
 #[derive(Clone, Debug, Default)]
 pub struct RouteTable {
     rules: Vec<Rule>,
@@ -209,6 +209,12 @@ impl Index {
     }
 }
 
+/// Up to this many hits, a destination already among them is found by a
+/// scan before each push; past it (a broadcast to many ports), hits are
+/// pushed as they come and deduplicated once by sorting, so a wide fan-out
+/// costs n log n, not n squared.
+const LINEAR_DEDUP: usize = 16;
+
 impl RouteTable {
     pub fn new(rules: Vec<Rule>, generation: u64) -> RouteTable {
         let index = Index::build(&rules);
@@ -254,6 +260,13 @@ impl RouteTable {
             runs[k] = &runs[k][1..];
             self.visit(i, origin, src, dst, &mut best, out);
         }
+        if out.len() > LINEAR_DEDUP {
+            // A wide fan-out, pushed unchecked past the first few: keep each
+            // destination's first rule, in table order, as the check would.
+            out.sort_unstable_by_key(|h| (h.dst, h.rule));
+            out.dedup_by_key(|h| h.dst);
+            out.sort_unstable_by_key(|h| h.rule);
+        }
     }
 
     #[inline]
@@ -267,7 +280,7 @@ impl RouteTable {
             *best = p;
             out.clear();
         }
-        if p == *best && !out.iter().any(|h| h.dst == r.dst) {
+        if p == *best && (out.len() >= LINEAR_DEDUP || !out.iter().any(|h| h.dst == r.dst)) {
             out.push(Hit { dst: r.dst, rule: i });
         }
     }
@@ -596,6 +609,43 @@ mod tests {
         for p in [3, 4, 5, 6, 7, 8] {
             assert!(prios[p] > 100, "{prios:?}");
         }
+    }
+
+    /// The same where frames fan out to hundreds of ports, several rules
+    /// naming each, so duplicates past the first few hits are removed by
+    /// sorting: still the linear matcher's hits, order and credits.
+    #[test]
+    fn indexed_lookup_equals_the_linear_matcher_on_wide_fan_out() {
+        let mut g = Rng(0x5eed_0206);
+        let macs = mac_pool(4);
+        let ports: Vec<Port> = (0..150).flat_map(|i| [Port::Interface(i), Port::Link(i)]).collect();
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        let mut widest = 0;
+        for round in 0..40 {
+            let rules: Vec<Rule> = (0..1500)
+                .map(|_| {
+                    let mut r = random_rule(&mut g, &macs, &ports, 0);
+                    if g.below(20) > 0 {
+                        (r.src_mac, r.dst_mac) = (MacQual::Any, MacQual::Addr(Mac::BROADCAST));
+                        if let SrcMatch::Exactly(_) = r.src {
+                            r.src = SrcMatch::Any;
+                        }
+                    }
+                    r
+                })
+                .collect();
+            let t = RouteTable::new(rules, round);
+            for _ in 0..200 {
+                let origin = ports[g.below(ports.len())];
+                let src = macs[g.below(macs.len())];
+                let dst = if g.below(2) == 0 { Mac::BROADCAST } else { macs[g.below(macs.len())] };
+                t.lookup(origin, src, dst, &mut got);
+                t.lookup_linear(origin, src, dst, &mut want);
+                assert_eq!(got, want, "from {origin:?} {src} -> {dst}");
+                widest = widest.max(got.len());
+            }
+        }
+        assert!(widest > 200, "fan-out to {widest} ports at most");
     }
 
     /// A lookup visits the rules naming the frame's MACs and the catch-alls,
