@@ -338,6 +338,7 @@ class Testbed:
             conf.write_text(vnet_config(nl, i, guests, gmtu))
             cmd = ["ip", "netns", "exec", h, "taskset", "-c", str(self.cpus[i]), str(nl.VNETD),
                    "--control-unix", str(sock), "--control-tcp", "none", "--config", str(conf),
+                   "--link-key-dir", str(self.lab.key_dir),
                    # the kernel VXLAN configuration holds 4789 in the same host namespaces
                    "--vxlan-port", "4790"]
             with open(logf, "w") as lf:
@@ -626,7 +627,7 @@ def vnet_config(nl, i: int, guests: dict, gmtu: int) -> str:
     mac, peer_mac = guests[i][0][1], guests[peer][0][1]
     return (f"INTERFACE ADD {guests[i][0][0]} {mac} mtu {gmtu}\n"
             f"LINK ADD {UNDERLAY[peer]} 9000 udp name udp\n"
-            f"LINK ADD {UNDERLAY[peer]} 9000 tcp name tcp\n"
+            f"LINK ADD {UNDERLAY[peer]} 9000 tcp key lab name tcp\n"
             f"LINK ADD {UNDERLAY[peer]} 4790 vxlan vni 42 name vx\n"
             f"ROUTE ADD any {mac} interface {mac} any\n"
             f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {mac} any\n"
