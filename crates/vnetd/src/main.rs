@@ -166,7 +166,7 @@ fn run(args: Args) -> Result<()> {
         direct_devices: args.allow_direct.clone(),
         link_key_dir: args.link_key_dir.clone(),
     };
-    let dp = Arc::new(Datapath::new(udp4, udp6, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?);
+    let dp = Arc::new(Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?);
     // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
     let dispatchers = dispatch::spawn(&dp, || {
         let _ = signal_hook::low_level::raise(SIGTERM);
@@ -218,8 +218,8 @@ fn run(args: Args) -> Result<()> {
     }
     tracing::info!(
         "stopped; drops: no_route={} unknown_sender={}",
-        ctl.total_drops(stats::Drop::NoRoute),
-        ctl.total_drops(stats::Drop::UnknownSender)
+        ctl.total_drops(stats::DropReason::NoRoute),
+        ctl.total_drops(stats::DropReason::UnknownSender)
     );
     Ok(())
 }

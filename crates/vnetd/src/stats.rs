@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// Why a frame or datagram was dropped. Every drop has exactly one reason.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Drop {
+pub enum DropReason {
     /// No rule matched (or every match led back where it came from).
     NoRoute,
     /// A datagram from an address that is no link's.
@@ -27,19 +27,19 @@ pub enum Drop {
     TxError,
 }
 
-impl Drop {
-    pub const ALL: [Drop; 7] =
-        [Drop::NoRoute, Drop::UnknownSender, Drop::Oversize, Drop::Malformed, Drop::QueueFull, Drop::Down, Drop::TxError];
+impl DropReason {
+    pub const ALL: [DropReason; 7] =
+        [DropReason::NoRoute, DropReason::UnknownSender, DropReason::Oversize, DropReason::Malformed, DropReason::QueueFull, DropReason::Down, DropReason::TxError];
 
     pub fn name(self) -> &'static str {
         match self {
-            Drop::NoRoute => "no_route",
-            Drop::UnknownSender => "unknown_sender",
-            Drop::Oversize => "oversize",
-            Drop::Malformed => "malformed",
-            Drop::QueueFull => "queue_full",
-            Drop::Down => "down",
-            Drop::TxError => "tx_error",
+            DropReason::NoRoute => "no_route",
+            DropReason::UnknownSender => "unknown_sender",
+            DropReason::Oversize => "oversize",
+            DropReason::Malformed => "malformed",
+            DropReason::QueueFull => "queue_full",
+            DropReason::Down => "down",
+            DropReason::TxError => "tx_error",
         }
     }
 }
@@ -50,7 +50,7 @@ pub struct Counters {
     pub in_bytes: AtomicU64,
     pub out_frames: AtomicU64,
     pub out_bytes: AtomicU64,
-    drops: [AtomicU64; Drop::ALL.len()],
+    drops: [AtomicU64; DropReason::ALL.len()],
 }
 
 impl Counters {
@@ -73,11 +73,11 @@ impl Counters {
     }
 
     #[inline]
-    pub fn dropped(&self, why: Drop) {
+    pub fn dropped(&self, why: DropReason) {
         self.drops[why as usize].fetch_add(1, Relaxed);
     }
 
-    pub fn drops(&self, why: Drop) -> u64 {
+    pub fn drops(&self, why: DropReason) -> u64 {
         self.drops[why as usize].load(Relaxed)
     }
 
@@ -90,7 +90,7 @@ impl Counters {
             self.out_frames.load(Relaxed),
             self.out_bytes.load(Relaxed)
         );
-        for d in Drop::ALL {
+        for d in DropReason::ALL {
             s.push_str(&format!(" drop_{}={}", d.name(), self.drops(d)));
         }
         s
@@ -190,7 +190,7 @@ pub struct ThreadStats {
 impl ThreadStats {
     /// Counts a drop, on the port it happened at (if any) and in the totals.
     #[inline]
-    pub fn drop_at(&self, port: Option<&Counters>, why: Drop) {
+    pub fn drop_at(&self, port: Option<&Counters>, why: DropReason) {
         self.global.dropped(why);
         if let Some(s) = port {
             s.dropped(why);
@@ -201,7 +201,7 @@ impl ThreadStats {
 /// The sums over threads, rendered: the `global`, `offload` and `dispatch`
 /// lines of `STATS`.
 pub fn render_totals(threads: &[&ThreadStats]) -> [String; 3] {
-    let mut global = [0u64; 4 + Drop::ALL.len()];
+    let mut global = [0u64; 4 + DropReason::ALL.len()];
     let mut offload = [0u64; 8];
     let mut dispatch = [0u64; 11];
     let (mut onames, mut dnames) = ([""; 8], [""; 11]);
@@ -210,7 +210,7 @@ pub fn render_totals(threads: &[&ThreadStats]) -> [String; 3] {
         for (i, v) in [&g.in_frames, &g.in_bytes, &g.out_frames, &g.out_bytes].iter().enumerate() {
             global[i] += v.load(Relaxed);
         }
-        for (i, d) in Drop::ALL.iter().enumerate() {
+        for (i, d) in DropReason::ALL.iter().enumerate() {
             global[4 + i] += g.drops(*d);
         }
         for (i, (n, v)) in t.offload.values().into_iter().enumerate() {
@@ -223,7 +223,7 @@ pub fn render_totals(threads: &[&ThreadStats]) -> [String; 3] {
         }
     }
     let mut g = format!("in_frames={} in_bytes={} out_frames={} out_bytes={}", global[0], global[1], global[2], global[3]);
-    for (i, d) in Drop::ALL.iter().enumerate() {
+    for (i, d) in DropReason::ALL.iter().enumerate() {
         g.push_str(&format!(" drop_{}={}", d.name(), global[4 + i]));
     }
     let o: Vec<String> = onames.iter().zip(offload).map(|(n, v)| format!("{n}={v}")).collect();

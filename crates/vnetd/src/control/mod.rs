@@ -7,7 +7,7 @@ pub mod access;
 pub mod server;
 
 use crate::dispatch::Datapath;
-use crate::stats::Drop;
+use crate::stats::DropReason;
 use crate::link::Rx;
 use crate::topology::{Retired, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
@@ -58,7 +58,7 @@ impl Control {
                         let name = l.name.clone();
                         let waiting = l.teardown();
                         for _ in 0..waiting {
-                            self.dp.control.drop_at(None, Drop::Down);
+                            self.dp.control.drop_at(None, DropReason::Down);
                         }
                         if waiting > 0 {
                             tracing::info!(link = %name, "link deleted with {waiting} frame(s) unsent (counted as down)");
@@ -209,7 +209,7 @@ impl Control {
     }
 
     /// Drops of one reason over the whole daemon (for the log at exit).
-    pub fn total_drops(&self, why: Drop) -> u64 {
+    pub fn total_drops(&self, why: DropReason) -> u64 {
         self.dp.total_drops(why)
     }
 }

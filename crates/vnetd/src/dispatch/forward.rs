@@ -14,7 +14,7 @@
 
 use crate::link::{Segments, Sent, TxCtx, TxQueue};
 use crate::nic::MAX_PARTS;
-use crate::stats::{Counters, Drop, ThreadStats};
+use crate::stats::{Counters, DropReason, ThreadStats};
 use crate::topology::{Link, Slot, Snapshot};
 use std::io;
 use std::ops::Range;
@@ -74,7 +74,7 @@ impl Forwarder {
         origin_stats.received(frame.len());
         self.st.global.received(frame.len());
         let Some((dst, src)) = frame_macs(frame) else {
-            self.st.drop_at(Some(origin_stats), Drop::Malformed);
+            self.st.drop_at(Some(origin_stats), DropReason::Malformed);
             return false;
         };
         let key = Some((snap.table.generation(), port, src, dst));
@@ -86,7 +86,7 @@ impl Forwarder {
             self.last = key;
         }
         if self.hits.is_empty() {
-            self.st.drop_at(Some(origin_stats), Drop::NoRoute);
+            self.st.drop_at(Some(origin_stats), DropReason::NoRoute);
             return false;
         }
         for &(rule, _) in &self.hits {
@@ -150,7 +150,7 @@ impl Forwarder {
                 Run::Merged { frames, .. } => frames,
             };
             for _ in 0..frames {
-                self.st.drop_at(None, Drop::NoRoute);
+                self.st.drop_at(None, DropReason::NoRoute);
             }
             return;
         };
@@ -159,7 +159,7 @@ impl Forwarder {
             Run::Empty => return,
             Run::Single(r) => {
                 if r.len() > iface.max_frame() {
-                    self.st.drop_at(Some(&iface.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
                     return;
                 }
                 (iface.nic.send(&VnetHdr::default(), &[&buf[r.clone()]]), 1, r.len())
@@ -194,7 +194,7 @@ impl Forwarder {
             Slot::Iface(s) => {
                 let iface = &snap.ifaces[s as usize];
                 if !vnet.is_gso() && frame.len() > iface.max_frame() {
-                    self.st.drop_at(Some(&iface.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
                     return;
                 }
                 let r = iface.nic.send(vnet, &[frame]);
@@ -217,7 +217,7 @@ impl Forwarder {
                 }
                 if vnet.flags & F_NEEDS_CSUM != 0 {
                     if offload::complete_checksum(frame, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
-                        self.st.drop_at(Some(&link.stats), Drop::Malformed);
+                        self.st.drop_at(Some(&link.stats), DropReason::Malformed);
                         return;
                     }
                     self.st.offload.checksums.fetch_add(1, Relaxed);
@@ -234,17 +234,17 @@ impl Forwarder {
     /// segments to the link.
     fn send_segmented(&mut self, link: &Link, slot: u32, frame: &[u8], vnet: &VnetHdr) {
         let Some(hl) = offload::tcp_payload_offset(frame) else {
-            self.st.drop_at(Some(&link.stats), Drop::Malformed);
+            self.st.drop_at(Some(&link.stats), DropReason::Malformed);
             return;
         };
         let gso_size = if vnet.is_gso() { vnet.gso_size as usize } else { usize::MAX };
         if gso_size < offload::MIN_GSO_SIZE {
-            self.st.drop_at(Some(&link.stats), Drop::Malformed);
+            self.st.drop_at(Some(&link.stats), DropReason::Malformed);
             return;
         }
         let mss = gso_size.min(link.max_frame.saturating_sub(hl)).max(8);
         if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
-            self.st.drop_at(Some(&link.stats), Drop::Malformed);
+            self.st.drop_at(Some(&link.stats), DropReason::Malformed);
             return;
         }
         self.st.offload.segmented.fetch_add(1, Relaxed);
@@ -279,7 +279,7 @@ impl Forwarder {
             }
             Err(e) => {
                 let why = crate::link::classify(&e);
-                if why == Drop::TxError {
+                if why == DropReason::TxError {
                     tracing::debug!("send failed: {e}");
                 }
                 self.st.drop_at(Some(stats), why);

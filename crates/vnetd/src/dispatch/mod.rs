@@ -15,7 +15,7 @@ use crate::link::UdpEndpoint;
 use crate::topology::LinkEnv;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
-use crate::stats::{render_totals, Drop, ThreadStats};
+use crate::stats::{render_totals, DropReason, ThreadStats};
 use crate::topology::Snapshot;
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
@@ -40,6 +40,8 @@ pub struct Datapath {
     /// a family is added.
     pub vxlan4: OnceLock<Vec<Arc<UdpEndpoint>>>,
     pub vxlan6: OnceLock<Vec<Arc<UdpEndpoint>>>,
+    /// The one address vnetd's link sockets bind (`--udp-bind`), if given.
+    bind_ip: Option<IpAddr>,
     vxlan_port: u16,
     /// Accepts TCP link connections, once a TCP link exists.
     tcp_acceptor: OnceLock<TcpAcceptor>,
@@ -64,6 +66,7 @@ impl Datapath {
     pub fn new(
         udp4: Vec<Arc<UdpEndpoint>>,
         udp6: Vec<Arc<UdpEndpoint>>,
+        bind_ip: Option<IpAddr>,
         vxlan_port: u16,
         tcp_port: u16,
         workers: usize,
@@ -87,6 +90,7 @@ impl Datapath {
             udp6,
             vxlan4: OnceLock::new(),
             vxlan6: OnceLock::new(),
+            bind_ip,
             vxlan_port,
             tcp_acceptor: OnceLock::new(),
             tcp_port,
@@ -161,7 +165,7 @@ impl Datapath {
     }
 
     /// Drops of one reason over the whole daemon.
-    pub fn total_drops(&self, why: Drop) -> u64 {
+    pub fn total_drops(&self, why: DropReason) -> u64 {
         self.control.global.drops(why) + self.workers.iter().map(|w| w.stats.global.drops(why)).sum::<u64>()
     }
 
@@ -208,8 +212,14 @@ impl LinkEnv for Arc<Datapath> {
     }
 
     fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String> {
-        let (cell, ip): (&OnceLock<Vec<Arc<UdpEndpoint>>>, IpAddr) =
+        let (cell, mut ip): (&OnceLock<Vec<Arc<UdpEndpoint>>>, IpAddr) =
             if v4 { (&self.vxlan4, Ipv4Addr::UNSPECIFIED.into()) } else { (&self.vxlan6, Ipv6Addr::UNSPECIFIED.into()) };
+        if let Some(b) = self.bind_ip {
+            if b.is_ipv4() != v4 {
+                return Err(format!("vnetd binds only {b} (--udp-bind): no {} VXLAN socket", if v4 { "IPv4" } else { "IPv6" }));
+            }
+            ip = b;
+        }
         if let Some(g) = cell.get() {
             return Ok(g[0].clone());
         }
@@ -230,14 +240,18 @@ impl LinkEnv for Arc<Datapath> {
             let found = dp.snapshot().tcp_link_for(peer).cloned();
             if found.is_none() {
                 dp.control.global.received(0);
-                dp.control.drop_at(None, Drop::UnknownSender);
+                dp.control.drop_at(None, DropReason::UnknownSender);
             }
             found
         });
-        // One dual-stack listener: IPv4 peers arrive as mapped addresses.
-        let a = TcpAcceptor::start(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), self.tcp_port), lookup.clone())
-            .or_else(|_| TcpAcceptor::start(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), self.tcp_port), lookup))
-            .map_err(|e| format!("{e:#}"))?;
+        // On --udp-bind's address if given; else one dual-stack listener
+        // (IPv4 peers arrive as mapped addresses).
+        let a = match self.bind_ip {
+            Some(ip) => TcpAcceptor::start(SocketAddr::new(ip, self.tcp_port), lookup),
+            None => TcpAcceptor::start(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), self.tcp_port), lookup.clone())
+                .or_else(|_| TcpAcceptor::start(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), self.tcp_port), lookup)),
+        }
+        .map_err(|e| format!("{e:#}"))?;
         let _ = self.tcp_acceptor.set(a);
         Ok(())
     }

@@ -27,7 +27,7 @@ use super::Datapath;
 use crate::link::tcp::{Conn, TcpLink};
 use crate::link::udp::{RxBatch, UdpEndpoint};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
-use crate::stats::{Drop, ThreadStats};
+use crate::stats::{DropReason, ThreadStats};
 use crate::link::Rx;
 use crate::topology::{IfaceDispatch, Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
@@ -147,7 +147,7 @@ impl Epoll {
     }
 }
 
-impl std::ops::Drop for Epoll {
+impl Drop for Epoll {
     fn drop(&mut self) {
         // SAFETY: fd is ours.
         unsafe { libc::close(self.fd) };
@@ -347,7 +347,7 @@ impl Worker {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    self.st.drop_at(Some(&iface.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
                 }
                 Err(e) => {
                     tracing::warn!(iface = %iface.name, "read from NIC failed: {e}");
@@ -394,7 +394,7 @@ impl Worker {
                 if !is_vxlan && udp_link.is_none() {
                     for r in gro_segments(len, seg) {
                         st.global.received(r.len());
-                        st.drop_at(None, Drop::UnknownSender);
+                        st.drop_at(None, DropReason::UnknownSender);
                     }
                     tracing::debug!(%from, "datagram from an address with no link dropped");
                     continue;
@@ -411,7 +411,7 @@ impl Worker {
                             Some(l) => (l, r.start + VXLAN_HDR_LEN),
                             None => {
                                 st.global.received(r.len());
-                                st.drop_at(None, if vni.is_some() { Drop::UnknownSender } else { Drop::Malformed });
+                                st.drop_at(None, if vni.is_some() { DropReason::UnknownSender } else { DropReason::Malformed });
                                 continue;
                             }
                         }
@@ -419,7 +419,7 @@ impl Worker {
                         (udp_link.unwrap(), r.start)
                     };
                     if truncated {
-                        st.drop_at(Some(&snap.links[link as usize].stats), Drop::Oversize);
+                        st.drop_at(Some(&snap.links[link as usize].stats), DropReason::Oversize);
                         break;
                     }
                     self.fwd.from_link(snap, link, buf, start..r.end);
@@ -446,7 +446,7 @@ impl Worker {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    self.st.drop_at(Some(&link.stats), Drop::Oversize);
+                    self.st.drop_at(Some(&link.stats), DropReason::Oversize);
                 }
                 Err(e) => {
                     tracing::warn!(link = %link.name, "read from device failed: {e}");
@@ -500,7 +500,7 @@ impl Worker {
             self.fwd.end_run(snap, port.framer.buf());
             if let Some(b) = bad {
                 // The stream is out of step: nothing after this can be trusted.
-                self.st.drop_at(Some(&link.stats), Drop::Malformed);
+                self.st.drop_at(Some(&link.stats), DropReason::Malformed);
                 tracing::warn!(link = %link.name, len = b.0, "bad frame length on TCP link; reconnecting");
                 ended = true;
                 break;

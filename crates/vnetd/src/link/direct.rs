@@ -5,7 +5,7 @@
 
 use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue};
 use crate::nic::{send_vnet, PacketPort};
-use crate::stats::Drop;
+use crate::stats::DropReason;
 use std::os::fd::AsRawFd;
 use vnet_core::offload::VnetHdr;
 
@@ -35,7 +35,7 @@ impl Transport for DirectLink {
 
     fn send(&self, _q: &mut TxQueue, cx: &TxCtx, vnet: &VnetHdr, frame: &[u8]) -> Sent {
         if !vnet.is_gso() && frame.len() > cx.max_frame {
-            return Sent::dropped(Drop::Oversize, 1);
+            return Sent::dropped(DropReason::Oversize, 1);
         }
         sent_now(send_vnet(self.port.as_raw_fd(), vnet, &[frame]).map(|_| ()), 1, frame.len())
     }

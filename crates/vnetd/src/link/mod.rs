@@ -19,7 +19,7 @@ pub mod tcp;
 pub mod udp;
 
 use crate::nic::PacketPort;
-use crate::stats::{Drop, OffloadCounters};
+use crate::stats::{DropReason, OffloadCounters};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -48,7 +48,7 @@ pub struct Sent {
     pub bytes: usize,
     /// Dropped now, for `why`.
     pub dropped: usize,
-    pub why: Option<Drop>,
+    pub why: Option<DropReason>,
 }
 
 impl Sent {
@@ -56,7 +56,7 @@ impl Sent {
         Sent { frames, bytes, ..Sent::default() }
     }
 
-    pub fn dropped(why: Drop, frames: usize) -> Sent {
+    pub fn dropped(why: DropReason, frames: usize) -> Sent {
         Sent { dropped: frames, why: Some(why), ..Sent::default() }
     }
 
@@ -150,7 +150,7 @@ pub struct TxQueue {
     pub buffered: Vec<u32>,
     /// Queued datagrams sent or failed: (link slot, bytes, the drop reason
     /// if it failed).
-    pub done: Vec<(u32, usize, Option<Drop>)>,
+    pub done: Vec<(u32, usize, Option<DropReason>)>,
     /// `sendmmsg` calls made and datagrams in them.
     pub batches_sent: u64,
     pub batched: u64,
@@ -233,12 +233,12 @@ impl GsoState {
 }
 
 /// The drop reason for a send error.
-pub fn classify(e: &std::io::Error) -> Drop {
+pub fn classify(e: &std::io::Error) -> DropReason {
     match e.raw_os_error() {
-        Some(libc::EAGAIN) | Some(libc::ENOBUFS) => Drop::QueueFull,
-        Some(libc::EIO) | Some(libc::ENETDOWN) => Drop::Down,
-        Some(libc::EMSGSIZE) => Drop::Oversize,
-        _ => Drop::TxError,
+        Some(libc::EAGAIN) | Some(libc::ENOBUFS) => DropReason::QueueFull,
+        Some(libc::EIO) | Some(libc::ENETDOWN) => DropReason::Down,
+        Some(libc::EMSGSIZE) => DropReason::Oversize,
+        _ => DropReason::TxError,
     }
 }
 
@@ -248,7 +248,7 @@ pub fn sent_now(r: std::io::Result<()>, frames: usize, bytes: usize) -> Sent {
         Ok(()) => Sent::now(frames, bytes),
         Err(e) => {
             let why = classify(&e);
-            if why == Drop::TxError {
+            if why == DropReason::TxError {
                 tracing::debug!("send failed: {e}");
             }
             Sent::dropped(why, frames)

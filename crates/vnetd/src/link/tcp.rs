@@ -42,7 +42,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue};
-use crate::stats::Drop;
+use crate::stats::DropReason;
 use vnet_core::linkauth::{self, Nonce};
 use vnet_core::offload::VnetHdr;
 
@@ -577,10 +577,10 @@ impl Transport for TcpTransport {
 
     fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: &[u8]) -> Sent {
         if frame.len() > MAX_TCP_FRAME {
-            return Sent::dropped(Drop::Oversize, 1);
+            return Sent::dropped(DropReason::Oversize, 1);
         }
         if !self.0.enqueue(&[frame]) {
-            return Sent::dropped(Drop::QueueFull, 1);
+            return Sent::dropped(DropReason::QueueFull, 1);
         }
         q.buffered(cx.slot);
         Sent::later()
@@ -590,7 +590,7 @@ impl Transport for TcpTransport {
         let mut out = Sent::later();
         for k in 0..segs.len() {
             if !self.0.enqueue(&[segs.plan.header(k), &segs.frame[segs.plan.payload[k].clone()]]) {
-                out.add(Sent::dropped(Drop::QueueFull, 1));
+                out.add(Sent::dropped(DropReason::QueueFull, 1));
             }
         }
         q.buffered(cx.slot);

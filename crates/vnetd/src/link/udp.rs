@@ -17,7 +17,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue};
-use crate::stats::Drop;
+use crate::nic::packet::setsockopt_int;
+use crate::stats::DropReason;
 use vnet_core::offload::VnetHdr;
 use vnet_core::wire::{vxlan_header, VXLAN_HDR_LEN};
 
@@ -291,7 +292,7 @@ impl Transport for UdpLink {
     fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: &[u8]) -> Sent {
         let (pre, plen) = self.prefix();
         if frame.len() + plen > self.ep.max_payload() {
-            return Sent::dropped(Drop::Oversize, 1);
+            return Sent::dropped(DropReason::Oversize, 1);
         }
         if frame.len() > cx.max_frame {
             cx.offload.fragmented.fetch_add(1, Relaxed);
@@ -495,14 +496,3 @@ pub fn set_buffers(sock: &Socket, size: usize, what: &str) {
     }
 }
 
-fn setsockopt_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, val: libc::c_int) -> io::Result<()> {
-    // SAFETY: setsockopt with an int value.
-    let r = unsafe {
-        libc::setsockopt(fd, level, opt, (&val as *const libc::c_int).cast(), size_of::<libc::c_int>() as libc::socklen_t)
-    };
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}

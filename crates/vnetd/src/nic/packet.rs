@@ -35,9 +35,9 @@ impl PacketPort {
         // SAFETY: fd was just opened.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let raw = fd.as_raw_fd();
-        setsockopt_int(raw, libc::SOL_PACKET, PACKET_VNET_HDR, 1)?;
+        setsockopt_int(raw, libc::SOL_PACKET, PACKET_VNET_HDR, 1).map_err(|e| anyhow::anyhow!("PACKET_VNET_HDR: {e}"))?;
         // Our own transmissions are not input.
-        setsockopt_int(raw, libc::SOL_PACKET, PACKET_IGNORE_OUTGOING, 1)?;
+        setsockopt_int(raw, libc::SOL_PACKET, PACKET_IGNORE_OUTGOING, 1).map_err(|e| anyhow::anyhow!("PACKET_IGNORE_OUTGOING: {e}"))?;
         // Past the sysctl caps: vnetd is root (SO_RCVBUFFORCE).
         if setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, 8 << 20).is_err() {
             let _ = setsockopt_int(raw, libc::SOL_SOCKET, libc::SO_RCVBUF, 8 << 20);
@@ -97,13 +97,14 @@ impl AsRawFd for PacketPort {
     }
 }
 
-fn setsockopt_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, val: libc::c_int) -> Result<()> {
+/// `setsockopt` of an int option (the one copy in vnetd; UDP sockets use it too).
+pub(crate) fn setsockopt_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, val: libc::c_int) -> io::Result<()> {
     // SAFETY: setsockopt with an int value.
     let r = unsafe {
         libc::setsockopt(fd, level, opt, (&val as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as u32)
     };
     if r < 0 {
-        bail!("setsockopt({level}, {opt}): {}", io::Error::last_os_error());
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

@@ -22,20 +22,22 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use vnet_core::Mac;
 
-const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
-const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
-const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54d0;
-const IFF_TAP: libc::c_short = 0x0002;
-const IFF_NO_PI: libc::c_short = 0x1000;
-const IFF_VNET_HDR: libc::c_short = 0x4000;
+// The kernel's numbers, from libc (right for every architecture's ioctl
+// encoding), in the types the calls below take.
+const TUNSETIFF: libc::c_ulong = libc::TUNSETIFF as libc::c_ulong;
+const TUNSETPERSIST: libc::c_ulong = libc::TUNSETPERSIST as libc::c_ulong;
+const TUNSETOFFLOAD: libc::c_ulong = libc::TUNSETOFFLOAD as libc::c_ulong;
+const IFF_TAP: libc::c_short = libc::IFF_TAP as libc::c_short;
+const IFF_NO_PI: libc::c_short = libc::IFF_NO_PI as libc::c_short;
+const IFF_VNET_HDR: libc::c_short = libc::IFF_VNET_HDR as libc::c_short;
 /// TUNSETIFF fails (EBUSY) rather than attach to an existing device.
-const IFF_TUN_EXCL: libc::c_short = 0x8000u16 as libc::c_short;
-/// `_IO(0xb7, 0x3)`: the CLONE_NEW* type of a namespace file.
-const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
-const TUN_F_CSUM: libc::c_ulong = 0x01;
-const TUN_F_TSO4: libc::c_ulong = 0x02;
-const TUN_F_TSO6: libc::c_ulong = 0x04;
-const TUN_F_TSO_ECN: libc::c_ulong = 0x08;
+const IFF_TUN_EXCL: libc::c_short = libc::IFF_TUN_EXCL as u16 as libc::c_short;
+/// The CLONE_NEW* type of a namespace file.
+const NS_GET_NSTYPE: libc::c_ulong = libc::NS_GET_NSTYPE as libc::c_ulong;
+const TUN_F_CSUM: libc::c_ulong = libc::TUN_F_CSUM as libc::c_ulong;
+const TUN_F_TSO4: libc::c_ulong = libc::TUN_F_TSO4 as libc::c_ulong;
+const TUN_F_TSO6: libc::c_ulong = libc::TUN_F_TSO6 as libc::c_ulong;
+const TUN_F_TSO_ECN: libc::c_ulong = libc::TUN_F_TSO_ECN as libc::c_ulong;
 
 #[repr(C)]
 struct IfReqFlags {
