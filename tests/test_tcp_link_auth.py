@@ -231,3 +231,33 @@ def test_key_files_are_checked_and_a_refused_link_changes_nothing(lab):
     r = d.ctl("LINK", "ADD", "198.18.0.2", "tcp", "key", "via-link", check=False)
     assert r.returncode != 0 and "cannot open key file" in r.stdout + r.stderr
     assert d.ctl("LINK", "LIST").stdout == "" and d.ctl("INTERFACE", "LIST").stdout == ""
+
+
+def test_a_peer_that_stops_reading_is_cut_off(lab):
+    # The peer holds the key, then never reads again: its window closes, the
+    # link's send buffer fills (queue_full), and TCP_USER_TIMEOUT (15 s) ends
+    # the connection instead of pinning it forever (code review M4).
+    extra = (f"ROUTE ADD any {guest_mac(1)} interface {guest_mac(1)} edge\n"
+             f"ROUTE ADD any {guest_mac(9)} edge peer interface\n")
+    h1, h2, d, peer, g = one_host_and_a_hand_made_peer(lab, {"ga": 1}, extra)
+    connects = int(field(link_line(d, "peer"), "connects"))
+    lab.x(g["ga"].ns, "ip", "neigh", "replace", "198.19.0.9", "lladdr", guest_mac(9), "dev", "ga", "nud", "permanent")
+    t0 = time.monotonic()
+    blast = lab.popen(g["ga"].ns, "python3", "-c",
+                      "import socket,time\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                      "end=time.time()+40\n"
+                      "while time.time()<end:\n"
+                      "    [s.sendto(b'z'*1400,('198.19.0.9',7)) for _ in range(200)]\n"
+                      "    time.sleep(0.01)\n")
+    try:
+        wait_until("the link to go down", lambda: field(link_line(d, "peer"), "state") != "up", timeout=35)
+        took = time.monotonic() - t0
+    finally:
+        blast.kill()
+        blast.wait()
+    s = d.stats()["link peer"]
+    assert s["drop_queue_full"] > 0, s
+    print(f"link down {took:.1f} s after the peer stopped reading")
+    assert 10 < took < 30, took  # the user timeout, not a read error
+    assert "TCP link down" in d.log_text()
+    assert int(field(link_line(d, "peer"), "connects")) == connects
