@@ -7,6 +7,7 @@ control group is gid 4242, given to it with --groups (no /etc/group entry
 is needed: vnetd takes a numeric gid)."""
 
 import subprocess
+import sys
 import time
 
 import netlab
@@ -368,3 +369,58 @@ for s in socks:
 print("|".join(out), flush=True)
 sys.stdin.read()
 """
+
+
+HOLD_UNIX = """
+import socket, sys, time
+n, path = int(sys.argv[1]), sys.argv[2]
+held, answers = [], []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    f = s.makefile("rwb")
+    try:
+        f.write(b"HELP\\n"); f.flush()
+    except OSError:  # a refused session: vnetd said why and closed it
+        pass
+    answers.append(f.readline().decode().strip())
+    held.append((s, f))
+print(" | ".join(sorted(set(a.split(" ")[0] + (" " + a if a.startswith("ERR") else "") for a in answers))), flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_unix_sessions_are_capped_per_user_and_in_total_and_root_keeps_its_own(lab):
+    # Four users of the control group hold 8 sessions each (the per-user cap):
+    # the 32 shared slots are full. A fifth user is refused; root still gets in.
+    h = lab.add_host(1)
+    open_to_nobody(lab)
+    d = lab.start_vnetd(h, CONFIG, "--control-group", str(GID))
+    script = lab.tmp / "hold.py"
+    script.write_text(HOLD_UNIX)
+    holders = []
+    for uid in (60001, 60002, 60003, 60004):
+        p = lab.popen(h, "setpriv", f"--reuid={uid}", f"--regid={uid}", f"--groups={GID}", "--inh-caps=-all",
+                      sys.executable, script, "9", d.sock, "30", stdout=subprocess.PIPE, text=True)
+        holders.append(p)
+        # The ninth session of one user is refused: 8 per user (the fourth
+        # user's ninth meets the full 32 first).
+        why = "too many unix control sessions (at most 32)" if uid == 60004 else \
+            "too many control sessions from this client (at most 8)"
+        assert p.stdout.readline().strip() == f"ERR ERR {why} | OK"
+    r = lab.x(h, "setpriv", "--reuid=60005", "--regid=60005", f"--groups={GID}", "--inh-caps=-all",
+              sys.executable, script, "1", d.sock, "0", check=False)
+    assert r.stdout.strip() == "ERR ERR too many unix control sessions (at most 32)", r.stdout + r.stderr
+    assert d.ctl("SHOW").returncode == 0  # root's own slots
+    for p in holders:
+        p.kill()
+        p.wait()
+    # Freed: the fifth user gets in now.
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        r = lab.x(h, "setpriv", "--reuid=60005", "--regid=60005", f"--groups={GID}", "--inh-caps=-all",
+                  sys.executable, script, "1", d.sock, "0", check=False)
+        if r.stdout.strip() == "OK":
+            break
+        time.sleep(0.1)
+    assert r.stdout.strip() == "OK", r.stdout
