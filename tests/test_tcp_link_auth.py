@@ -24,6 +24,8 @@ import time
 from netlab import REPO, guest_mac, mesh_config, underlay_ip
 
 PEER = REPO / "tests" / "tools" / "tcp_link_peer.py"
+sys.path.insert(0, str(REPO / "tests" / "tools"))
+from spoof import checksum  # noqa: E402  (the Internet checksum)
 
 
 def link_line(d, name):
@@ -69,15 +71,6 @@ class Peer:
         while (l := self.line(secs + 10)) != "done":
             out.append(bytes.fromhex(l.split()[1]))
         return out
-
-
-def checksum(b):
-    if len(b) % 2:
-        b += b"\0"
-    s = sum(struct.unpack(f"!{len(b) // 2}H", b))
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
 
 
 def tcp_frame(dst, src, seq, payload):

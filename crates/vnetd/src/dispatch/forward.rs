@@ -143,6 +143,10 @@ impl Forwarder {
     /// interface it was routed to (by id: if that interface is gone, the
     /// run is dropped and counted, never sent elsewhere).
     pub fn end_run(&mut self, snap: &Snapshot, buf: &[u8]) {
+        // Called after every received batch: nothing pending costs nothing.
+        if !self.coalescer.is_pending() {
+            return;
+        }
         let Some(slot) = snap.iface_slot(self.pending_dest) else {
             let frames = match self.coalescer.take() {
                 Run::Empty => 0,
