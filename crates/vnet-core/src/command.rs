@@ -3,7 +3,7 @@
 //! and any error names its line, so nothing is applied from a bad request.
 //!
 //! ```text
-//! INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [netns <name> | qemu]
+//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
 //! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>]
@@ -67,6 +67,9 @@ pub enum Attach {
     /// The file side is left for QEMU (`-netdev tap,ifname=..`); vnetd
     /// exchanges frames with the device side through a packet socket.
     Qemu,
+    /// A veth pair: the guest's end in its namespace, the host's end where
+    /// the kernel fast path attaches.
+    Veth,
 }
 
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -159,6 +162,37 @@ impl YieldStrategy {
     }
 }
 
+/// Which datapath carries frames (`SET datapath`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Datapath {
+    /// The kernel fast path where it loaded, else the user-level one.
+    #[default]
+    Auto,
+    /// The kernel fast path (refused where it did not load).
+    Kernel,
+    /// vnetd's user-level datapath only.
+    User,
+}
+
+impl Datapath {
+    pub fn parse(s: &str) -> Result<Datapath, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" => Ok(Datapath::Auto),
+            "kernel" => Ok(Datapath::Kernel),
+            "user" => Ok(Datapath::User),
+            _ => Err(format!("'{s}' is not a datapath (want auto, kernel or user)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Datapath::Auto => "auto",
+            Datapath::Kernel => "kernel",
+            Datapath::User => "user",
+        }
+    }
+}
+
 /// What `INTERFACE SET` sets: `None` means "follow the global value".
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum IfaceSetting {
@@ -213,6 +247,8 @@ pub enum Setting {
     WindowMs(u32),
     /// Frames taken from one source per pass.
     Quota(u32),
+    /// Which datapath carries frames.
+    Datapath(Datapath),
 }
 
 impl Setting {
@@ -233,9 +269,10 @@ impl Setting {
             "alpha-upper" => Setting::AlphaUpper(num(1, 100_000_000)?),
             "window-ms" => Setting::WindowMs(num(1, 10_000)?),
             "quota" => Setting::Quota(num(1, 4096)?),
+            "datapath" => Setting::Datapath(Datapath::parse(value)?),
             _ => {
                 return Err(format!(
-                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms or quota)"
+                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms, quota or datapath)"
                 ))
             }
         })
@@ -284,7 +321,7 @@ impl Command {
 }
 
 pub const HELP: &str = "\
-INTERFACE ADD <tap-name> <guest-MAC> [mtu <bytes>] [netns <name> | qemu]
+INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu]
                                                      create a TAP for a guest (netns: persistent, in
                                                      that namespace; qemu: for QEMU to open)
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
@@ -490,6 +527,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 continue;
             }
             "qemu" => attach = Attach::Qemu,
+            "veth" => attach = Attach::Veth,
             "netns" => {
                 let Some((n, r2)) = r.split_first() else { return Err("netns needs a namespace name".into()) };
                 check_netns_name(n)?;
@@ -497,12 +535,15 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
-            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name> or qemu)")),
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth or qemu)")),
         }
         rest = r;
     }
     if netns.is_some() && attach == Attach::Qemu {
         return Err("a qemu interface's TAP stays on the host: it takes no netns".into());
+    }
+    if netns.is_none() && attach == Attach::Veth {
+        return Err("a veth interface needs netns <name>: the guest's end goes there".into());
     }
     Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns })
 }

@@ -5,6 +5,7 @@
 
 mod control;
 mod dispatch;
+mod fast;
 mod link;
 mod nic;
 mod stats;
@@ -166,7 +167,18 @@ fn run(args: Args) -> Result<()> {
         direct_devices: args.allow_direct.clone(),
         link_key_dir: args.link_key_dir.clone(),
     };
-    let dp = Arc::new(Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?);
+    let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
+    dp.fast = match vnet_fastpath::Kernel::load(args.udp_port) {
+        Ok(k) => {
+            tracing::info!("kernel fast path loaded (eBPF, TCX); SET datapath user turns it off");
+            Some(Arc::new(fast::FastPath::new(k)))
+        }
+        Err(e) => {
+            tracing::warn!("kernel fast path unavailable ({e:#}); every frame takes the user-level datapath");
+            None
+        }
+    };
+    let dp = Arc::new(dp);
     // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
     let dispatchers = dispatch::spawn(&dp, || {
         let _ = signal_hook::low_level::raise(SIGTERM);

@@ -27,7 +27,8 @@ use crate::link::direct::DirectLink;
 use crate::link::tcp::{LinkKey, TcpLink, TcpTransport};
 use crate::link::udp::UdpLink;
 use crate::link::{GsoState, Rx, Transport, UdpEndpoint};
-use crate::nic::{rtnl, tap, QemuNic, Tap, VirtualNic};
+use crate::fast::FastPath;
+use crate::nic::{rtnl, tap, QemuNic, Tap, VethNic, VirtualNic};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -35,7 +36,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicU8};
 use vnet_core::command::{
-    Attach, Command, IfaceRef, IfaceSetting, LinkProto, LinkRef, Mode, RouteRef, Setting, YieldStrategy,
+    Attach, Command, Datapath, IfaceRef, IfaceSetting, LinkProto, LinkRef, Mode, RouteRef, Setting, YieldStrategy,
 };
 use vnet_core::rule::{DstSpec, RuleSpec, SrcSpec};
 use vnet_core::table::{Port, Rule, RouteTable, SrcMatch};
@@ -92,6 +93,9 @@ pub struct Link {
     pub max_frame: usize,
     pub stats: Counters,
     pub gso: GsoState,
+    /// The link as the kernel fast path knows it (a UDP link over IPv4
+    /// while the fast path is loaded): its outer header and address.
+    pub fast: Option<vnet_fastpath::LinkEntry>,
 }
 
 /// Smallest frame a link is sized for: room for TCP headers and some data.
@@ -124,6 +128,11 @@ pub trait LinkEnv {
     fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String>;
     /// Makes sure TCP link connections are accepted.
     fn ensure_tcp_acceptor(&self) -> Result<(), String>;
+    /// Describes a UDP link to the kernel fast path, if it is loaded and
+    /// can carry it (IPv4 with a route to the peer); None otherwise.
+    fn fast_link(&self, _id: u32, _remote: SocketAddr, _mtu: u32) -> Option<vnet_fastpath::LinkEntry> {
+        None
+    }
 }
 
 pub struct Route {
@@ -158,6 +167,7 @@ pub struct DispatchSettings {
     pub alpha_upper: u32,
     pub window_ms: u32,
     pub quota: u32,
+    pub datapath: Datapath,
 }
 
 impl Default for DispatchSettings {
@@ -171,6 +181,7 @@ impl Default for DispatchSettings {
             alpha_upper: 10_000,
             window_ms: 5,
             quota: 64,
+            datapath: Datapath::Auto,
         }
     }
 }
@@ -178,7 +189,7 @@ impl Default for DispatchSettings {
 impl DispatchSettings {
     pub fn render(&self) -> String {
         format!(
-            "mode={} yield={} sleep-us={} nowork-us={} alpha-lower={} alpha-upper={} window-ms={} quota={}",
+            "mode={} yield={} sleep-us={} nowork-us={} alpha-lower={} alpha-upper={} window-ms={} quota={} datapath={}",
             self.mode.name(),
             self.yield_strategy.name(),
             self.sleep_us,
@@ -186,7 +197,8 @@ impl DispatchSettings {
             self.alpha_lower,
             self.alpha_upper,
             self.window_ms,
-            self.quota
+            self.quota,
+            self.datapath.name()
         )
     }
 }
@@ -250,6 +262,8 @@ pub struct Topology {
     next_iface: u32,
     next_link: u32,
     next_route: u32,
+    /// The kernel fast path, if it loaded (whether or not it is on).
+    pub fast: Option<Arc<FastPath>>,
 }
 
 impl Topology {
@@ -273,6 +287,12 @@ impl Topology {
                     Setting::AlphaUpper(v) => d.alpha_upper = v,
                     Setting::WindowMs(v) => d.window_ms = v,
                     Setting::Quota(v) => d.quota = v,
+                    Setting::Datapath(v) => {
+                        if v == Datapath::Kernel && self.fast.is_none() {
+                            return Err("the kernel fast path is not loaded on this host (see vnetd's log); datapath auto or user".into());
+                        }
+                        d.datapath = v
+                    }
                 }
                 self.check_thresholds()?;
                 Ok(format!("set {}", self.dispatch.render()))
@@ -320,6 +340,11 @@ impl Topology {
                     (Attach::Netns, None) => Tap::create(name, mtu, *mac).map(|t| Box::new(t) as Box<dyn VirtualNic>),
                     (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, *mac, ns).map(|(t, _)| Box::new(t) as Box<dyn VirtualNic>),
                     (Attach::Qemu, _) => QemuNic::new(name, mtu).map(|n| Box::new(n) as Box<dyn VirtualNic>),
+                    (Attach::Veth, Some(ns)) => {
+                        let kernel = self.fast.as_ref().map(|f| &f.kernel);
+                        VethNic::new(name, *mac, mtu, ns, self.next_iface, kernel).map(|n| Box::new(n) as Box<dyn VirtualNic>)
+                    }
+                    (Attach::Veth, None) => return Err("a veth interface needs netns <name>".into()),
                 }
                 .map_err(|e| format!("{e:#}"))?;
                 let idx = self.next_iface;
@@ -340,7 +365,12 @@ impl Topology {
                         mode_switches: AtomicU64::new(0),
                     }),
                 );
-                Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{}", if attach == Attach::Qemu { " qemu" } else { "" }))
+                let how = match attach {
+                    Attach::Qemu => " qemu",
+                    Attach::Veth => " veth",
+                    Attach::Netns => "",
+                };
+                Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{how}"))
             }
             Command::IfaceDel(r, detach) => {
                 let iface = self.find_iface(r)?;
@@ -490,6 +520,10 @@ impl Topology {
         }
         let max_frame = ((mtu as i64 - overhead).max(ETH_MIN_FOR_TCP as i64)) as usize;
         let idx = self.next_link;
+        let fast = match (proto, remote) {
+            (LinkProto::Udp, Some(r)) => env.fast_link(idx, r, mtu),
+            _ => None,
+        };
         self.next_link += 1;
         let shown = remote.map_or(String::new(), |r| format!(" {r}"));
         self.links.insert(
@@ -504,6 +538,7 @@ impl Topology {
                 max_frame,
                 stats: Counters::default(),
                 gso: GsoState::default(),
+                fast,
             }),
         );
         Ok(format!("added link {idx} {name} {kind}{shown} mtu {mtu}"))
@@ -624,6 +659,7 @@ impl Topology {
             tcp,
             dispatch: self.dispatch,
             iface_dispatch,
+            fast: self.fast.clone().filter(|_| self.dispatch.datapath != Datapath::User),
         }
     }
 }
@@ -663,6 +699,9 @@ pub struct Snapshot {
     vxlan: HashMap<(IpAddr, u32), u32>,
     /// TCP links by remote IP.
     tcp: HashMap<IpAddr, Arc<TcpLink>>,
+    /// The kernel fast path, while it is on: dispatchers install the
+    /// answers it can carry.
+    pub fast: Option<Arc<FastPath>>,
 }
 
 /// Where a port is in one snapshot.

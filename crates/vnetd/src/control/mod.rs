@@ -33,7 +33,9 @@ struct State {
 
 impl Control {
     pub fn new(dp: Arc<Datapath>, settings: Settings) -> Control {
-        Control { state: Mutex::new(State::default()), dp, settings }
+        let mut state = State::default();
+        state.topo.fast = dp.fast.clone();
+        Control { state: Mutex::new(state), dp, settings }
     }
 
     /// Tears down, here on the control thread, the retired objects no
@@ -113,6 +115,19 @@ impl Control {
             // Publishing commits the request (the snapshot settles which
             // persistent TAPs stay) and waits until every dispatcher runs it.
             self.dp.publish(work.snapshot(generation));
+            // Every dispatcher runs the new table: none installs an old
+            // answer any more. Take back the kernel's entries it changed.
+            if let Some(fast) = &self.dp.fast {
+                let snap = self.dp.snapshot();
+                if let Err(e) = fast.kernel.set_enabled(snap.fast.is_some()) {
+                    tracing::error!("fast path: cannot switch it: {e:#}");
+                }
+                if snap.fast.is_some() {
+                    fast.revalidate(&snap);
+                } else {
+                    fast.kernel.clear_flows();
+                }
+            }
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
                 if let Rx::Stream(t) = l.transport.rx() {
@@ -159,6 +174,10 @@ impl Control {
             out.push(format!("global {global}"));
             out.push(format!("offload {offload}"));
             out.push(format!("dispatch {dispatch}"));
+            out.push(match &self.dp.fast {
+                Some(f) => f.render(t.dispatch.datapath),
+                None => "fastpath loaded=no".to_string(),
+            });
         }
         if all || scope == StatsScope::Interfaces {
             for i in t.ifaces.values() {
@@ -232,9 +251,12 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
         let attach = match i.attach {
             Attach::Netns => "netns",
             Attach::Qemu => "qemu",
+            Attach::Veth => "veth",
         };
         let netns = i.netns.as_ref().map_or(String::new(), |n| format!(" netns={n}"));
-        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns} {own}", i.id, i.name, i.mac, i.mtu));
+        let nic = i.nic.describe();
+        let nic = if nic.is_empty() { nic } else { format!(" {nic}") };
+        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns}{nic} {own}", i.id, i.name, i.mac, i.mtu));
     }
 }
 

@@ -12,6 +12,7 @@
 //!
 //! Nothing here depends on which kind a NIC or a link is.
 
+use crate::fast::InstallBudget;
 use crate::link::{Segments, Sent, TxCtx, TxQueue};
 use crate::nic::MAX_PARTS;
 use crate::stats::{Counters, DropReason, ThreadStats};
@@ -41,6 +42,8 @@ pub struct Forwarder {
     pending_dest: u32,
     /// Link sends queued or buffered this pass (`batching` on: VMM-driven).
     pub tx: TxQueue,
+    /// This thread's budget of kernel fast-path installs.
+    budget: InstallBudget,
 }
 
 impl Forwarder {
@@ -54,6 +57,7 @@ impl Forwarder {
             coalescer: TcpCoalescer::default(),
             pending_dest: 0,
             tx: TxQueue::default(),
+            budget: InstallBudget::default(),
         }
     }
 
@@ -79,11 +83,19 @@ impl Forwarder {
         };
         let key = Some((snap.table.generation(), port, src, dst));
         if self.last != key {
+            let misses = self.cache.misses;
             let hits = self.cache.route(&snap.table, port, src, dst);
             self.hits.clear();
             // Every port a rule names is in the snapshot the table came from.
             self.hits.extend(hits.iter().filter_map(|h: &Hit| Some((h.rule, snap.slot_of(h.dst)?))));
             self.last = key;
+            if self.cache.misses != misses {
+                if let Some(fast) = &snap.fast {
+                    // The table was asked: the kernel may take this flow's next frames.
+                    let hits = self.cache.route(&snap.table, port, src, dst);
+                    fast.offer(&mut self.budget, snap, port, src, dst, hits);
+                }
+            }
         }
         if self.hits.is_empty() {
             self.st.drop_at(Some(origin_stats), DropReason::NoRoute);

@@ -48,6 +48,8 @@ pub struct Datapath {
     tcp_port: u16,
     workers: Vec<WorkerLink>,
     stop: AtomicBool,
+    /// The kernel fast path, if it loaded.
+    pub fast: Option<Arc<crate::fast::FastPath>>,
 }
 
 /// The control plane's handle on one dispatcher thread.
@@ -96,6 +98,7 @@ impl Datapath {
             tcp_port,
             workers,
             stop: AtomicBool::new(false),
+            fast: None,
         })
     }
 
@@ -254,5 +257,32 @@ impl LinkEnv for Arc<Datapath> {
         .map_err(|e| format!("{e:#}"))?;
         let _ = self.tcp_acceptor.set(a);
         Ok(())
+    }
+
+    fn fast_link(&self, id: u32, remote: SocketAddr, mtu: u32) -> Option<vnet_fastpath::LinkEntry> {
+        let fast = self.fast.as_ref()?;
+        let IpAddr::V4(dst) = remote.ip() else {
+            return None; // IPv6 links take the slow path (see docs/datapath.md)
+        };
+        let sport = self.udp4.first()?.local_addr().port();
+        let (ifindex, src) = match crate::nic::rtnl::route_to(dst) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::info!("link {id} to {remote}: no route for the fast path ({e}); it takes the slow path");
+                return None;
+            }
+        };
+        let src = match self.bind_ip {
+            Some(IpAddr::V4(b)) if !b.is_unspecified() => b,
+            _ => src,
+        };
+        let path = vnet_fastpath::LinkPath { src, dst, sport, dport: remote.port(), mtu, ifindex };
+        match fast.kernel.add_link(id, &path) {
+            Ok(e) => Some(e),
+            Err(e) => {
+                tracing::warn!("link {id} to {remote}: the fast path cannot take it ({e:#}); it takes the slow path");
+                None
+            }
+        }
     }
 }

@@ -1,10 +1,12 @@
 //! Virtual NICs: how guest frames enter and leave the daemon.
 //!
-//! Each kind implements `VirtualNic`. Today both are TAP devices:
+//! Each kind implements `VirtualNic`:
 //! - `Tap`: vnetd holds the TAP's file side; the network device is the
 //!   guest's NIC (moved into a guest namespace or container).
 //! - `QemuNic`: QEMU holds the file side (`-netdev tap,ifname=..`); vnetd
 //!   reads and writes the TAP device through a packet socket.
+//! - `VethNic`: a veth pair, the guest's end in its namespace; the kernel
+//!   fast path attaches to the host's end (`veth.rs`).
 //!
 //! Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
 //! only marked ones are taken over, un-persisted or deleted.
@@ -12,6 +14,7 @@
 pub mod packet;
 pub mod rtnl;
 pub mod tap;
+pub mod veth;
 
 use anyhow::Result;
 use std::io::{self, IoSlice};
@@ -24,6 +27,7 @@ pub use packet::PacketPort;
 /// up to `vnet_core::offload::MAX_RUN` payloads).
 pub const MAX_PARTS: usize = 64;
 pub use tap::{QemuTap, Tap};
+pub use veth::VethNic;
 
 /// A guest's virtual NIC, as the dispatcher uses it. A new kind (say, a
 /// vhost-user NIC) is one more implementation; the dispatcher never asks
@@ -49,6 +53,15 @@ pub trait VirtualNic: Send + Sync {
     /// The request that deleted its interface committed (`detach`: the
     /// device stays for another vnetd, e.g. after a migration).
     fn deleted(&self, _detach: bool) {}
+    /// How the kernel fast path delivers to this NIC, if it is one of the
+    /// fast path's ports (its frames then meet the fast path too).
+    fn fast_target(&self) -> Option<vnet_fastpath::Action> {
+        None
+    }
+    /// What `INTERFACE LIST` adds about the attachment.
+    fn describe(&self) -> String {
+        String::new()
+    }
 }
 
 /// One received frame: `buf[start..end]`, and its offload metadata.

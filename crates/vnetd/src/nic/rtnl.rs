@@ -1,7 +1,8 @@
 //! rtnetlink requests on network devices, through the maintained
-//! netlink-packet-route crates: look a device up (is it a TAP? does it carry
-//! vnetd's mark?), mark a device as vnetd's, set its `gso_max_size`, delete
-//! it.
+//! netlink-packet-route crates: look a device up (is it a TAP or a veth?
+//! does it carry vnetd's mark?), mark a device as vnetd's, set its
+//! `gso_max_size`, bring it up, make a veth pair, delete it; and ask the
+//! kernel which device and source address reach an address.
 //!
 //! vnetd's mark is the device's ifalias (IFLA_IFALIAS) set to [`MARK`]. It
 //! moves with the device across network namespaces and shows in `ip link`
@@ -10,14 +11,17 @@
 //! follows the mount namespace).
 
 use netlink_packet_core::{
-    NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla, NLM_F_ACK, NLM_F_REQUEST,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla, NLM_F_ACK, NLM_F_CREATE, NLM_F_EXCL, NLM_F_REQUEST,
 };
 use netlink_packet_route::link::{
-    InfoData, InfoKind, LinkAttribute, LinkExtentMask, LinkInfo, LinkLayerType, LinkMessage,
+    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo, LinkLayerType, LinkMessage,
 };
-use netlink_packet_route::RouteNetlinkMessage;
+use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteMessage};
+use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 use std::io;
+use std::net::Ipv4Addr;
+use std::os::fd::RawFd;
 
 /// The ifalias of every persistent TAP vnetd makes: only devices carrying it
 /// are taken over, un-persisted or deleted.
@@ -33,7 +37,8 @@ const IFF_TAP: u8 = 0x0002;
 pub enum Kind {
     Tap,
     Tun,
-    /// Anything that is not a TUN/TAP device (veth, bridge, ...).
+    Veth,
+    /// Anything else (bridge, dummy, ...).
     Other,
 }
 
@@ -44,12 +49,19 @@ pub struct Device {
     pub name: String,
     pub kind: Kind,
     pub alias: Option<String>,
+    /// A veth's peer (its index in the peer's namespace).
+    pub peer: Option<u32>,
 }
 
 impl Device {
     /// A TAP carrying vnetd's mark: one vnetd made.
     pub fn is_vnetds(&self) -> bool {
         self.kind == Kind::Tap && self.alias.as_deref() == Some(MARK)
+    }
+
+    /// A veth carrying vnetd's mark: a host end vnetd made.
+    pub fn is_vnetds_veth(&self) -> bool {
+        self.kind == Kind::Veth && self.alias.as_deref() == Some(MARK)
     }
 }
 
@@ -100,6 +112,66 @@ pub fn delete(index: u32) -> io::Result<()> {
     transact(RouteNetlinkMessage::DelLink(msg)).map(drop)
 }
 
+/// Brings a device up.
+pub fn set_up(index: u32) -> io::Result<()> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    msg.header.flags = LinkFlags::Up;
+    msg.header.change_mask = LinkFlags::Up;
+    transact(RouteNetlinkMessage::SetLink(msg)).map(drop)
+}
+
+/// Makes a veth pair in one request: `host` here, marked as vnetd's, and
+/// `guest` in the network namespace `netns` (an open namespace file), with
+/// the guest's MAC, both marked and with MTU `mtu`. Fails if either name
+/// is taken.
+pub fn create_veth(host: &str, guest: &str, netns: RawFd, mac: [u8; 6], mtu: u32) -> io::Result<()> {
+    let mut peer = LinkMessage::default();
+    peer.attributes.push(LinkAttribute::IfName(guest.to_string()));
+    peer.attributes.push(LinkAttribute::NetNsFd(netns));
+    peer.attributes.push(LinkAttribute::Address(mac.to_vec()));
+    peer.attributes.push(LinkAttribute::Mtu(mtu));
+    peer.attributes.push(LinkAttribute::IfAlias(MARK.to_string()));
+    let mut msg = LinkMessage::default();
+    msg.attributes.push(LinkAttribute::IfName(host.to_string()));
+    msg.attributes.push(LinkAttribute::Mtu(mtu));
+    msg.attributes.push(LinkAttribute::LinkInfo(vec![
+        LinkInfo::Kind(InfoKind::Veth),
+        LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(peer))),
+    ]));
+    let req = encode_flags(RouteNetlinkMessage::NewLink(msg), 1, NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL);
+    transact_bytes(&req).map(drop)?;
+    // IFLA_IFALIAS is not taken at creation: set it now.
+    let d = device(host)?.ok_or_else(|| io::Error::other(format!("veth {host} vanished as it was made")))?;
+    set_mark(d.index)
+}
+
+/// The device and the source address the kernel would use toward `dst`
+/// (RTM_GETROUTE, as `ip route get` asks).
+pub fn route_to(dst: Ipv4Addr) -> io::Result<(u32, Ipv4Addr)> {
+    let mut msg = RouteMessage::default();
+    msg.header.address_family = AddressFamily::Inet;
+    msg.header.destination_prefix_length = 32;
+    msg.attributes.push(RouteAttribute::Destination(RouteAddress::Inet(dst)));
+    let req = encode(RouteNetlinkMessage::GetRoute(msg), 1);
+    let (mut oif, mut src) = (None, None);
+    for m in transact_bytes(&req)? {
+        if let RouteNetlinkMessage::NewRoute(r) = m {
+            for a in r.attributes {
+                match a {
+                    RouteAttribute::Oif(i) => oif = Some(i),
+                    RouteAttribute::PrefSource(RouteAddress::Inet(a)) => src = Some(a),
+                    _ => {}
+                }
+            }
+        }
+    }
+    match (oif, src) {
+        (Some(o), Some(s)) => Ok((o, s)),
+        _ => Err(io::Error::other(format!("the kernel gave no device and source address toward {dst}"))),
+    }
+}
+
 /// RTM_SETLINK of one attribute on the device with this index.
 fn set_link(index: u32, attr: LinkAttribute) -> RouteNetlinkMessage {
     let mut msg = LinkMessage::default();
@@ -110,8 +182,12 @@ fn set_link(index: u32, attr: LinkAttribute) -> RouteNetlinkMessage {
 
 /// The request as bytes: asking for an acknowledgement.
 fn encode(msg: RouteNetlinkMessage, seq: u32) -> Vec<u8> {
+    encode_flags(msg, seq, NLM_F_REQUEST | NLM_F_ACK)
+}
+
+fn encode_flags(msg: RouteNetlinkMessage, seq: u32, flags: u16) -> Vec<u8> {
     let mut packet = NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::from(msg));
-    packet.header.flags = NLM_F_REQUEST | NLM_F_ACK;
+    packet.header.flags = flags;
     packet.header.sequence_number = seq;
     packet.finalize();
     let mut buf = vec![0; packet.buffer_len()];
@@ -124,15 +200,19 @@ fn describe(msg: &LinkMessage) -> Device {
     let mut name = String::new();
     let mut alias = None;
     let mut is_tun = false;
+    let mut is_veth = false;
+    let mut peer = None;
     let mut tun_type = None;
     for a in &msg.attributes {
         match a {
             LinkAttribute::IfName(n) => name = n.clone(),
+            LinkAttribute::Link(i) => peer = Some(*i),
             LinkAttribute::IfAlias(s) => alias = Some(s.clone()),
             LinkAttribute::LinkInfo(infos) => {
                 for i in infos {
                     match i {
                         LinkInfo::Kind(InfoKind::Tun) => is_tun = true,
+                        LinkInfo::Kind(InfoKind::Veth) => is_veth = true,
                         LinkInfo::Data(InfoData::Tun(data)) => {
                             for nla in data {
                                 if nla.kind() == IFLA_TUN_TYPE && nla.value_len() == 1 {
@@ -150,6 +230,7 @@ fn describe(msg: &LinkMessage) -> Device {
         }
     }
     let kind = match (is_tun, tun_type) {
+        (false, _) if is_veth => Kind::Veth,
         (false, _) => Kind::Other,
         (true, Some(IFF_TAP)) => Kind::Tap,
         (true, Some(IFF_TUN)) => Kind::Tun,
@@ -157,17 +238,28 @@ fn describe(msg: &LinkMessage) -> Device {
         (true, _) if msg.header.link_layer_type == LinkLayerType::Ether => Kind::Tap,
         (true, _) => Kind::Tun,
     };
-    Device { index: msg.header.index, name, kind, alias }
+    Device { index: msg.header.index, name, kind, alias, peer: if is_veth { peer } else { None } }
 }
 
 /// Sends one request on a fresh socket and collects the link messages that
 /// answer it, until the kernel's acknowledgement (or its error).
 fn transact(msg: RouteNetlinkMessage) -> io::Result<Vec<LinkMessage>> {
+    Ok(transact_bytes(&encode(msg, 1))?
+        .into_iter()
+        .filter_map(|m| match m {
+            RouteNetlinkMessage::NewLink(l) => Some(l),
+            _ => None,
+        })
+        .collect())
+}
+
+/// Sends one encoded request (sequence number 1) on a fresh socket and
+/// collects the messages that answer it.
+fn transact_bytes(req: &[u8]) -> io::Result<Vec<RouteNetlinkMessage>> {
     let socket = Socket::new(NETLINK_ROUTE)?;
     socket.connect(&SocketAddr::new(0, 0))?;
     const SEQ: u32 = 1;
-    let req = encode(msg, SEQ);
-    socket.send(&req, 0)?;
+    socket.send(req, 0)?;
     let mut replies = Vec::new();
     loop {
         let (buf, _) = socket.recv_from_full()?;
@@ -185,7 +277,7 @@ fn transact(msg: RouteNetlinkMessage) -> io::Result<Vec<LinkMessage>> {
                         };
                     }
                     NetlinkPayload::Done(_) => return Ok(replies),
-                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => replies.push(l),
+                    NetlinkPayload::InnerMessage(m) => replies.push(m),
                     _ => {}
                 }
             }
@@ -232,7 +324,7 @@ mod tests {
     #[test]
     fn a_marked_tap_is_vnetds() {
         let d = describe(&round_trip(tun_link(Some(IFF_TAP), LinkLayerType::Ether, Some(MARK))));
-        assert_eq!(d, Device { index: 7, name: "vm1".into(), kind: Kind::Tap, alias: Some(MARK.into()) });
+        assert_eq!(d, Device { index: 7, name: "vm1".into(), kind: Kind::Tap, alias: Some(MARK.into()), peer: None });
         assert!(d.is_vnetds());
     }
 
@@ -259,7 +351,7 @@ mod tests {
         msg.header.link_layer_type = LinkLayerType::Ether;
         msg.attributes.push(LinkAttribute::IfName("eth0".into()));
         msg.attributes.push(LinkAttribute::IfAlias(MARK.into()));
-        msg.attributes.push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Veth)]));
+        msg.attributes.push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Bridge)]));
         let d = describe(&round_trip(msg));
         assert_eq!((d.kind, d.is_vnetds()), (Kind::Other, false));
     }

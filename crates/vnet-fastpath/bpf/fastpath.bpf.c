@@ -1,0 +1,446 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR MIT)
+//
+// VNET's kernel fast path: three TC programs (attached with TCX) that carry
+// the frames vnetd's route cache has already decided, and hand every other
+// frame to vnetd (the slow path) with its origin known.
+//
+//   from_guest    ingress of a guest port's host side (the host end of a
+//                 veth whose other end is the guest's NIC, or the TAP QEMU
+//                 writes into). A hit is delivered to a local guest or
+//                 encapsulated in the link's outer IPv4/UDP header (the
+//                 VNET/P wire: outer header, then the whole frame) and sent
+//                 out of the underlay device. A miss goes, unchanged, to the
+//                 port's upcall TAP, whose file side vnetd reads.
+//   from_network  ingress of an underlay device. UDP to vnetd's port from a
+//                 known link address whose inner frame hits is decapsulated
+//                 and delivered; everything else goes up the host stack as
+//                 if this program were not there (vnetd's UDP socket gets
+//                 what is VNET's).
+//   from_vnetd    ingress of an upcall TAP: a frame vnetd wrote for the
+//                 guest is passed to the guest port.
+//
+// The maps are the only interface with vnetd. vnetd installs the `flows`
+// entries from its rule table (never learned here) and removes the ones a
+// control change alters before it replies. Every frame a program takes is
+// counted (`counters`, per CPU); every frame it gives up is counted by
+// reason (`stats`) and then counted once more by the slow path that takes it.
+
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/udp.h>
+#include <linux/pkt_cls.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
+
+#ifndef AF_INET
+#define AF_INET 2
+#endif
+
+// ---- shared with vnetd (crates/vnet-fastpath/src/lib.rs: same layout) ----
+
+// A port in a flow key or a counter: an interface id, or a link id with
+// LINK_BIT set.
+#define LINK_BIT 0x80000000u
+
+struct flow_key {
+	__u32 origin;
+	__u8 dst[6];
+	__u8 src[6];
+};
+
+enum action_kind {
+	ACT_PEER = 1, // bpf_redirect_peer into a veth guest (ifindex: host end)
+	ACT_DEV = 2,  // bpf_redirect to a device's egress (a QEMU TAP)
+	ACT_ENCAP = 3, // encapsulate for link `link`
+};
+
+struct flow_action {
+	__u32 kind;
+	__u32 ifindex;
+	__u32 link;
+	__u32 dest;  // port counted as the frame's destination
+	__u32 route; // route id counted as the rule that carried it
+	__u32 _pad;
+};
+
+struct link_info {
+	__u8 hdr[28];   // outer IPv4 + UDP header; lengths and checksums zero
+	__u32 ip_sum;   // ones' complement sum of hdr's IPv4 words (16-bit folded)
+	__u32 mtu;      // largest outer IPv4 packet
+	__u32 ifindex;  // underlay device toward the peer
+	__u32 saddr;    // network order, as in hdr
+	__u32 daddr;
+};
+
+struct addr_key {
+	__u32 addr; // network order
+	__u16 port; // network order
+	__u16 _pad;
+};
+
+struct port_info {
+	__u32 origin; // this port's id (from_guest) or the guest port to pass to (from_vnetd)
+	__u32 ifindex; // from_guest: its upcall TAP; from_vnetd: the guest port's device
+	__u32 peer;    // from_vnetd: the guest port is a veth (redirect into its peer)
+	__u32 _pad;
+};
+
+struct config {
+	__u32 enabled; // 0: every frame takes the slow path (SET datapath user)
+	__u16 port;    // vnetd's UDP port, network order
+	__u16 _pad;
+};
+
+enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE };
+
+struct counter_key {
+	__u32 kind;
+	__u32 id;
+};
+
+struct counter {
+	__u64 frames;
+	__u64 bytes;
+};
+
+// Indexes of `stats` (per CPU): what the programs did with frames.
+enum stat {
+	S_HIT_GUEST,    // from a guest, carried by the fast path
+	S_HIT_NET,      // from a link, carried by the fast path
+	S_MISS_GUEST,   // from a guest, no entry: to vnetd
+	S_MISS_NET,     // VNET datagram, no entry: up the stack to vnetd
+	S_FROM_VNETD,   // written by vnetd for a guest
+	S_SLOW_BIG,     // hit, but too big for the link unsegmented: to vnetd
+	S_SLOW_NOT_IP,  // hit, but not IP (the kernel cannot encapsulate it): to vnetd
+	S_SLOW_ROUTE,   // hit, but the link is not (or no longer) described to the kernel: to vnetd
+	S_SLOW_GSO,     // GSO the fast path cannot take as is: to vnetd
+	S_DROP_ENCAP,   // the kernel refused to encapsulate: dropped
+	S_DROP_DECAP,   // the kernel refused to decapsulate: dropped
+	S_DROP_NO_PORT, // from_vnetd with no guest port known: dropped
+	S_DROP_REDIRECT,// redirect refused (device gone): dropped
+	S_DISABLED,     // fast path off: every frame to vnetd
+	S_MAX,
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct flow_key);
+	__type(value, struct flow_action);
+} flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct link_info);
+} links SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct addr_key);
+	__type(value, __u32);
+} link_addrs SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 8192);
+	__type(key, __u32); // ingress ifindex
+	__type(value, struct port_info);
+} ports SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct config);
+} config SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct counter_key);
+	__type(value, struct counter);
+} counters SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, S_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} stats SEC(".maps");
+
+// ---- the kernel's view of an skb, for its GSO type (CO-RE) ----
+
+struct sk_buff {
+	unsigned char *head;
+	unsigned int end;
+} __attribute__((preserve_access_index));
+
+struct skb_shared_info {
+	unsigned int gso_type;
+} __attribute__((preserve_access_index));
+
+extern void *bpf_cast_to_kern_ctx(void *) __ksym;
+extern void *bpf_rdonly_cast(const void *, __u32) __ksym;
+
+#define SKB_GSO_UDP_TUNNEL (1u << 10)
+#define SKB_GSO_UDP_TUNNEL_CSUM (1u << 11)
+#define SKB_GSO_UDP_L4 (1u << 16)
+
+static __always_inline unsigned int gso_type(struct __sk_buff *skb)
+{
+	struct sk_buff *k = bpf_cast_to_kern_ctx(skb);
+	struct skb_shared_info *sh =
+		bpf_rdonly_cast(k->head + k->end, bpf_core_type_id_kernel(struct skb_shared_info));
+	return sh->gso_type;
+}
+
+// ---- helpers ----
+
+static __always_inline void stat(__u32 i)
+{
+	__u64 *v = bpf_map_lookup_elem(&stats, &i);
+	if (v)
+		*v += 1;
+}
+
+static __always_inline void count(__u32 kind, __u32 id, __u32 bytes)
+{
+	struct counter_key k = { .kind = kind, .id = id };
+	struct counter *c = bpf_map_lookup_elem(&counters, &k);
+	if (!c) {
+		struct counter zero = {};
+		bpf_map_update_elem(&counters, &k, &zero, BPF_NOEXIST);
+		c = bpf_map_lookup_elem(&counters, &k);
+		if (!c)
+			return;
+	}
+	c->frames += 1;
+	c->bytes += bytes;
+}
+
+static __always_inline void count_port(__u32 port, int in, __u32 bytes)
+{
+	if (port & LINK_BIT)
+		count(in ? C_LINK_IN : C_LINK_OUT, port & ~LINK_BIT, bytes);
+	else
+		count(in ? C_IFACE_IN : C_IFACE_OUT, port, bytes);
+}
+
+static __always_inline int enabled(void)
+{
+	__u32 zero = 0;
+	struct config *c = bpf_map_lookup_elem(&config, &zero);
+	return c && c->enabled;
+}
+
+static __always_inline __u16 fold(__u32 sum)
+{
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return (__u16)~sum;
+}
+
+// Hands a frame from a guest to vnetd through the port's upcall TAP.
+static __always_inline int upcall(struct port_info *p, __u32 why)
+{
+	stat(why);
+	return bpf_redirect(p->ifindex, 0);
+}
+
+// "Not for me": the next program on the device (another vnetd's, say)
+// sees it, and after the last one the stack does (TCX_NEXT; cls_bpf's
+// "continue" for a classic TC filter).
+#define PASS TC_ACT_UNSPEC
+
+#define OUTER (sizeof(struct iphdr) + sizeof(struct udphdr) + ETH_HLEN) // 42
+
+// Encapsulates the frame for link `a->link` and sends it toward the peer;
+// a frame the fast path cannot send as it is goes to vnetd instead.
+static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, struct flow_action *a,
+				 const struct ethhdr *inner_eth)
+{
+	struct link_info *l = bpf_map_lookup_elem(&links, &a->link);
+	if (!l)
+		return upcall(p, S_SLOW_ROUTE);
+	// bpf_skb_adjust_room encapsulates IP only (ARP and the rest: slow path).
+	if (inner_eth->h_proto != bpf_htons(ETH_P_IP) && inner_eth->h_proto != bpf_htons(ETH_P_IPV6))
+		return upcall(p, S_SLOW_NOT_IP);
+	__u32 len = skb->len; // the whole inner frame
+	if (skb->gso_size) {
+		// A guest's UDP GSO cannot have its segment size changed.
+		if (gso_type(skb) & SKB_GSO_UDP_L4)
+			return upcall(p, S_SLOW_GSO);
+	} else if (len + OUTER - ETH_HLEN > l->mtu) {
+		return upcall(p, S_SLOW_BIG);
+	}
+
+	// Room for outer IPv4 + UDP + the inner Ethernet header, after the
+	// Ethernet header the frame has now (which becomes the outer one). A
+	// super-frame's segment size shrinks by the same 42 bytes, so every
+	// segment, encapsulated, is as long as the guest made it.
+	__u64 flags = BPF_F_ADJ_ROOM_ENCAP_L3_IPV4 | BPF_F_ADJ_ROOM_ENCAP_L4_UDP | BPF_F_ADJ_ROOM_ENCAP_L2_ETH |
+		      BPF_F_ADJ_ROOM_ENCAP_L2(ETH_HLEN);
+	if (bpf_skb_adjust_room(skb, OUTER, BPF_ADJ_ROOM_MAC, flags))
+		return upcall(p, S_SLOW_GSO); // the kernel would not: unchanged, so vnetd can
+
+	struct ethhdr eth = *inner_eth; // the caller's copy: the packet moved
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + 28, &eth, ETH_HLEN, 0))
+		goto shot;
+	__u8 hdr[28];
+	__builtin_memcpy(hdr, l->hdr, 28);
+	__u32 ip_len = len + OUTER - ETH_HLEN;
+	__u16 tot = ip_len > 0xffff ? 0xffff : ip_len; // GSO segments get their own
+	struct iphdr *ip = (void *)hdr;
+	struct udphdr *udp = (void *)(hdr + sizeof(struct iphdr));
+	ip->tot_len = bpf_htons(tot);
+	ip->check = fold(l->ip_sum + bpf_htons(tot));
+	udp->len = bpf_htons(tot - sizeof(struct iphdr));
+	if (bpf_skb_store_bytes(skb, ETH_HLEN, hdr, 28, 0))
+		goto shot;
+	count_port(p->origin, 1, len);
+	count_port(a->dest, 0, len);
+	count(C_ROUTE, a->route, len);
+	stat(S_HIT_GUEST);
+	// The kernel routes the outer packet (it must leave by the link's
+	// device) and fills in the next hop's Ethernet header, resolving the
+	// neighbour if need be: no forwarding setting is needed on the host,
+	// as bpf_fib_lookup would want.
+	return bpf_redirect_neigh(l->ifindex, 0, 0, 0);
+shot:
+	stat(S_DROP_ENCAP);
+	return TC_ACT_SHOT;
+}
+
+SEC("tc")
+int from_guest(struct __sk_buff *skb)
+{
+	__u32 ifindex = skb->ifindex;
+	struct port_info *p = bpf_map_lookup_elem(&ports, &ifindex);
+	if (!p)
+		return TC_ACT_SHOT; // attached to a port vnetd has not described: never happens
+	if (!enabled())
+		return upcall(p, S_DISABLED);
+
+	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end) {
+		// Headers not in the linear part (rare): let vnetd read it.
+		if (skb->len < ETH_HLEN || bpf_skb_pull_data(skb, ETH_HLEN))
+			return upcall(p, S_MISS_GUEST);
+		data = (void *)(long)skb->data;
+		end = (void *)(long)skb->data_end;
+		eth = data;
+		if ((void *)(eth + 1) > end)
+			return upcall(p, S_MISS_GUEST);
+	}
+	struct flow_key key = { .origin = p->origin };
+	__builtin_memcpy(key.dst, eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(key.src, eth->h_source, ETH_ALEN);
+	struct flow_action *a = bpf_map_lookup_elem(&flows, &key);
+	if (!a)
+		return upcall(p, S_MISS_GUEST);
+
+	if (a->kind == ACT_ENCAP) {
+		struct ethhdr copy = *eth;
+		return encap(skb, p, a, &copy);
+	}
+	__u32 len = skb->len;
+	count_port(p->origin, 1, len);
+	count_port(a->dest, 0, len);
+	count(C_ROUTE, a->route, len);
+	stat(S_HIT_GUEST);
+	if (a->kind == ACT_PEER)
+		return bpf_redirect_peer(a->ifindex, 0);
+	return bpf_redirect(a->ifindex, 0);
+}
+
+SEC("tc")
+int from_network(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return PASS;
+	struct iphdr *ip = (void *)(eth + 1);
+	if ((void *)(ip + 1) > end || ip->ihl != 5 || ip->version != 4 || ip->protocol != IPPROTO_UDP)
+		return PASS;
+	if (ip->frag_off & bpf_htons(0x3fff)) // a fragment: the stack reassembles it
+		return PASS;
+	struct udphdr *udp = (void *)(ip + 1);
+	struct ethhdr *inner = (void *)(udp + 1);
+	if ((void *)(inner + 1) > end)
+		return PASS;
+	__u32 zero = 0;
+	struct config *c = bpf_map_lookup_elem(&config, &zero);
+	if (!c || udp->dest != c->port)
+		return PASS;
+	if (!c->enabled) {
+		stat(S_DISABLED);
+		return PASS;
+	}
+	struct addr_key ak = { .addr = ip->saddr, .port = udp->source };
+	__u32 *link = bpf_map_lookup_elem(&link_addrs, &ak);
+	if (!link)
+		return PASS; // vnetd counts datagrams from strangers
+	if (fold(bpf_csum_diff(0, 0, (void *)ip, sizeof(*ip), 0)) != 0)
+		return PASS; // corrupt: the stack drops it and counts it
+
+	struct flow_key key = { .origin = *link | LINK_BIT };
+	__builtin_memcpy(key.dst, inner->h_dest, ETH_ALEN);
+	__builtin_memcpy(key.src, inner->h_source, ETH_ALEN);
+	struct flow_action *a = bpf_map_lookup_elem(&flows, &key);
+	if (!a || a->kind == ACT_ENCAP) {
+		stat(S_MISS_NET);
+		return PASS;
+	}
+	if (skb->gso_size) {
+		// A train of datagrams (UDP GSO from a user-level sender) is not
+		// one frame; a super-frame for a TAP would lose its offloads there.
+		unsigned int t = gso_type(skb);
+		if ((t & SKB_GSO_UDP_L4) || !(t & (SKB_GSO_UDP_TUNNEL | SKB_GSO_UDP_TUNNEL_CSUM)) ||
+		    a->kind != ACT_PEER) {
+			stat(S_SLOW_GSO);
+			return PASS;
+		}
+	} else if (bpf_ntohs(ip->tot_len) + ETH_HLEN != skb->len ||
+		   bpf_ntohs(udp->len) + sizeof(*ip) != bpf_ntohs(ip->tot_len)) {
+		return PASS; // lengths that do not add up: the stack judges it
+	}
+	struct ethhdr eth_in = *inner;
+	__u32 len = skb->len - OUTER;
+	if (bpf_skb_adjust_room(skb, -(__s32)OUTER, BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_FIXED_GSO) ||
+	    bpf_skb_store_bytes(skb, 0, &eth_in, ETH_HLEN, 0)) {
+		stat(S_DROP_DECAP);
+		return TC_ACT_SHOT;
+	}
+	count_port(key.origin, 1, len);
+	count_port(a->dest, 0, len);
+	count(C_ROUTE, a->route, len);
+	stat(S_HIT_NET);
+	if (a->kind == ACT_PEER)
+		return bpf_redirect_peer(a->ifindex, 0);
+	return bpf_redirect(a->ifindex, 0);
+}
+
+SEC("tc")
+int from_vnetd(struct __sk_buff *skb)
+{
+	__u32 ifindex = skb->ifindex;
+	struct port_info *p = bpf_map_lookup_elem(&ports, &ifindex);
+	if (!p) {
+		stat(S_DROP_NO_PORT);
+		return TC_ACT_SHOT;
+	}
+	stat(S_FROM_VNETD);
+	if (p->peer)
+		return bpf_redirect_peer(p->ifindex, 0);
+	return bpf_redirect(p->ifindex, 0);
+}
+
+char LICENSE[] SEC("license") = "Dual MIT/GPL";

@@ -1,0 +1,188 @@
+//! vnetd's side of the kernel fast path (`vnet-fastpath`): which routing
+//! decisions the kernel may carry, installing them, and taking them back.
+//!
+//! - **Install.** When a dispatcher's route cache asks the rule table
+//!   (a miss: the frame came up the slow path), it offers the answer here
+//!   (`FastPath::offer`). A decision the kernel can carry as it is — one
+//!   destination; from a fast port (a veth guest) or a UDP link the kernel
+//!   knows; to a fast port, or to such a link from a guest — is written to
+//!   the `flows` map under VNET/P's cache key (origin, destination MAC,
+//!   source MAC). Installs are bounded (the map's size) and rate-limited
+//!   per dispatcher.
+//! - **Take back.** After every change the control plane, once every
+//!   dispatcher runs the new rule table (so none can install an old
+//!   answer), asks the table again for every installed key and removes the
+//!   entries whose answer changed (`FastPath::revalidate`), before it
+//!   replies.
+//!
+//! So the kernel only ever holds answers the rule table gives now; the rule
+//! semantics stay in `vnet-core`.
+
+use crate::topology::Snapshot;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+use vnet_core::table::{Hit, Port};
+use vnet_core::Mac;
+use vnet_fastpath::{Action, CounterKind, Flow, FlowKey, Kernel, LINK_BIT};
+
+/// The fast path as vnetd uses it: the loaded programs and what was done
+/// with them.
+pub struct FastPath {
+    pub kernel: Arc<Kernel>,
+    pub installs: AtomicU64,
+    /// Installs the map refused (full).
+    pub install_failures: AtomicU64,
+    /// Installs skipped by the rate limit (the frames went by the slow path).
+    pub rate_limited: AtomicU64,
+    /// Entries taken back because a change altered their answer.
+    pub revoked: AtomicU64,
+}
+
+/// Installs per second one dispatcher may make, and its burst.
+const INSTALL_RATE: f64 = 20_000.0;
+const INSTALL_BURST: f64 = 2_000.0;
+
+/// One dispatcher's install budget (a token bucket).
+pub struct InstallBudget {
+    tokens: f64,
+    at: Option<Instant>,
+}
+
+impl Default for InstallBudget {
+    fn default() -> Self {
+        InstallBudget { tokens: INSTALL_BURST, at: None }
+    }
+}
+
+impl InstallBudget {
+    fn take(&mut self) -> bool {
+        let now = Instant::now();
+        if let Some(at) = self.at {
+            self.tokens = (self.tokens + now.duration_since(at).as_secs_f64() * INSTALL_RATE).min(INSTALL_BURST);
+        }
+        self.at = Some(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// A port as the kernel names it: an interface id, or a link id with
+/// `LINK_BIT`.
+pub fn code(p: Port) -> u32 {
+    match p {
+        Port::Interface(id) => id,
+        Port::Link(id) => id | LINK_BIT,
+    }
+}
+
+fn port_of(code: u32) -> Port {
+    if code & LINK_BIT != 0 {
+        Port::Link(code & !LINK_BIT)
+    } else {
+        Port::Interface(code)
+    }
+}
+
+impl FastPath {
+    pub fn new(kernel: Arc<Kernel>) -> FastPath {
+        FastPath {
+            kernel,
+            installs: AtomicU64::new(0),
+            install_failures: AtomicU64::new(0),
+            rate_limited: AtomicU64::new(0),
+            revoked: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether frames from `origin` meet the fast path at all.
+    fn is_fast_origin(snap: &Snapshot, origin: Port) -> bool {
+        match snap.slot_of(origin) {
+            Some(crate::topology::Slot::Iface(s)) => snap.ifaces[s as usize].nic.fast_target().is_some(),
+            Some(crate::topology::Slot::Link(s)) => snap.links[s as usize].fast.is_some(),
+            None => false,
+        }
+    }
+
+    /// The entry the kernel may hold for a frame from `origin` that the
+    /// rule table sends to `hits`, if it can carry it.
+    pub fn flow_for(snap: &Snapshot, origin: Port, hits: &[Hit]) -> Option<Flow> {
+        let [hit] = hits else { return None };
+        if !Self::is_fast_origin(snap, origin) {
+            return None;
+        }
+        let route = snap.routes.get(hit.rule as usize)?.id;
+        let action = match (snap.slot_of(hit.dst)?, origin) {
+            (crate::topology::Slot::Iface(s), _) => snap.ifaces[s as usize].nic.fast_target()?,
+            // Link to link (a host relaying between links) stays in vnetd.
+            (crate::topology::Slot::Link(_), Port::Link(_)) => return None,
+            (crate::topology::Slot::Link(s), Port::Interface(_)) => {
+                let l = &snap.links[s as usize];
+                l.fast.as_ref()?;
+                Action::Encap { link: l.id }
+            }
+        };
+        Some(Flow { action, dest: code(hit.dst), route })
+    }
+
+    /// A dispatcher's route cache asked the table: install the answer if
+    /// the kernel can carry it.
+    pub fn offer(&self, budget: &mut InstallBudget, snap: &Snapshot, origin: Port, src: Mac, dst: Mac, hits: &[Hit]) {
+        let Some(flow) = Self::flow_for(snap, origin, hits) else { return };
+        if !budget.take() {
+            self.rate_limited.fetch_add(1, Relaxed);
+            return;
+        }
+        let key = FlowKey { origin: code(origin), dst: dst.0, src: src.0 };
+        match self.kernel.install(&key, flow) {
+            Ok(()) => self.installs.fetch_add(1, Relaxed),
+            Err(e) => {
+                tracing::debug!("fast path: cannot install {key:?}: {e:#}");
+                self.install_failures.fetch_add(1, Relaxed)
+            }
+        };
+    }
+
+    /// Removes every entry whose answer under `snap`'s rule table differs
+    /// from what the kernel holds. Called once every dispatcher runs `snap`.
+    pub fn revalidate(&self, snap: &Snapshot) {
+        let mut scratch = Vec::new();
+        for (key, held) in self.kernel.flows() {
+            let origin = port_of(key.origin);
+            scratch.clear();
+            snap.table.lookup(origin, Mac(key.src), Mac(key.dst), &mut scratch);
+            if held.is_none() || Self::flow_for(snap, origin, &scratch) != held {
+                self.kernel.remove_flow(&key);
+                self.revoked.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    /// The `STATS` line: whether it is on, what vnetd did with it and what
+    /// the programs did with frames.
+    pub fn render(&self, datapath: vnet_core::command::Datapath) -> String {
+        let on = datapath != vnet_core::command::Datapath::User;
+        let mut s = format!(
+            "fastpath loaded=yes enabled={} entries={} installs={} install_failures={} rate_limited={} revoked={}",
+            if on { "yes" } else { "no" },
+            self.kernel.flows().len(),
+            self.installs.load(Relaxed),
+            self.install_failures.load(Relaxed),
+            self.rate_limited.load(Relaxed),
+            self.revoked.load(Relaxed)
+        );
+        for (name, v) in vnet_fastpath::STAT_NAMES.iter().zip(self.kernel.stats()) {
+            s.push_str(&format!(" {name}={v}"));
+        }
+        s
+    }
+
+    /// Frames and bytes the kernel carried for a port or route.
+    pub fn counter(&self, kind: CounterKind, id: u32) -> (u64, u64) {
+        self.kernel.counter(kind, id)
+    }
+}

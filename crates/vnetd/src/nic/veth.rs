@@ -1,0 +1,174 @@
+//! A veth guest NIC: the guest's end (`<name>`, with the guest's MAC) in
+//! its network namespace, the host's end in vnetd's, where the kernel fast
+//! path attaches.
+//!
+//! With the fast path loaded, every frame the guest sends meets
+//! `from_guest` on the host end: a hit is carried in the kernel, a miss is
+//! redirected to this port's *upcall TAP*, whose file side vnetd reads as
+//! it reads any TAP. Frames vnetd sends to the guest are written to the
+//! upcall TAP, and `from_vnetd` passes them into the guest's end. So the
+//! slow path sees exactly the frames the fast path did not take, with their
+//! origin known (the TAP is this port's alone), offloads and all. Without
+//! the fast path, vnetd reads and writes the host end through a packet
+//! socket, as it does a QEMU TAP.
+//!
+//! Names: the host end is `vh<hash>` and the upcall TAP `vu<hash>`, from a
+//! hash of `<netns>/<name>`, so a vnetd started again finds the host end of
+//! a guest it made (both ends carry vnetd's mark; an unmarked device of
+//! that name is refused and left alone). The pair stays when vnetd exits
+//! with the interface in force, like a namespace TAP; it goes with
+//! `INTERFACE DEL` (not with `detach`).
+
+use super::{parse_received, rtnl, send_vnet, tap, PacketPort, Received, Tap, VirtualNic};
+use anyhow::{anyhow, bail, Context, Result};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use vnet_core::offload::VnetHdr;
+use vnet_core::Mac;
+use vnet_fastpath::{Action, Attached, Kernel};
+
+/// The names of a guest's host-side devices: (host end, upcall TAP).
+pub fn host_names(netns: &str, name: &str) -> (String, String) {
+    // FNV-1a: stable across runs and builds.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in netns.bytes().chain([b'/']).chain(name.bytes()) {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    let tag = format!("{:012x}", h & 0xffff_ffff_ffff);
+    (format!("vh{tag}"), format!("vu{tag}"))
+}
+
+enum Io {
+    /// The fast path's upcall TAP and the two attached programs.
+    Upcall { tap: Tap, _attached: (Attached, Attached) },
+    /// No fast path: a packet socket on the host end.
+    Packet(PacketPort),
+}
+
+pub struct VethNic {
+    io: Io,
+    host: String,
+    host_index: u32,
+    /// Delete the pair when this goes (its request failed, or its interface
+    /// was deleted without `detach`).
+    remove: AtomicBool,
+}
+
+impl VethNic {
+    /// Makes the pair (or takes over the one an earlier vnetd made) and
+    /// attaches it: to the fast path if `kernel` is loaded (`iface` is the
+    /// interface's id), else through a packet socket.
+    pub fn new(name: &str, mac: Mac, mtu: u32, netns: &str, iface: u32, kernel: Option<&Arc<Kernel>>) -> Result<VethNic> {
+        let (host, upcall) = host_names(netns, name);
+        let (host_index, made) = match rtnl::device(&host).with_context(|| format!("cannot look up {host}"))? {
+            Some(d) if d.is_vnetds_veth() => (d.index, false),
+            Some(_) => bail!("a device named {host} exists on this host and is not a veth vnetd made; vnetd leaves it alone"),
+            None => {
+                let ns = tap::open_netns(netns)?;
+                rtnl::create_veth(&host, name, ns.as_raw_fd(), mac.0, mtu).map_err(|e| match e.raw_os_error() {
+                    Some(libc::EEXIST) => anyhow!("cannot make veth {name} in {netns}: a device named {name} exists there"),
+                    _ => anyhow!("cannot make veth {name} in {netns}: {e}"),
+                })?;
+                let d = rtnl::device(&host)?.ok_or_else(|| anyhow!("veth {host} vanished as it was made"))?;
+                (d.index, true)
+            }
+        };
+        // From here on, a pair made now goes again if anything fails.
+        let undo = Undo(made.then_some(host_index));
+        // The host must not talk on the guest's wire (IPv6 autoconf etc.).
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1");
+        rtnl::set_up(host_index).with_context(|| format!("cannot bring {host} up"))?;
+        let io = match kernel {
+            Some(k) => {
+                let tap = Tap::create(&upcall, mtu, Mac([0x02, 0, 0, 0, 0, 1])).with_context(|| format!("upcall TAP {upcall}"))?;
+                let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{upcall}/disable_ipv6"), "1");
+                let up_index = rtnl::device(&upcall)?.ok_or_else(|| anyhow!("TAP {upcall} vanished"))?.index;
+                rtnl::set_up(up_index).with_context(|| format!("cannot bring {upcall} up"))?;
+                let attached = k.attach_port(iface, host_index, up_index, true)?;
+                Io::Upcall { tap, _attached: attached }
+            }
+            None => Io::Packet(PacketPort::bind(&host)?),
+        };
+        std::mem::forget(undo);
+        Ok(VethNic { io, host, host_index, remove: AtomicBool::new(made) })
+    }
+
+    /// The host end's name.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+}
+
+/// Deletes a pair made by a request that then failed.
+struct Undo(Option<u32>);
+
+impl Drop for Undo {
+    fn drop(&mut self) {
+        if let Some(i) = self.0 {
+            let _ = rtnl::delete(i);
+        }
+    }
+}
+
+impl VirtualNic for VethNic {
+    #[inline]
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        let n = match &self.io {
+            Io::Upcall { tap, .. } => tap.recv(buf)?,
+            Io::Packet(p) => p.recv(buf)?,
+        };
+        parse_received(buf, n)
+    }
+
+    #[inline]
+    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        send_vnet(self.event_fd(), vnet, parts)
+    }
+
+    fn event_fd(&self) -> RawFd {
+        match &self.io {
+            Io::Upcall { tap, .. } => tap.as_raw_fd(),
+            Io::Packet(p) => p.as_raw_fd(),
+        }
+    }
+
+    fn in_force(&self) {
+        self.remove.store(false, Relaxed);
+    }
+
+    fn deleted(&self, detach: bool) {
+        self.remove.store(!detach, Relaxed);
+    }
+
+    fn fast_target(&self) -> Option<Action> {
+        match self.io {
+            Io::Upcall { .. } => Some(Action::Peer { ifindex: self.host_index }),
+            Io::Packet(_) => None,
+        }
+    }
+
+    fn describe(&self) -> String {
+        let how = match self.io {
+            Io::Upcall { .. } => "fast",
+            Io::Packet(_) => "packet-socket",
+        };
+        format!("host={} path={how}", self.host)
+    }
+}
+
+impl Drop for VethNic {
+    fn drop(&mut self) {
+        // The programs detach and the upcall TAP goes with `io`; the pair
+        // goes only when asked.
+        if self.remove.load(Relaxed) {
+            if let Err(e) = rtnl::delete(self.host_index) {
+                if e.raw_os_error() != Some(libc::ENODEV) {
+                    tracing::warn!("cannot delete veth {}: {e}", self.host);
+                }
+            }
+        }
+    }
+}
