@@ -12,6 +12,8 @@ UDP goodput and loss, TCP request/response latency and per-host CPU for:
   vnet-vmm       ... vmm-driven
   vnet-adaptive  ... adaptive
   vnet-poll      ... vmm-driven with immediate yield: the papers' evaluation setting
+  vnet-tcp       ... over a TCP link; vnet-vxlan ... over a VXLAN link
+  vnet-kernel    veth guests on the same vnetds, carried by the kernel fast path
 
 once per underlay MTU (default 1500 and 9000). Writes bench/results/
 <date>.md (tables), <date>.json (raw numbers), <date>-*.png (plots) and
@@ -48,8 +50,8 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
 
-DEFAULT_CONFIGS = ["native", "vxlan", "vnet-guest", "vnet-vmm", "vnet-adaptive", "vnet-poll", "vnet-tcp",
-                   "vnet-vxlan"]
+DEFAULT_CONFIGS = ["native", "vxlan", "vnet-kernel", "vnet-guest", "vnet-vmm", "vnet-adaptive", "vnet-poll",
+                   "vnet-tcp", "vnet-vxlan"]
 # "vnet" (opt-in, --configs): vnetd as started, no SET mode (its default dispatch).
 ALL_CONFIGS = DEFAULT_CONFIGS + ["vnet"]
 # The SET commands that make each vnet configuration. The three modes run with
@@ -65,6 +67,9 @@ VNET_SETTINGS = {
     # to the peer's guest are swapped to the configuration's link at run time.
     "vnet-tcp": [("mode", "adaptive"), ("yield", "adaptive")],
     "vnet-vxlan": [("mode", "adaptive"), ("yield", "adaptive")],
+    # The kernel fast path (issue 10): its own veth guests (kg1, kg2) on the
+    # same vnetds, always routed over the UDP link; vnetd's defaults.
+    "vnet-kernel": [("datapath", "auto"), ("mode", "adaptive")],
     "vnet": None,
 }
 # Which link carries guest traffic in each vnet configuration (link names).
@@ -80,6 +85,9 @@ SOCKPERF_PORT = 11111
 
 UNDERLAY = {1: "198.18.0.1", 2: "198.18.0.2"}
 OVERLAY = {1: "198.19.0.1", 2: "198.19.0.2"}
+# The kernel fast path's veth guests (vnet-kernel): their own addresses and MACs.
+KOVERLAY = {1: "198.19.0.11", 2: "198.19.0.12"}
+KMAC = {1: "02:00:00:00:01:01", 2: "02:00:00:00:01:02"}
 
 
 def log(msg: str = ""):
@@ -252,6 +260,7 @@ class Testbed:
         self.vx_guests: dict[int, str] = {}
         self.vnetds: dict[int, object] = {}
         self.vn_guests: dict[int, object] = {}
+        self.k_guests: dict[int, str] = {}
         self.vnet_starts = 0
         self.vnet_link = "udp"
         self.vnet_logs: list[dict] = []
@@ -261,7 +270,7 @@ class Testbed:
 
     def host_of(self, ns: str) -> int:
         for i in (1, 2):
-            if ns in (self.hosts.get(i), self.vx_guests.get(i)) or \
+            if ns in (self.hosts.get(i), self.vx_guests.get(i), self.k_guests.get(i)) or \
                     (i in self.vn_guests and ns == self.vn_guests[i].ns):
                 return i
         raise KeyError(ns)
@@ -329,13 +338,17 @@ class Testbed:
         self.vnet_starts += 1
         self.vnet_link = "udp"
         for i in (1, 2):
+            g = self.lab.ns(f"k{i}")
+            self._quiet_ns(g)
+            self.k_guests[i] = g
+        for i in (1, 2):
             h = self.hosts[i]
             name = h.removeprefix(self.lab.prefix)
             tag = f"{name}-{self.vnet_starts}"
             sock = self.lab.tmp / f"{tag}.sock"
             logf = self.lab.tmp / f"{tag}-vnetd.log"
             conf = self.lab.tmp / f"{tag}.conf"
-            conf.write_text(vnet_config(nl, i, guests, gmtu))
+            conf.write_text(vnet_config(nl, i, guests, gmtu, self.k_guests[i]))
             cmd = ["ip", "netns", "exec", h, "taskset", "-c", str(self.cpus[i]), str(nl.VNETD),
                    "--control-unix", str(sock), "--control-tcp", "none", "--config", str(conf),
                    "--link-key-dir", str(self.lab.key_dir),
@@ -349,6 +362,8 @@ class Testbed:
             self.lab.wait_ready(d)
         for i in (1, 2):
             self.vn_guests[i] = self.lab.attach_guest(self.hosts[i], f"vg{i}", i, mtu=gmtu)
+            self.x(self.k_guests[i], "ip", "addr", "add", f"{KOVERLAY[i]}/24", "dev", "kg")
+            self.x(self.k_guests[i], "ip", "link", "set", "kg", "up")
 
     def vnet_alive(self) -> bool:
         return len(self.vnetds) == 2 and all(d.proc.poll() is None for d in self.vnetds.values())
@@ -366,17 +381,20 @@ class Testbed:
                 self.lab.daemons.remove(d)
         self.vnetds.clear()
         for n in (1, 2):
-            ns = f"{self.lab.prefix}g{n}"
-            if ns in self.lab.namespaces:
-                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-                self.lab.namespaces.remove(ns)
+            for ns in (f"{self.lab.prefix}g{n}", f"{self.lab.prefix}k{n}"):
+                if ns in self.lab.namespaces:
+                    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+                    self.lab.namespaces.remove(ns)
         self.vn_guests.clear()
+        self.k_guests.clear()
 
     def endpoint(self, cfg: str) -> Endpoint:
         if cfg == "native":
             return Endpoint(self.hosts[1], self.hosts[2], UNDERLAY[2], self.mtu)
         if cfg == "vxlan":
             return Endpoint(self.vx_guests[1], self.vx_guests[2], OVERLAY[2], self.mtu - VXLAN_OVERHEAD)
+        if cfg == "vnet-kernel":
+            return Endpoint(self.k_guests[1], self.k_guests[2], KOVERLAY[2], self.mtu - VNET_OVERHEAD)
         # A VXLAN link's header takes 8 bytes more of each datagram.
         extra = 8 if VNET_LINK.get(cfg) == "vx" else 0
         return Endpoint(self.vn_guests[1].ns, self.vn_guests[2].ns, OVERLAY[2], self.mtu - VNET_OVERHEAD - extra)
@@ -537,9 +555,14 @@ def vnet_counters(bed: Testbed) -> dict:
         c = {}
         d = bed.vnetds.get(i)
         try:
-            for k, v in d.stats().get("global", {}).items():
+            st = d.stats()
+            for k, v in st.get("global", {}).items():
                 if isinstance(v, int) and k.startswith("drop_"):
                     c[f"vnetd.{k}"] = v
+            # What the kernel fast path carried and gave up (vnet-kernel).
+            for k, v in st.get("fastpath", {}).items():
+                if isinstance(v, int) and k.startswith(("hit_", "miss_", "slow_", "drop_", "finish")):
+                    c[f"fast.{k}"] = v
         except Exception:  # noqa: BLE001
             pass
         g = bed.vn_guests.get(i)
@@ -620,12 +643,17 @@ def measure_config(bed: Testbed, cfg: str, args) -> dict:
     return rec
 
 
-def vnet_config(nl, i: int, guests: dict, gmtu: int) -> str:
-    """Host i's vnetd config: its guest, a UDP, a TCP and a VXLAN link to the
-    other host, and routes over the UDP link."""
+def vnet_config(nl, i: int, guests: dict, gmtu: int, kns: str) -> str:
+    """Host i's vnetd config: its TAP guest and its veth guest (in `kns`, for
+    the fast path), a UDP, a TCP and a VXLAN link to the other host, and
+    routes over the UDP link."""
     peer = 3 - i
     mac, peer_mac = guests[i][0][1], guests[peer][0][1]
     return (f"INTERFACE ADD {guests[i][0][0]} {mac} mtu {gmtu}\n"
+            f"INTERFACE ADD kg {KMAC[i]} mtu {gmtu} netns {kns} veth\n"
+            f"ROUTE ADD any {KMAC[i]} interface {KMAC[i]} any\n"
+            f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {KMAC[i]} any\n"
+            f"ROUTE ADD any {KMAC[peer]} edge udp any\n"
             f"LINK ADD {UNDERLAY[peer]} 9000 udp name udp\n"
             f"LINK ADD {UNDERLAY[peer]} 9000 tcp key lab name tcp\n"
             f"LINK ADD {UNDERLAY[peer]} 4790 vxlan vni 42 name vx\n"

@@ -93,7 +93,7 @@ class Vnetd:
             kind = words[0]
             kv = dict(w.split("=", 1) for w in words[1:] if "=" in w and not w.startswith("rule="))
             vals = {k: int(v) if v.isdigit() else v for k, v in kv.items()}
-            if kind in ("global", "offload", "dispatch"):
+            if kind in ("global", "offload", "dispatch", "fastpath", "paths"):
                 out[kind] = vals
             elif kind == "route":
                 vals["rule"] = line.split(" rule=", 1)[1].strip()
@@ -404,7 +404,7 @@ def underlay_ip6(i: int) -> str:
 
 
 def mesh_config(me: int, guests_by_host: dict[int, list[tuple[str, str]]], mtu: int | None = None,
-                link: str = "9000 udp", addr=underlay_ip) -> str:
+                link: str = "9000 udp", addr=underlay_ip, attach: dict[str, str] | None = None) -> str:
     """The config of host `me` in a full mesh: an interface per local guest,
     a link per other host (`LINK ADD <addr(h)> <link>`), unicast routes by MAC
     and broadcast fan-out (to every local guest; to every link only for frames
@@ -412,7 +412,8 @@ def mesh_config(me: int, guests_by_host: dict[int, list[tuple[str, str]]], mtu: 
     lines = [f"# host {me}: full-mesh VNET config"]
     mtu_opt = f" mtu {mtu}" if mtu else ""
     for tap, mac in guests_by_host.get(me, []):
-        lines.append(f"INTERFACE ADD {tap} {mac}{mtu_opt}")
+        extra = f" {attach[tap]}" if attach and tap in attach else ""
+        lines.append(f"INTERFACE ADD {tap} {mac}{mtu_opt}{extra}")
     others = [h for h in sorted(guests_by_host) if h != me]
     for h in others:
         lines.append(f"LINK ADD {addr(h)} {link}")

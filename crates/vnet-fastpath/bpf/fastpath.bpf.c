@@ -91,7 +91,8 @@ struct port_info {
 struct config {
 	__u32 enabled; // 0: every frame takes the slow path (SET datapath user)
 	__u16 port;    // vnetd's UDP port, network order
-	__u16 _pad;
+	__u8 finish_mac[6]; // MAC of the finishing pair's receiving end
+	__u32 finish_ifindex; // its sending end (0: none)
 };
 
 enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE };
@@ -122,6 +123,8 @@ enum stat {
 	S_DROP_NO_PORT, // from_vnetd with no guest port known: dropped
 	S_DROP_REDIRECT,// redirect refused (device gone): dropped
 	S_DISABLED,     // fast path off: every frame to vnetd
+	S_FINISH,       // datagram for vnetd still unsegmented or with a partial
+	                // inner checksum: sent round the finishing pair first
 	S_MAX,
 };
 
@@ -179,6 +182,7 @@ struct {
 struct sk_buff {
 	unsigned char *head;
 	unsigned int end;
+	__u8 ip_summed : 2;
 } __attribute__((preserve_access_index));
 
 struct skb_shared_info {
@@ -191,6 +195,14 @@ extern void *bpf_rdonly_cast(const void *, __u32) __ksym;
 #define SKB_GSO_UDP_TUNNEL (1u << 10)
 #define SKB_GSO_UDP_TUNNEL_CSUM (1u << 11)
 #define SKB_GSO_UDP_L4 (1u << 16)
+
+#define CHECKSUM_PARTIAL 3
+
+static __always_inline int csum_partial(struct __sk_buff *skb)
+{
+	struct sk_buff *k = bpf_cast_to_kern_ctx(skb);
+	return BPF_CORE_READ_BITFIELD(k, ip_summed) == CHECKSUM_PARTIAL;
+}
 
 static __always_inline unsigned int gso_type(struct __sk_buff *skb)
 {
@@ -380,10 +392,6 @@ int from_network(struct __sk_buff *skb)
 	struct config *c = bpf_map_lookup_elem(&config, &zero);
 	if (!c || udp->dest != c->port)
 		return PASS;
-	if (!c->enabled) {
-		stat(S_DISABLED);
-		return PASS;
-	}
 	struct addr_key ak = { .addr = ip->saddr, .port = udp->source };
 	__u32 *link = bpf_map_lookup_elem(&link_addrs, &ak);
 	if (!link)
@@ -394,24 +402,41 @@ int from_network(struct __sk_buff *skb)
 	struct flow_key key = { .origin = *link | LINK_BIT };
 	__builtin_memcpy(key.dst, inner->h_dest, ETH_ALEN);
 	__builtin_memcpy(key.src, inner->h_source, ETH_ALEN);
-	struct flow_action *a = bpf_map_lookup_elem(&flows, &key);
-	if (!a || a->kind == ACT_ENCAP) {
-		stat(S_MISS_NET);
+	struct flow_action *a = 0;
+	if (c->enabled)
+		a = bpf_map_lookup_elem(&flows, &key);
+	else
+		stat(S_DISABLED);
+	if (a && a->kind == ACT_ENCAP)
+		a = 0; // link to link: vnetd relays it
+	unsigned int gso = skb->gso_size ? gso_type(skb) : 0;
+	if (gso & SKB_GSO_UDP_L4) {
+		// A train of datagrams (UDP GSO from a user-level sender): vnetd
+		// reads trains as they are.
+		stat(S_SLOW_GSO);
 		return PASS;
 	}
-	if (skb->gso_size) {
-		// A train of datagrams (UDP GSO from a user-level sender) is not
-		// one frame; a super-frame for a TAP would lose its offloads there.
-		unsigned int t = gso_type(skb);
-		if ((t & SKB_GSO_UDP_L4) || !(t & (SKB_GSO_UDP_TUNNEL | SKB_GSO_UDP_TUNNEL_CSUM)) ||
-		    a->kind != ACT_PEER) {
-			stat(S_SLOW_GSO);
+	// What a veth passes between namespaces is not what a wire carries: a
+	// fast-path sender's packet may still be one unsegmented super-frame
+	// (UDP-tunnel GSO), or carry its inner checksum unfinished. A veth guest
+	// takes both as they are. Anything else (vnetd, a QEMU TAP) is first
+	// sent round the finishing pair, whose sending end has no offloads, so
+	// the kernel segments it and finishes the checksums, as a NIC would;
+	// the datagrams come back on the other end, one frame each.
+	if ((!a || a->kind != ACT_PEER) && (gso || csum_partial(skb)) && c->finish_ifindex) {
+		stat(S_FINISH);
+		if (bpf_skb_store_bytes(skb, 0, c->finish_mac, ETH_ALEN, 0))
 			return PASS;
-		}
-	} else if (bpf_ntohs(ip->tot_len) + ETH_HLEN != skb->len ||
-		   bpf_ntohs(udp->len) + sizeof(*ip) != bpf_ntohs(ip->tot_len)) {
-		return PASS; // lengths that do not add up: the stack judges it
+		return bpf_redirect(c->finish_ifindex, 0);
 	}
+	if (!a) {
+		if (c->enabled)
+			stat(S_MISS_NET);
+		return PASS;
+	}
+	if (!gso && (bpf_ntohs(ip->tot_len) + ETH_HLEN != skb->len ||
+		     bpf_ntohs(udp->len) + sizeof(*ip) != bpf_ntohs(ip->tot_len)))
+		return PASS; // lengths that do not add up: the stack judges it
 	struct ethhdr eth_in = *inner;
 	__u32 len = skb->len - OUTER;
 	if (bpf_skb_adjust_room(skb, -(__s32)OUTER, BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_FIXED_GSO) ||

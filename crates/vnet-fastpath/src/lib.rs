@@ -163,11 +163,12 @@ struct PortInfo {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Config {
     enabled: u32,
     port: u16,
-    _pad: u16,
+    finish_mac: [u8; 6],
+    finish_ifindex: u32,
 }
 
 /// Counter kinds in the `counters` map.
@@ -190,7 +191,7 @@ struct CounterKey {
 
 /// What the programs did with frames, summed over CPUs (the `stats` map;
 /// the order is the program's `enum stat`).
-pub const STAT_NAMES: [&str; 14] = [
+pub const STAT_NAMES: [&str; 15] = [
     "hit_guest",
     "hit_net",
     "miss_guest",
@@ -205,6 +206,7 @@ pub const STAT_NAMES: [&str; 14] = [
     "drop_no_port",
     "drop_redirect",
     "disabled",
+    "finish",
 ];
 
 fn bytes_of<T: Copy>(v: &T) -> &[u8] {
@@ -237,10 +239,13 @@ pub struct Kernel {
     counters: MapHandle,
     stats: MapHandle,
     progs: HashMap<Hook, OwnedFd>,
-    port: u16,
+    /// What `config` holds (the programs' switch and settings).
+    config_now: Mutex<Config>,
     /// Underlay devices with `from_network` attached, and how many links
     /// leave through each.
     underlays: Mutex<HashMap<u32, (OwnedFd, usize)>>,
+    /// `from_network` on the finishing pair's receiving end.
+    finisher: Mutex<Option<OwnedFd>>,
 }
 
 /// A program attached to a device (a TCX link), with the map entry that
@@ -299,19 +304,39 @@ impl Kernel {
             counters: map("counters")?,
             stats: map("stats")?,
             progs,
-            port: udp_port,
+            config_now: Mutex::new(Config { port: udp_port.to_be(), ..Config::default() }),
             underlays: Mutex::new(HashMap::new()),
+            finisher: Mutex::new(None),
         };
         k.set_enabled(false)?;
         Ok(Arc::new(k))
     }
 
+    fn update_config(&self, f: impl FnOnce(&mut Config)) -> Result<()> {
+        let mut c = self.config_now.lock().unwrap();
+        f(&mut c);
+        self.config.update(bytes_of(&0u32), bytes_of(&*c), MapFlags::ANY).context("config map")?;
+        Ok(())
+    }
+
     /// Fast path on (hits are carried in the kernel) or off (every frame
     /// goes to vnetd; the programs stay attached as the guests' way in).
     pub fn set_enabled(&self, on: bool) -> Result<()> {
-        let c = Config { enabled: on as u32, port: self.port.to_be(), _pad: 0 };
-        self.config.update(bytes_of(&0u32), bytes_of(&c), MapFlags::ANY).context("config map")?;
-        Ok(())
+        self.update_config(|c| c.enabled = on as u32)
+    }
+
+    /// Names the finishing pair: datagrams for vnetd that are still
+    /// unsegmented or carry unfinished checksums (a veth's artifacts) are
+    /// sent out of `send` (a device with no offloads) and come back on
+    /// `recv` (its veth peer, MAC `recv_mac`) as a wire would carry them;
+    /// `from_network` runs there too.
+    pub fn set_finisher(&self, send: u32, recv: u32, recv_mac: [u8; 6]) -> Result<()> {
+        let fd = self.attach(Hook::FromNetwork, recv)?;
+        *self.finisher.lock().unwrap() = Some(fd);
+        self.update_config(|c| {
+            c.finish_ifindex = send;
+            c.finish_mac = recv_mac;
+        })
     }
 
     fn attach(&self, hook: Hook, ifindex: u32) -> Result<OwnedFd> {

@@ -18,6 +18,7 @@
 //! So the kernel only ever holds answers the rule table gives now; the rule
 //! semantics stay in `vnet-core`.
 
+use crate::nic::rtnl;
 use crate::topology::Snapshot;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -37,6 +38,7 @@ pub struct FastPath {
     pub rate_limited: AtomicU64,
     /// Entries taken back because a change altered their answer.
     pub revoked: AtomicU64,
+    finisher: std::sync::Mutex<Option<Finisher>>,
 }
 
 /// Installs per second one dispatcher may make, and its burst.
@@ -88,15 +90,68 @@ fn port_of(code: u32) -> Port {
     }
 }
 
+/// The finishing pair: a veth pair in vnetd's namespace whose sending end
+/// has no checksum offload, so that the kernel segments and checksums what
+/// is sent out of it, as a NIC would (see `from_network`).
+struct Finisher {
+    send: u32,
+    name: String,
+}
+
+impl Finisher {
+    const MAC: [u8; 6] = [0x02, 0x76, 0x6e, 0x00, 0x00, 0x01];
+
+    fn make(kernel: &Kernel) -> anyhow::Result<Finisher> {
+        use anyhow::Context;
+        let pid = std::process::id();
+        let (a, b) = (format!("vfa{pid}"), format!("vfb{pid}"));
+        let ns = std::fs::File::open("/proc/self/ns/net").context("own network namespace")?;
+        use std::os::fd::AsRawFd;
+        rtnl::create_veth(&a, &b, ns.as_raw_fd(), Self::MAC, 65535).with_context(|| format!("cannot make veth pair {a}/{b}"))?;
+        let f = Finisher { send: rtnl::device(&a)?.context("vanished")?.index, name: a.clone() };
+        let recv = rtnl::device(&b)?.context("vanished")?.index;
+        for dev in [&a, &b] {
+            let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{dev}/disable_ipv6"), "1");
+        }
+        // Datagrams from a peer arrive on `b`, not on the device that routes
+        // back to it: no reverse-path filter there.
+        let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{b}/rp_filter"), "0");
+        if std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/rp_filter").map(|s| s.trim() == "1").unwrap_or(false) {
+            tracing::warn!("net.ipv4.conf.all.rp_filter is 1 (strict): unfinished datagrams from fast-path peers over a veth underlay will be dropped; set it to 0 or 2");
+        }
+        crate::nic::tap::tx_checksum_off(&a).with_context(|| format!("cannot turn checksum offload off on {a}"))?;
+        rtnl::set_up(f.send)?;
+        rtnl::set_up(recv)?;
+        kernel.set_finisher(f.send, recv, Self::MAC)?;
+        Ok(f)
+    }
+}
+
+impl Drop for Finisher {
+    fn drop(&mut self) {
+        if let Err(e) = rtnl::delete(self.send) {
+            tracing::warn!("cannot delete {}: {e}", self.name);
+        }
+    }
+}
+
 impl FastPath {
-    pub fn new(kernel: Arc<Kernel>) -> FastPath {
-        FastPath {
+    /// vnetd's fast path: the loaded programs, and the finishing pair made.
+    pub fn new(kernel: Arc<Kernel>) -> anyhow::Result<FastPath> {
+        let finisher = Finisher::make(&kernel)?;
+        Ok(FastPath {
             kernel,
             installs: AtomicU64::new(0),
             install_failures: AtomicU64::new(0),
             rate_limited: AtomicU64::new(0),
             revoked: AtomicU64::new(0),
-        }
+            finisher: std::sync::Mutex::new(Some(finisher)),
+        })
+    }
+
+    /// Removes what vnetd made for the fast path in its namespace (at exit).
+    pub fn shutdown(&self) {
+        self.finisher.lock().unwrap().take();
     }
 
     /// Whether frames from `origin` meet the fast path at all.
@@ -181,8 +236,30 @@ impl FastPath {
         s
     }
 
-    /// Frames and bytes the kernel carried for a port or route.
-    pub fn counter(&self, kind: CounterKind, id: u32) -> (u64, u64) {
-        self.kernel.counter(kind, id)
+    /// What the kernel carried in and out of an interface (or a link).
+    pub fn port(&self, id: u32, link: bool) -> crate::stats::Fast {
+        let (i, o) = if link { (CounterKind::LinkIn, CounterKind::LinkOut) } else { (CounterKind::IfaceIn, CounterKind::IfaceOut) };
+        let ((in_frames, in_bytes), (out_frames, out_bytes)) = (self.kernel.counter(i, id), self.kernel.counter(o, id));
+        crate::stats::Fast { in_frames, in_bytes, out_frames, out_bytes }
+    }
+
+    /// Frames and bytes the kernel carried by a route.
+    pub fn route(&self, id: u32) -> (u64, u64) {
+        self.kernel.counter(CounterKind::Route, id)
+    }
+
+    /// Forgets the kernel's counters of objects that are gone.
+    pub fn forget_iface(&self, id: u32) {
+        self.kernel.forget(CounterKind::IfaceIn, id);
+        self.kernel.forget(CounterKind::IfaceOut, id);
+    }
+
+    pub fn forget_link(&self, id: u32) {
+        self.kernel.forget(CounterKind::LinkIn, id);
+        self.kernel.forget(CounterKind::LinkOut, id);
+    }
+
+    pub fn forget_route(&self, id: u32) {
+        self.kernel.forget(CounterKind::Route, id);
     }
 }

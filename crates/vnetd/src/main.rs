@@ -83,6 +83,10 @@ struct Args {
     /// Pin dispatcher thread i to the i-th CPU of this list, e.g. 1 or 2,3.
     #[arg(long, value_delimiter = ',')]
     cpus: Vec<usize>,
+    /// How dispatcher threads compete with busy applications for a CPU
+    /// (docs/datapath.md: the slow path under contention).
+    #[arg(long, value_enum, default_value = "short-slice")]
+    dispatcher_sched: dispatch::worker::Sched,
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
     #[arg(long, default_value = "info")]
     log_level: String,
@@ -168,11 +172,18 @@ fn run(args: Args) -> Result<()> {
         link_key_dir: args.link_key_dir.clone(),
     };
     let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
+    dp.sched = args.dispatcher_sched;
     dp.fast = match vnet_fastpath::Kernel::load(args.udp_port) {
-        Ok(k) => {
-            tracing::info!("kernel fast path loaded (eBPF, TCX); SET datapath user turns it off");
-            Some(Arc::new(fast::FastPath::new(k)))
-        }
+        Ok(k) => match fast::FastPath::new(k) {
+            Ok(f) => {
+                tracing::info!("kernel fast path loaded (eBPF, TCX); SET datapath user turns it off");
+                Some(Arc::new(f))
+            }
+            Err(e) => {
+                tracing::warn!("kernel fast path unavailable ({e:#}); every frame takes the user-level datapath");
+                None
+            }
+        },
         Err(e) => {
             tracing::warn!("kernel fast path unavailable ({e:#}); every frame takes the user-level datapath");
             None
@@ -187,6 +198,9 @@ fn run(args: Args) -> Result<()> {
 
     let cleanup = |dp: &Datapath| {
         dp.shutdown();
+        if let Some(f) = &dp.fast {
+            f.shutdown();
+        }
         if let Some(p) = &control_unix {
             let _ = std::fs::remove_file(p);
         }

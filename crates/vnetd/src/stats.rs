@@ -81,20 +81,34 @@ impl Counters {
         self.drops[why as usize].load(Relaxed)
     }
 
-    /// `in_frames=.. in_bytes=.. out_frames=.. out_bytes=.. drop_<reason>=..`
-    pub fn render(&self) -> String {
+    /// `in_frames=.. in_bytes=.. out_frames=.. out_bytes=.. fast_in_frames=..
+    /// fast_out_frames=.. drop_<reason>=..`: the user-level datapath's
+    /// counts with what the kernel fast path carried added in (and shown on
+    /// its own).
+    pub fn render_plus(&self, fast: Fast) -> String {
         let mut s = format!(
-            "in_frames={} in_bytes={} out_frames={} out_bytes={}",
-            self.in_frames.load(Relaxed),
-            self.in_bytes.load(Relaxed),
-            self.out_frames.load(Relaxed),
-            self.out_bytes.load(Relaxed)
+            "in_frames={} in_bytes={} out_frames={} out_bytes={} fast_in_frames={} fast_out_frames={}",
+            self.in_frames.load(Relaxed) + fast.in_frames,
+            self.in_bytes.load(Relaxed) + fast.in_bytes,
+            self.out_frames.load(Relaxed) + fast.out_frames,
+            self.out_bytes.load(Relaxed) + fast.out_bytes,
+            fast.in_frames,
+            fast.out_frames
         );
         for d in DropReason::ALL {
             s.push_str(&format!(" drop_{}={}", d.name(), self.drops(d)));
         }
         s
     }
+}
+
+/// Frames and bytes the kernel fast path carried in and out of one port.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Fast {
+    pub in_frames: u64,
+    pub in_bytes: u64,
+    pub out_frames: u64,
+    pub out_bytes: u64,
 }
 
 /// What software offload work the datapath did.

@@ -339,7 +339,7 @@ impl Topology {
                 let nic: Box<dyn VirtualNic> = match (attach, netns) {
                     (Attach::Netns, None) => Tap::create(name, mtu, *mac).map(|t| Box::new(t) as Box<dyn VirtualNic>),
                     (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, *mac, ns).map(|(t, _)| Box::new(t) as Box<dyn VirtualNic>),
-                    (Attach::Qemu, _) => QemuNic::new(name, mtu).map(|n| Box::new(n) as Box<dyn VirtualNic>),
+                    (Attach::Qemu, _) => QemuNic::new(name, mtu, self.next_iface, self.fast.as_ref().map(|f| &f.kernel)).map(|n| Box::new(n) as Box<dyn VirtualNic>),
                     (Attach::Veth, Some(ns)) => {
                         let kernel = self.fast.as_ref().map(|f| &f.kernel);
                         VethNic::new(name, *mac, mtu, ns, self.next_iface, kernel).map(|n| Box::new(n) as Box<dyn VirtualNic>)

@@ -52,11 +52,19 @@ impl Control {
             // reference, unless a report holds one for a moment.
             match r {
                 Retired::Iface(i, detach) => match Arc::try_unwrap(i) {
-                    Ok(i) => i.teardown(),
+                    Ok(i) => {
+                        if let Some(f) = &self.dp.fast {
+                            f.forget_iface(i.id);
+                        }
+                        i.teardown()
+                    }
                     Err(i) => kept.push((generation, Retired::Iface(i, detach))),
                 },
                 Retired::Link(l) => match Arc::try_unwrap(l) {
                     Ok(l) => {
+                        if let Some(f) = &self.dp.fast {
+                            f.forget_link(l.id);
+                        }
                         let name = l.name.clone();
                         let waiting = l.teardown();
                         for _ in 0..waiting {
@@ -127,6 +135,9 @@ impl Control {
                 } else {
                     fast.kernel.clear_flows();
                 }
+                for r in state.topo.routes.keys().filter(|r| !work.routes.contains_key(r)) {
+                    fast.forget_route(*r);
+                }
             }
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
@@ -171,7 +182,13 @@ impl Control {
         let all = scope == StatsScope::All;
         if all || scope == StatsScope::Global {
             let [global, offload, dispatch] = self.dp.totals();
+            // The fast path's frames, summed over every port it counted.
+            let fast_in = self.dp.fast.as_ref().map_or((0, 0), |f| {
+                let hit = t.ifaces.values().map(|i| f.port(i.id, false)).chain(t.links.values().map(|l| f.port(l.id, true)));
+                hit.fold((0, 0), |(fr, by), p| (fr + p.in_frames, by + p.in_bytes))
+            });
             out.push(format!("global {global}"));
+            out.push(format!("paths user_frames={} kernel_frames={} kernel_bytes={}", self.dp.user_frames(), fast_in.0, fast_in.1));
             out.push(format!("offload {offload}"));
             out.push(format!("dispatch {dispatch}"));
             out.push(match &self.dp.fast {
@@ -190,22 +207,24 @@ impl Control {
                     configured.name(),
                     running.name(),
                     i.mode_switches.load(Relaxed),
-                    i.stats.render()
+                    i.stats.render_plus(self.dp.fast.as_ref().map(|f| f.port(i.id, false)).unwrap_or_default())
                 ));
             }
         }
         if all || scope == StatsScope::Links {
             for l in t.links.values() {
-                out.push(format!("link {} name={} {}", l.id, l.name, l.stats.render()));
+                let fast = self.dp.fast.as_ref().map(|f| f.port(l.id, true)).unwrap_or_default();
+                out.push(format!("link {} name={} {}", l.id, l.name, l.stats.render_plus(fast)));
             }
         }
         if all || scope == StatsScope::Routes {
             for r in t.routes.values() {
+                let (ff, fb) = self.dp.fast.as_ref().map_or((0, 0), |f| f.route(r.id));
                 out.push(format!(
-                    "route {} frames={} bytes={} rule={}",
+                    "route {} frames={} bytes={} fast_frames={ff} rule={}",
                     r.id,
-                    r.stats.out_frames.load(Relaxed),
-                    r.stats.out_bytes.load(Relaxed),
+                    r.stats.out_frames.load(Relaxed) + ff,
+                    r.stats.out_bytes.load(Relaxed) + fb,
                     r.spec
                 ));
             }

@@ -7,7 +7,7 @@
 //! cache, buffers and batches.
 
 mod forward;
-mod worker;
+pub mod worker;
 
 
 use crate::link::tcp::TcpAcceptor;
@@ -50,6 +50,8 @@ pub struct Datapath {
     stop: AtomicBool,
     /// The kernel fast path, if it loaded.
     pub fast: Option<Arc<crate::fast::FastPath>>,
+    /// How dispatcher threads are scheduled.
+    pub sched: worker::Sched,
 }
 
 /// The control plane's handle on one dispatcher thread.
@@ -99,6 +101,7 @@ impl Datapath {
             workers,
             stop: AtomicBool::new(false),
             fast: None,
+            sched: worker::Sched::ShortSlice,
         })
     }
 
@@ -167,6 +170,12 @@ impl Datapath {
         render_totals(&all)
     }
 
+    /// Frames the user-level datapath received (every thread).
+    pub fn user_frames(&self) -> u64 {
+        let n = |t: &ThreadStats| t.global.in_frames.load(Ordering::Relaxed);
+        n(&self.control) + self.workers.iter().map(|w| n(&w.stats)).sum::<u64>()
+    }
+
     /// Drops of one reason over the whole daemon.
     pub fn total_drops(&self, why: DropReason) -> u64 {
         self.control.global.drops(why) + self.workers.iter().map(|w| w.stats.global.drops(why)).sum::<u64>()
@@ -189,6 +198,7 @@ pub fn spawn(dp: &Arc<Datapath>, on_failure: fn()) -> Result<Vec<JoinHandle<Resu
                     if let Some(cpu) = dp.workers[i].cpu {
                         worker::pin_to(cpu);
                     }
+                    worker::set_sched(dp.sched);
                     let r = worker::run(dp, i);
                     if let Err(e) = &r {
                         tracing::error!("dispatcher {i} failed: {e:#}");

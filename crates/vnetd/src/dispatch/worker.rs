@@ -70,6 +70,61 @@ pub fn pin_to(cpu: usize) {
     }
 }
 
+/// How dispatcher threads are scheduled against busy applications on the
+/// same CPUs (`--dispatcher-sched`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Sched {
+    /// The kernel's defaults (a normal task).
+    Default,
+    /// A normal task that asks the scheduler (EEVDF, Linux 6.12+) for short
+    /// slices: a woken dispatcher preempts a task that has run longer,
+    /// instead of waiting for its slice to end (milliseconds); it gets no
+    /// more CPU than its share.
+    ShortSlice,
+    /// Real-time FIFO priority 1: a woken dispatcher runs at once. A
+    /// dispatcher that polls (VMM-driven) then holds its CPU against every
+    /// normal task, up to the kernel's real-time throttling (95 %).
+    Fifo,
+}
+
+/// The slice a `short-slice` dispatcher asks for: the scheduler's minimum.
+const SHORT_SLICE_NS: u64 = 100_000;
+
+/// Applies `sched` to the calling thread (a warning if the kernel refuses).
+pub fn set_sched(sched: Sched) {
+    #[repr(C)]
+    #[derive(Default)]
+    struct SchedAttr {
+        size: u32,
+        policy: u32,
+        flags: u64,
+        nice: i32,
+        priority: u32,
+        runtime: u64,
+        deadline: u64,
+        period: u64,
+        util_min: u32,
+        util_max: u32,
+    }
+    let mut a = SchedAttr { size: std::mem::size_of::<SchedAttr>() as u32, ..Default::default() };
+    match sched {
+        Sched::Default => return,
+        Sched::ShortSlice => {
+            a.policy = libc::SCHED_OTHER as u32;
+            a.runtime = SHORT_SLICE_NS;
+        }
+        Sched::Fifo => {
+            a.policy = libc::SCHED_FIFO as u32;
+            a.priority = 1;
+        }
+    }
+    // SAFETY: sched_setattr(2) on the calling thread (0) reads `a`, laid out
+    // as the kernel's struct sched_attr (SCHED_ATTR_SIZE_VER1).
+    if unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &a as *const SchedAttr, 0) } != 0 {
+        tracing::warn!("dispatcher scheduling {sched:?}: {}", io::Error::last_os_error());
+    }
+}
+
 /// A minimal epoll with microsecond timeouts (`epoll_pwait2`), falling back
 /// to millisecond `epoll_wait` where the kernel (before 5.11) or a seccomp
 /// profile lacks it.

@@ -4,7 +4,8 @@
 //! - `Tap`: vnetd holds the TAP's file side; the network device is the
 //!   guest's NIC (moved into a guest namespace or container).
 //! - `QemuNic`: QEMU holds the file side (`-netdev tap,ifname=..`); vnetd
-//!   reads and writes the TAP device through a packet socket.
+//!   meets the TAP device through the fast path (`upcall.rs`) or a packet
+//!   socket.
 //! - `VethNic`: a veth pair, the guest's end in its namespace; the kernel
 //!   fast path attaches to the host's end (`veth.rs`).
 //!
@@ -14,6 +15,7 @@
 pub mod packet;
 pub mod rtnl;
 pub mod tap;
+pub mod upcall;
 pub mod veth;
 
 use anyhow::Result;
@@ -106,20 +108,22 @@ impl VirtualNic for Tap {
     }
 }
 
-/// QEMU holds the TAP's file side (`-netdev tap,ifname=..`); vnetd reads and
-/// writes the TAP device through a packet socket.
+/// QEMU holds the TAP's file side (`-netdev tap,ifname=..`); vnetd meets
+/// the TAP device through the fast path's upcall TAP, or without the fast
+/// path through a packet socket (`upcall.rs`).
 pub struct QemuNic {
-    port: PacketPort,
+    port: upcall::GuestPort,
     tap: QemuTap,
 }
 
 impl QemuNic {
     /// A QEMU TAP: made (or, if vnetd made it earlier, taken over) and
-    /// read through a packet socket. If the socket cannot be bound, a TAP
-    /// made here goes again and one taken over stays.
-    pub fn new(device: &str, mtu: u32) -> Result<QemuNic> {
+    /// attached. If attaching fails, a TAP made here goes again and one
+    /// taken over stays.
+    pub fn new(device: &str, mtu: u32, iface: u32, kernel: Option<&std::sync::Arc<vnet_fastpath::Kernel>>) -> Result<QemuNic> {
         let tap = Tap::create_for_qemu(device, mtu)?;
-        let port = PacketPort::bind(device)?;
+        let upcall = format!("vu{}", upcall::tag(&format!("qemu/{device}")));
+        let port = upcall::GuestPort::attach(kernel, iface, device, tap.index(), &upcall, mtu, false)?;
         Ok(QemuNic { port, tap })
     }
 }
@@ -127,17 +131,16 @@ impl QemuNic {
 impl VirtualNic for QemuNic {
     #[inline]
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        let n = self.port.recv(buf)?;
-        parse_received(buf, n)
+        self.port.recv(buf)
     }
 
     #[inline]
     fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        send_vnet(self.port.as_raw_fd(), vnet, parts)
+        self.port.send(vnet, parts)
     }
 
     fn event_fd(&self) -> RawFd {
-        self.port.as_raw_fd()
+        self.port.fd()
     }
 
     /// A QEMU TAP in force goes when vnetd exits, as with its interface.
@@ -147,6 +150,14 @@ impl VirtualNic for QemuNic {
 
     fn deleted(&self, detach: bool) {
         self.tap.remove_on_drop(!detach);
+    }
+
+    fn fast_target(&self) -> Option<vnet_fastpath::Action> {
+        self.port.fast_target()
+    }
+
+    fn describe(&self) -> String {
+        self.port.describe().to_string()
     }
 }
 

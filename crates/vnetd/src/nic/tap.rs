@@ -303,6 +303,35 @@ fn with_ioctl_socket<T>(f: impl FnOnce(RawFd) -> Result<T>) -> Result<T> {
     r
 }
 
+/// Turns a device's transmit checksum offload off (`ethtool -K <dev> tx
+/// off`): the kernel then finishes checksums, and segments, in software
+/// before the device, as for a NIC without those offloads.
+pub fn tx_checksum_off(name: &str) -> Result<()> {
+    #[repr(C)]
+    struct EthtoolValue {
+        cmd: u32,
+        data: u32,
+    }
+    #[repr(C)]
+    struct IfReqData {
+        name: [u8; libc::IFNAMSIZ],
+        data: *mut EthtoolValue,
+        _pad: [u8; 16],
+    }
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    const ETHTOOL_STXCSUM: u32 = 0x17;
+    with_ioctl_socket(|sock| {
+        let mut v = EthtoolValue { cmd: ETHTOOL_STXCSUM, data: 0 };
+        let mut req = IfReqData { name: ifname_bytes(name), data: &mut v, _pad: [0; 16] };
+        // SAFETY: SIOCETHTOOL takes an ifreq whose ifr_data points at an
+        // ethtool command, as `req` is laid out; `v` outlives the call.
+        if unsafe { libc::ioctl(sock, SIOCETHTOOL, &mut req) } < 0 {
+            bail!("ETHTOOL_STXCSUM: {}", io::Error::last_os_error());
+        }
+        Ok(())
+    })
+}
+
 /// Brings a device up.
 fn set_up(name: &str) -> Result<()> {
     with_ioctl_socket(|sock| {
@@ -337,6 +366,10 @@ pub struct QemuTap {
 }
 
 impl QemuTap {
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
     /// Whether the device goes when this handle is dropped.
     pub fn remove_on_drop(&self, remove: bool) {
         self.remove_on_drop.store(remove, Relaxed);

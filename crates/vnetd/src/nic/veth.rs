@@ -19,7 +19,8 @@
 //! with the interface in force, like a namespace TAP; it goes with
 //! `INTERFACE DEL` (not with `detach`).
 
-use super::{parse_received, rtnl, send_vnet, tap, PacketPort, Received, Tap, VirtualNic};
+use super::upcall::{tag, GuestPort};
+use super::{rtnl, tap, Received, VirtualNic};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -27,29 +28,16 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use vnet_core::offload::VnetHdr;
 use vnet_core::Mac;
-use vnet_fastpath::{Action, Attached, Kernel};
+use vnet_fastpath::{Action, Kernel};
 
 /// The names of a guest's host-side devices: (host end, upcall TAP).
 pub fn host_names(netns: &str, name: &str) -> (String, String) {
-    // FNV-1a: stable across runs and builds.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in netns.bytes().chain([b'/']).chain(name.bytes()) {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    let tag = format!("{:012x}", h & 0xffff_ffff_ffff);
-    (format!("vh{tag}"), format!("vu{tag}"))
-}
-
-enum Io {
-    /// The fast path's upcall TAP and the two attached programs.
-    Upcall { tap: Tap, _attached: (Attached, Attached) },
-    /// No fast path: a packet socket on the host end.
-    Packet(PacketPort),
+    let t = tag(&format!("{netns}/{name}"));
+    (format!("vh{t}"), format!("vu{t}"))
 }
 
 pub struct VethNic {
-    io: Io,
+    port: GuestPort,
     host: String,
     host_index: u32,
     /// Delete the pair when this goes (its request failed, or its interface
@@ -81,24 +69,9 @@ impl VethNic {
         // The host must not talk on the guest's wire (IPv6 autoconf etc.).
         let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1");
         rtnl::set_up(host_index).with_context(|| format!("cannot bring {host} up"))?;
-        let io = match kernel {
-            Some(k) => {
-                let tap = Tap::create(&upcall, mtu, Mac([0x02, 0, 0, 0, 0, 1])).with_context(|| format!("upcall TAP {upcall}"))?;
-                let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{upcall}/disable_ipv6"), "1");
-                let up_index = rtnl::device(&upcall)?.ok_or_else(|| anyhow!("TAP {upcall} vanished"))?.index;
-                rtnl::set_up(up_index).with_context(|| format!("cannot bring {upcall} up"))?;
-                let attached = k.attach_port(iface, host_index, up_index, true)?;
-                Io::Upcall { tap, _attached: attached }
-            }
-            None => Io::Packet(PacketPort::bind(&host)?),
-        };
+        let port = GuestPort::attach(kernel, iface, &host, host_index, &upcall, mtu, true)?;
         std::mem::forget(undo);
-        Ok(VethNic { io, host, host_index, remove: AtomicBool::new(made) })
-    }
-
-    /// The host end's name.
-    pub fn host(&self) -> &str {
-        &self.host
+        Ok(VethNic { port, host, host_index, remove: AtomicBool::new(made) })
     }
 }
 
@@ -116,23 +89,16 @@ impl Drop for Undo {
 impl VirtualNic for VethNic {
     #[inline]
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        let n = match &self.io {
-            Io::Upcall { tap, .. } => tap.recv(buf)?,
-            Io::Packet(p) => p.recv(buf)?,
-        };
-        parse_received(buf, n)
+        self.port.recv(buf)
     }
 
     #[inline]
     fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        send_vnet(self.event_fd(), vnet, parts)
+        self.port.send(vnet, parts)
     }
 
     fn event_fd(&self) -> RawFd {
-        match &self.io {
-            Io::Upcall { tap, .. } => tap.as_raw_fd(),
-            Io::Packet(p) => p.as_raw_fd(),
-        }
+        self.port.fd()
     }
 
     fn in_force(&self) {
@@ -144,18 +110,11 @@ impl VirtualNic for VethNic {
     }
 
     fn fast_target(&self) -> Option<Action> {
-        match self.io {
-            Io::Upcall { .. } => Some(Action::Peer { ifindex: self.host_index }),
-            Io::Packet(_) => None,
-        }
+        self.port.fast_target()
     }
 
     fn describe(&self) -> String {
-        let how = match self.io {
-            Io::Upcall { .. } => "fast",
-            Io::Packet(_) => "packet-socket",
-        };
-        format!("host={} path={how}", self.host)
+        format!("host={} {}", self.host, self.port.describe())
     }
 }
 

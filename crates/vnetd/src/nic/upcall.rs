@@ -1,0 +1,95 @@
+//! How vnetd exchanges frames with a guest port the kernel fast path
+//! attaches to (a veth's host end, a QEMU TAP), or, without the fast path,
+//! with the same device through a packet socket.
+//!
+//! With the fast path, every frame the guest sends meets `from_guest` on
+//! the device's ingress: a hit is carried in the kernel, a miss is
+//! redirected to this port's *upcall TAP*, whose file side vnetd reads as it
+//! reads any TAP (virtio-net headers, offloads and all). Frames vnetd sends
+//! to the guest are written to the upcall TAP, and `from_vnetd` passes them
+//! on (into the veth's peer, or out of QEMU's TAP). So vnetd sees exactly
+//! the frames the fast path did not take, with their origin known: the TAP
+//! is this port's alone. A packet socket cannot be used beside the fast
+//! path: it sees every frame before TC ingress runs.
+
+use super::{parse_received, rtnl, send_vnet, PacketPort, Received, Tap};
+use anyhow::{anyhow, Context, Result};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::Arc;
+use vnet_core::offload::VnetHdr;
+use vnet_core::Mac;
+use vnet_fastpath::{Action, Attached, Kernel};
+
+/// A short stable tag for device names derived from `key` (FNV-1a).
+pub fn tag(key: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{:012x}", h & 0xffff_ffff_ffff)
+}
+
+pub enum GuestPort {
+    /// The fast path's upcall TAP and the two attached programs.
+    Upcall { tap: Tap, target: Action, _attached: (Attached, Attached) },
+    /// No fast path: a packet socket on the device.
+    Packet(PacketPort),
+}
+
+impl GuestPort {
+    /// Attaches to the device `dev` (index `dev_index`): to the fast path
+    /// if `kernel` is loaded, with an upcall TAP named `upcall`, else
+    /// through a packet socket. `veth`: the device is a veth's host end
+    /// (frames for the guest go into its peer); else frames for the guest
+    /// leave through it (a TAP whose file side QEMU holds).
+    pub fn attach(kernel: Option<&Arc<Kernel>>, iface: u32, dev: &str, dev_index: u32, upcall: &str, mtu: u32, veth: bool) -> Result<GuestPort> {
+        let Some(k) = kernel else {
+            return Ok(GuestPort::Packet(PacketPort::bind(dev)?));
+        };
+        let tap = Tap::create(upcall, mtu, Mac([0x02, 0, 0, 0, 0, 1])).with_context(|| format!("upcall TAP {upcall}"))?;
+        // Nobody talks on it but vnetd (no IPv6 autoconf from the host).
+        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{upcall}/disable_ipv6"), "1");
+        let up_index = rtnl::device(upcall)?.ok_or_else(|| anyhow!("TAP {upcall} vanished"))?.index;
+        rtnl::set_up(up_index).with_context(|| format!("cannot bring {upcall} up"))?;
+        let attached = k.attach_port(iface, dev_index, up_index, veth)?;
+        let target = if veth { Action::Peer { ifindex: dev_index } } else { Action::Device { ifindex: dev_index } };
+        Ok(GuestPort::Upcall { tap, target, _attached: attached })
+    }
+
+    #[inline]
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        let n = match self {
+            GuestPort::Upcall { tap, .. } => tap.recv(buf)?,
+            GuestPort::Packet(p) => p.recv(buf)?,
+        };
+        parse_received(buf, n)
+    }
+
+    #[inline]
+    pub fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        send_vnet(self.fd(), vnet, parts)
+    }
+
+    pub fn fd(&self) -> RawFd {
+        match self {
+            GuestPort::Upcall { tap, .. } => tap.as_raw_fd(),
+            GuestPort::Packet(p) => p.as_raw_fd(),
+        }
+    }
+
+    pub fn fast_target(&self) -> Option<Action> {
+        match self {
+            GuestPort::Upcall { target, .. } => Some(*target),
+            GuestPort::Packet(_) => None,
+        }
+    }
+
+    pub fn describe(&self) -> &'static str {
+        match self {
+            GuestPort::Upcall { .. } => "path=kernel",
+            GuestPort::Packet(_) => "path=user",
+        }
+    }
+}
