@@ -85,7 +85,7 @@ struct Args {
     cpus: Vec<usize>,
     /// How dispatcher threads compete with busy applications for a CPU
     /// (docs/datapath.md: the slow path under contention).
-    #[arg(long, value_enum, default_value = "short-slice")]
+    #[arg(long, value_enum, default_value = "realtime")]
     dispatcher_sched: dispatch::worker::Sched,
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
     #[arg(long, default_value = "info")]

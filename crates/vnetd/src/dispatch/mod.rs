@@ -101,7 +101,7 @@ impl Datapath {
             workers,
             stop: AtomicBool::new(false),
             fast: None,
-            sched: worker::Sched::ShortSlice,
+            sched: worker::Sched::Realtime,
         })
     }
 
@@ -198,7 +198,6 @@ pub fn spawn(dp: &Arc<Datapath>, on_failure: fn()) -> Result<Vec<JoinHandle<Resu
                     if let Some(cpu) = dp.workers[i].cpu {
                         worker::pin_to(cpu);
                     }
-                    worker::set_sched(dp.sched);
                     let r = worker::run(dp, i);
                     if let Err(e) = &r {
                         tracing::error!("dispatcher {i} failed: {e:#}");

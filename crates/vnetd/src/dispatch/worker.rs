@@ -71,58 +71,30 @@ pub fn pin_to(cpu: usize) {
 }
 
 /// How dispatcher threads are scheduled against busy applications on the
-/// same CPUs (`--dispatcher-sched`).
+/// same CPUs (`--dispatcher-sched`; measured in docs/datapath.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Sched {
-    /// The kernel's defaults (a normal task).
-    Default,
-    /// A normal task that asks the scheduler (EEVDF, Linux 6.12+) for short
-    /// slices: a woken dispatcher preempts a task that has run longer,
-    /// instead of waiting for its slice to end (milliseconds); it gets no
-    /// more CPU than its share.
-    ShortSlice,
-    /// Real-time FIFO priority 1: a woken dispatcher runs at once. A
-    /// dispatcher that polls (VMM-driven) then holds its CPU against every
-    /// normal task, up to the kernel's real-time throttling (95 %).
-    Fifo,
+    /// A normal task throughout: a woken dispatcher may wait for a busy
+    /// task's slice to end (milliseconds).
+    Normal,
+    /// Real-time (FIFO, priority 1) while the thread is event-driven (it
+    /// sleeps until a frame, as an interrupt handler would): a woken
+    /// dispatcher runs at once. A normal task while it polls (VMM-driven),
+    /// so that polling never holds a CPU against applications.
+    Realtime,
 }
 
-/// The slice a `short-slice` dispatcher asks for: the scheduler's minimum.
-const SHORT_SLICE_NS: u64 = 100_000;
-
-/// Applies `sched` to the calling thread (a warning if the kernel refuses).
-pub fn set_sched(sched: Sched) {
-    #[repr(C)]
-    #[derive(Default)]
-    struct SchedAttr {
-        size: u32,
-        policy: u32,
-        flags: u64,
-        nice: i32,
-        priority: u32,
-        runtime: u64,
-        deadline: u64,
-        period: u64,
-        util_min: u32,
-        util_max: u32,
+/// Puts the calling thread in the real-time class (FIFO, priority 1) or
+/// back in the normal one; false if the kernel refused.
+pub fn set_realtime(on: bool) -> bool {
+    let param = libc::sched_param { sched_priority: if on { 1 } else { 0 } };
+    let policy = if on { libc::SCHED_FIFO } else { libc::SCHED_OTHER };
+    // SAFETY: sched_setscheduler(2) on the calling thread reads `param`.
+    if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
+        tracing::warn!("dispatcher: cannot switch to {}: {}", if on { "SCHED_FIFO" } else { "SCHED_OTHER" }, io::Error::last_os_error());
+        return false;
     }
-    let mut a = SchedAttr { size: std::mem::size_of::<SchedAttr>() as u32, ..Default::default() };
-    match sched {
-        Sched::Default => return,
-        Sched::ShortSlice => {
-            a.policy = libc::SCHED_OTHER as u32;
-            a.runtime = SHORT_SLICE_NS;
-        }
-        Sched::Fifo => {
-            a.policy = libc::SCHED_FIFO as u32;
-            a.priority = 1;
-        }
-    }
-    // SAFETY: sched_setattr(2) on the calling thread (0) reads `a`, laid out
-    // as the kernel's struct sched_attr (SCHED_ATTR_SIZE_VER1).
-    if unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &a as *const SchedAttr, 0) } != 0 {
-        tracing::warn!("dispatcher scheduling {sched:?}: {}", io::Error::last_os_error());
-    }
+    true
 }
 
 /// A minimal epoll with microsecond timeouts (`epoll_pwait2`), falling back
@@ -252,6 +224,9 @@ struct Worker {
     buf: Vec<u8>,
     rx: RxBatch,
     last_work: Instant,
+    /// In the real-time class now; whether the kernel allows it.
+    realtime: bool,
+    realtime_ok: bool,
 }
 
 pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
@@ -273,6 +248,8 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         buf: vec![0u8; BUF_LEN],
         rx: RxBatch::default(),
         last_work: Instant::now(),
+        realtime: false,
+        realtime_ok: true,
     };
     w.reload();
     w.run()
@@ -286,6 +263,11 @@ impl Worker {
             }
             let d = self.snap.dispatch;
             let polling = self.owned.iter().any(|o| o.polled);
+            let realtime = self.dp.sched == Sched::Realtime && !polling && self.realtime_ok;
+            if realtime != self.realtime {
+                self.realtime_ok = set_realtime(realtime) || !realtime;
+                self.realtime = realtime && self.realtime_ok;
+            }
             let mut timeout = None;
             if polling {
                 let work = self.poll_pass();
