@@ -651,12 +651,12 @@ def vnet_config(nl, i: int, guests: dict, gmtu: int, kns: str) -> str:
     mac, peer_mac = guests[i][0][1], guests[peer][0][1]
     return (f"INTERFACE ADD {guests[i][0][0]} {mac} mtu {gmtu}\n"
             f"INTERFACE ADD kg {KMAC[i]} mtu {gmtu} netns {kns} veth\n"
-            f"ROUTE ADD any {KMAC[i]} interface {KMAC[i]} any\n"
-            f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {KMAC[i]} any\n"
-            f"ROUTE ADD any {KMAC[peer]} edge udp any\n"
             f"LINK ADD {UNDERLAY[peer]} 9000 udp name udp\n"
             f"LINK ADD {UNDERLAY[peer]} 9000 tcp key lab name tcp\n"
             f"LINK ADD {UNDERLAY[peer]} 4790 vxlan vni 42 name vx\n"
+            f"ROUTE ADD any {KMAC[i]} interface {KMAC[i]} any\n"
+            f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {KMAC[i]} any\n"
+            f"ROUTE ADD any {KMAC[peer]} edge udp any\n"
             f"ROUTE ADD any {mac} interface {mac} any\n"
             f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {mac} any\n"
             + route_lines(peer_mac, "udp"))

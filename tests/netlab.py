@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import socket
@@ -231,6 +232,26 @@ class Lab:
         self.x(g, "ip", "link", "set", tap, "up")
         mac = self.x(g, "cat", f"/sys/class/net/{tap}/address").stdout.strip()
         return Guest(ns=g, tap=tap, mac=mac, ip=overlay_ip(n), host=host)
+
+    def config_text(self, path: Path) -> str:
+        """A shipped config with its `netns <name>` words pointed at this
+        lab's namespace of that name (which carry the lab's prefix)."""
+        return re.sub(r"(?i)\bnetns\s+(\S+)", lambda m: f"netns {self.prefix}{m.group(1)}", path.read_text())
+
+    def veth_guest(self, host: str, name: str, n: int, ns: str) -> Guest:
+        """The veth guest `name` vnetd made in `ns` (INTERFACE ADD ...
+        veth), given overlay_ip(n) and brought up."""
+        self.x(ns, "ip", "addr", "add", f"{overlay_ip(n)}/24", "dev", name)
+        self.x(ns, "ip", "link", "set", name, "up")
+        mac = self.x(ns, "cat", f"/sys/class/net/{name}/address").stdout.strip()
+        return Guest(ns=ns, tap=name, mac=mac, ip=overlay_ip(n), host=host)
+
+    def guest_ns(self, name: str) -> str:
+        """A guest namespace without IPv6 chatter."""
+        g = self.ns(name)
+        self.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+        self.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+        return g
 
     def ping(self, src: Guest, dst: Guest, count=1, wait=2, size=None, check=False):
         cmd = ["ping", "-n", "-q", "-c", count, "-W", wait]

@@ -3,11 +3,14 @@
 TCP across hosts, checked by what the guests see and by STATS saying which
 path carried the frames."""
 
+import shutil
+import subprocess
 import time
 
 import pytest
 
-from netlab import Guest, Lab, REPO, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
+from netlab import VNETD, Guest, Lab, REPO, Vnetd, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
+from test_epoll_fallback import vnetd_pid
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 
@@ -218,3 +221,156 @@ def test_a_device_vnetd_did_not_make_is_refused_and_left_alone(lab):
     assert d.ctl("INTERFACE", "LIST").stdout.strip() == ""
     names = [l.split(":")[1].strip().split("@")[0] for l in lab.x(host, "ip", "-o", "link").stdout.splitlines()]
     assert not [n for n in names if n.startswith(("vh", "vu"))], names
+
+
+def test_a_hand_made_vnetp_peer_talks_to_the_kernel_fast_path(lab):
+    """The wire, byte for byte: a peer written from docs/wire-format.md (no
+    vnetd on its host) exchanges ICMP echoes with a veth guest; after the
+    first exchange the kernel encapsulates and decapsulates them."""
+    h1, h2 = lab.add_host(1), lab.add_host(2)
+    gns = lab.guest_ns("g1")
+    peer_mac, peer_ip = "02:00:00:00:00:50", "198.19.0.50"
+    d = lab.start_vnetd(h1, f"INTERFACE ADD g1 {guest_mac(1)} mtu {FAST_MTU} netns {gns} veth\n"
+                            f"LINK ADD {underlay_ip(2)} 9000 udp\n"
+                            f"ROUTE ADD any {guest_mac(1)} interface {guest_mac(1)} any\n"
+                            f"ROUTE ADD any {peer_mac} edge {underlay_ip(2)} any\n")
+    g1 = lab.veth_guest(h1, "g1", 1, gns)
+    # No ARP on this wire: the guest knows the peer's MAC.
+    lab.x(gns, "ip", "neigh", "add", peer_ip, "lladdr", peer_mac, "dev", "g1")
+    out = lab.x(h2, "python3", REPO / "tests" / "tools" / "vnetp_peer.py", underlay_ip(2), 9000, underlay_ip(1),
+                g1.mac, g1.ip, peer_mac, peer_ip, 40, 1400, timeout=120).stdout
+    assert out.split() == ["replies", "40", "bad", "0"], out
+    f = fast(d)
+    assert f["hit_net"] >= 38 and f["hit_guest"] >= 38, f
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (scripts/setup installs it)")
+def test_where_bpf_is_refused_vnetd_says_so_and_veth_guests_still_work(lab):
+    """Without BPF (strace makes every bpf() fail with EPERM) vnetd logs one
+    line, runs its own datapath, reads veth guests through a packet socket,
+    and refuses SET datapath kernel."""
+    hosts = {h: lab.add_host(h) for h in (1, 2)}
+    gns = {h: lab.guest_ns(f"g{h}") for h in (1, 2)}
+    by_host = {h: [(f"g{h}", guest_mac(h))] for h in (1, 2)}
+    attach = {f"g{h}": f"netns {gns[h]} veth" for h in (1, 2)}
+    # Host 1 has no finishing pair (no BPF): host 2's underlay must finish
+    # checksums and segment as a NIC would, not pass its packets as they are
+    # (docs/datapath.md, offloads across the fast path).
+    lab.x(hosts[2], "ethtool", "-K", "eth0", "tx", "off")
+    d2 = lab.start_vnetd(hosts[2], mesh_config(2, by_host, mtu=FAST_MTU, attach=attach))
+    conf = lab.tmp / "h1-nobpf.conf"
+    conf.write_text(mesh_config(1, by_host, mtu=FAST_MTU, attach=attach))
+    sock, log = lab.tmp / "h1.sock", lab.tmp / "h1-nobpf.log"
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", hosts[1], "strace", "-f", "-o", "/dev/null", "-e", "trace=bpf",
+             "-e", "inject=bpf:error=EPERM",
+             str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(lab.key_dir), "--config", str(conf)],
+            stdout=lf, stderr=subprocess.STDOUT)
+    lab.other_procs.append(proc)
+    d1 = Vnetd(lab, hosts[1], sock, proc, log)
+    try:
+        lab.wait_ready(d1)
+        g = {h: lab.veth_guest(hosts[h], f"g{h}", h, gns[h]) for h in (1, 2)}
+        assert "path=user" in d1.ctl("INTERFACE", "LIST").stdout
+        r = lab.ping(g[1], g[2], count=20, wait=1)
+        assert r.returncode == 0 and " 0% packet loss" in r.stdout, r.stdout
+        transfer(lab, g[1], g[2], 20 * 1000 * 1000)
+        lines = [l for l in d1.log_text().splitlines() if "kernel fast path unavailable" in l]
+        assert len(lines) == 1, d1.log_text()
+        bad = d1.ctl("SET", "datapath", "kernel", check=False)
+        assert bad.returncode != 0 and "not loaded" in bad.stderr + bad.stdout
+        s = d1.stats()
+        assert s["fastpath"]["loaded"] == "no" and s["paths"]["kernel_frames"] == 0, s["fastpath"]
+        # The other host, with its fast path, carried its side in the kernel.
+        assert fast(d2)["hit_guest"] > 10
+    finally:
+        pid = vnetd_pid(proc.pid)
+        if pid:
+            subprocess.run(["kill", "-TERM", str(pid)])
+        assert proc.wait(timeout=10) == 0, d1.log_text()
+
+
+def test_hostile_traffic_at_a_fast_path_host_is_dropped_and_counted_while_legit_traffic_flows(lab):
+    """test_hostile's attack, at a host whose guests are on the kernel fast
+    path: what the kernel does not take reaches vnetd and is counted exactly
+    as before; the forged frames to g3 are each delivered once (by either
+    path); the flood of made-up MACs cannot pin the kernel's map."""
+    from test_hostile import BATCHES, HOSTILE, STREAM, rss_kb, rx_packets
+    layout = {1: [1, 3], 2: [2]}
+    _, d, g = veth_mesh(lab, layout, mtu=1000, extra={1: "LINK ADD 198.18.0.2 vxlan vni 42 name vx\n"})
+    evil = lab.add_host(9)
+    d1 = d[1]
+    assert lab.reaches(g[1], g[2])
+    rss0 = rss_kb(d1.proc.pid)
+    recv = lab.popen(g[1].ns, "python3", STREAM, "recv", 5001, stdout=subprocess.PIPE, text=True)
+    assert recv.stdout.readline().strip() == "listening"
+    send = lab.popen(g[2].ns, "python3", STREAM, "send", g[1].ip, 5001, "eof",
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    before = d1.stats()
+    assert before["interface g1"]["fast_out_frames"] > 50, "the stream flows in the kernel before the attack"
+    g3_rx = rx_packets(lab, g[3])
+    hostile = lab.popen(evil, "python3", HOSTILE, "198.18.0.1", "198.18.0.2", "198.18.0.9",
+                        g[1].mac, g[2].mac, g[3].mac, stdout=subprocess.PIPE, text=True)
+    done = {}
+    for line in hostile.stdout:
+        if line.strip() == "done":
+            break
+        name, n = line.split()
+        done[name] = int(n)
+    assert hostile.wait(timeout=60) == 0 and done == BATCHES
+    assert send.poll() is None, "the stream ended before the hostile input did"
+    sent = send.communicate(input="", timeout=60)[0].split()
+    got = recv.communicate(timeout=60)[0].split()
+    assert got[:2] == sent and int(sent[0]) > 1_000_000, (sent, got)
+    drops = {
+        ("link 198.18.0.2", "malformed"): BATCHES["runts"],
+        ("link 198.18.0.2", "no_route"): BATCHES["no_route"],
+        ("interface g1", "oversize"): BATCHES["oversize"],
+        ("global", "unknown_sender"): BATCHES["strangers"] + BATCHES["vxlan_unknown_vni"] + BATCHES["flood"],
+        ("global", "malformed"): BATCHES["runts"] + BATCHES["vxlan_bad_header"],
+    }
+
+    def deltas():
+        after = d1.stats()
+        c = {k: after[k[0]][f"drop_{k[1]}"] - before[k[0]][f"drop_{k[1]}"] for k in drops}
+        c["g3 delivered"] = after["interface g3"]["out_frames"] - before["interface g3"]["out_frames"]
+        c["g3 received"] = rx_packets(lab, g[3]) - g3_rx
+        return c
+
+    want = {**drops, "g3 delivered": BATCHES["forged"], "g3 received": BATCHES["forged"]}
+    counted = wait_until(lambda: (c := deltas()) == want and c, timeout=5) or deltas()
+    assert counted == want, fast(d1)
+    f = fast(d1)
+    assert f["entries"] <= 16384 and f["drop_encap"] == 0 and f["drop_decap"] == 0, f
+    assert rss_kb(d1.proc.pid) - rss0 < 64 * 1024
+    # The legit flow is (back) in the kernel after the flood.
+    hits = fast(d1)["hit_net"]
+    assert "20 received" in lab.ping(g[2], g[1], count=20).stdout
+    assert fast(d1)["hit_net"] >= hits + 15
+
+
+def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
+    """Frames that are not IPv4 inside (IPv6, ARP) are carried and handed
+    to the guest as what they are (a decapsulated frame's protocol is read
+    again from its own header)."""
+    # IPv6 finds its neighbours at 33:33:ff + the address's last 24 bits.
+    extra = {h: f"ROUTE ADD any 33:33:ff:00:00:{h:02x} interface {guest_mac(h)} any\n"
+                f"ROUTE ADD any 33:33:ff:00:00:{3 - h:02x} edge {underlay_ip(3 - h)} interface\n" for h in (1, 2)}
+    _, d, g = veth_mesh(lab, {1: [1], 2: [2]}, extra=extra)
+    for n in (1, 2):
+        lab.x(g[n].ns, "sysctl", "-qw", f"net.ipv6.conf.g{n}.disable_ipv6=0")
+        lab.x(g[n].ns, "ip", "-6", "addr", "add", f"fd00:198:19::{n}/64", "dev", f"g{n}", "nodad")
+    r = lab.x(g[1].ns, "ping", "-6", "-n", "-c", "20", "-i", "0.05", "fd00:198:19::2", check=False)
+    assert "20 received" in r.stdout, r.stdout
+    recv = lab.popen(g[2].ns, "python3", XFER, "recv", 5003, "::", stdout=-1, text=True)
+    assert recv.stdout.readline().strip() == "listening"
+    sent = lab.x(g[1].ns, "python3", XFER, "send", "fd00:198:19::2", 5003, 30_000_000, timeout=120).stdout.split()
+    assert recv.communicate(timeout=60)[0].split() == sent
+    f1, f2 = fast(d[1]), fast(d[2])
+    assert f1["hit_guest"] > 100 and f2["hit_net"] > 100, (f1, f2)
+    # ARP after the flows are in the kernel: the neighbour entry is
+    # forgotten and resolved again, through the fast path's entries.
+    lab.x(g[1].ns, "ip", "neigh", "flush", "dev", "g1")
+    assert "5 received" in lab.ping(g[1], g[2], count=5).stdout

@@ -666,6 +666,13 @@ mod tests {
             one("interface add g1 02:00:00:00:00:01 netns guest-1"),
             Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()) }
         );
+        assert_eq!(
+            one("interface add eth1 02:00:00:00:00:01 mtu 1458 netns c1 veth"),
+            Command::IfaceAdd { name: "eth1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(1458), attach: Attach::Veth, netns: Some("c1".into()) }
+        );
+        assert_eq!(one("set datapath KERNEL"), Command::Set(Setting::Datapath(Datapath::Kernel)));
+        assert_eq!(one("set datapath user"), Command::Set(Setting::Datapath(Datapath::User)));
+        assert_eq!(one("set datapath auto"), Command::Set(Setting::Datapath(Datapath::Auto)));
         assert_eq!(one("interface del g1 detach"), Command::IfaceDel(IfaceRef::Name("g1".into()), true));
         assert_eq!(one("IFACE DEL vg1"), Command::IfaceDel(IfaceRef::Name("vg1".into()), false));
         assert_eq!(one("iface del 02:00:00:00:00:01"), Command::IfaceDel(IfaceRef::Mac("02:00:00:00:00:01".parse().unwrap()), false));
@@ -784,6 +791,9 @@ mod tests {
             ("interface add vg1 02:00:00:00:00:01 netns ../etc", "not a network namespace name"),
             ("interface add vg1 02:00:00:00:00:01 netns /run/x", "not a network namespace name"),
             ("interface add vg1 02:00:00:00:00:01 netns g qemu", "takes no netns"),
+            ("interface add vg1 02:00:00:00:00:01 veth", "needs netns"),
+            ("set datapath fast", "not a datapath"),
+            ("set datapath", "SET"),
             ("interface del g1 now", "INTERFACE DEL needs"),
             ("route add any any", "too short"),
             ("route del", "needs a route index"),

@@ -63,7 +63,7 @@ struct flow_action {
 	__u32 link;
 	__u32 dest;  // port counted as the frame's destination
 	__u32 route; // route id counted as the rule that carried it
-	__u32 _pad;
+	__u32 max_len; // longest unsegmented frame the destination takes (0: any)
 };
 
 struct link_info {
@@ -114,7 +114,7 @@ enum stat {
 	S_MISS_GUEST,   // from a guest, no entry: to vnetd
 	S_MISS_NET,     // VNET datagram, no entry: up the stack to vnetd
 	S_FROM_VNETD,   // written by vnetd for a guest
-	S_SLOW_BIG,     // hit, but too big for the link unsegmented: to vnetd
+	S_SLOW_BIG,     // hit, but too big for the link (or the guest) unsegmented: to vnetd
 	S_SLOW_NOT_IP,  // hit, but not IP (the kernel cannot encapsulate it): to vnetd
 	S_SLOW_ROUTE,   // hit, but the link is not (or no longer) described to the kernel: to vnetd
 	S_SLOW_GSO,     // GSO the fast path cannot take as is: to vnetd
@@ -128,8 +128,11 @@ enum stat {
 	S_MAX,
 };
 
+// Least recently used entries make room for new ones: a flood of made-up
+// MACs cannot pin the map full; an evicted flow's next frame is a miss and
+// vnetd installs it again.
 struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 16384);
 	__type(key, struct flow_key);
 	__type(value, struct flow_action);
@@ -191,6 +194,9 @@ struct skb_shared_info {
 
 extern void *bpf_cast_to_kern_ctx(void *) __ksym;
 extern void *bpf_rdonly_cast(const void *, __u32) __ksym;
+
+// Newer than Debian's UAPI headers (Linux 6.3).
+#define ADJ_ROOM_DECAP_L3_IPV6 (1ULL << 8)
 
 #define SKB_GSO_UDP_TUNNEL (1u << 10)
 #define SKB_GSO_UDP_TUNNEL_CSUM (1u << 11)
@@ -363,6 +369,8 @@ int from_guest(struct __sk_buff *skb)
 		return encap(skb, p, a, &copy);
 	}
 	__u32 len = skb->len;
+	if (a->max_len && !skb->gso_size && len > a->max_len)
+		return upcall(p, S_SLOW_BIG); // vnetd drops it and counts it (oversize)
 	count_port(p->origin, 1, len);
 	count_port(a->dest, 0, len);
 	count(C_ROUTE, a->route, len);
@@ -437,9 +445,28 @@ int from_network(struct __sk_buff *skb)
 	if (!gso && (bpf_ntohs(ip->tot_len) + ETH_HLEN != skb->len ||
 		     bpf_ntohs(udp->len) + sizeof(*ip) != bpf_ntohs(ip->tot_len)))
 		return PASS; // lengths that do not add up: the stack judges it
+	if (!gso && a->max_len && skb->len - OUTER > a->max_len) {
+		stat(S_SLOW_BIG); // too big for the guest: vnetd drops it and counts it
+		return PASS;
+	}
 	struct ethhdr eth_in = *inner;
 	__u32 len = skb->len - OUTER;
-	if (bpf_skb_adjust_room(skb, -(__s32)OUTER, BPF_ADJ_ROOM_MAC, BPF_F_ADJ_ROOM_FIXED_GSO) ||
+	// Straight into the guest's namespace (bpf_redirect_peer) when the
+	// frame is IP: the skb's protocol, set from the outer header, is made
+	// the frame's (IPv6: BPF_F_ADJ_ROOM_DECAP_L3_IPV6). Any other frame
+	// (ARP) leaves by the veth's host end, whose peer reads its header again;
+	// such frames are never super-frames.
+	int peer = a->kind == ACT_PEER;
+	__u64 dflags = BPF_F_ADJ_ROOM_FIXED_GSO;
+	if (eth_in.h_proto == bpf_htons(ETH_P_IPV6))
+		dflags |= ADJ_ROOM_DECAP_L3_IPV6;
+	else if (eth_in.h_proto != bpf_htons(ETH_P_IP))
+		peer = 0;
+	if (gso && !peer) {
+		stat(S_SLOW_GSO);
+		return PASS;
+	}
+	if (bpf_skb_adjust_room(skb, -(__s32)OUTER, BPF_ADJ_ROOM_MAC, dflags) ||
 	    bpf_skb_store_bytes(skb, 0, &eth_in, ETH_HLEN, 0)) {
 		stat(S_DROP_DECAP);
 		return TC_ACT_SHOT;
@@ -448,7 +475,7 @@ int from_network(struct __sk_buff *skb)
 	count_port(a->dest, 0, len);
 	count(C_ROUTE, a->route, len);
 	stat(S_HIT_NET);
-	if (a->kind == ACT_PEER)
+	if (peer)
 		return bpf_redirect_peer(a->ifindex, 0);
 	return bpf_redirect(a->ifindex, 0);
 }

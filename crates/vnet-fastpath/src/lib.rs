@@ -55,6 +55,9 @@ pub struct Flow {
     /// Destination port (`LINK_BIT` set for a link).
     pub dest: u32,
     pub route: u32,
+    /// Longest frame (unsegmented) the destination takes; 0: any. Longer
+    /// ones go to vnetd, which drops and counts them.
+    pub max_len: u32,
 }
 
 #[repr(C)]
@@ -65,7 +68,7 @@ struct RawAction {
     link: u32,
     dest: u32,
     route: u32,
-    _pad: u32,
+    max_len: u32,
 }
 
 impl From<Flow> for RawAction {
@@ -75,7 +78,7 @@ impl From<Flow> for RawAction {
             Action::Device { ifindex } => (2, ifindex, 0),
             Action::Encap { link } => (3, 0, link),
         };
-        RawAction { kind, ifindex, link, dest: f.dest, route: f.route, _pad: 0 }
+        RawAction { kind, ifindex, link, dest: f.dest, route: f.route, max_len: f.max_len }
     }
 }
 
@@ -87,7 +90,7 @@ impl RawAction {
             3 => Action::Encap { link: self.link },
             _ => return None,
         };
-        Some(Flow { action, dest: self.dest, route: self.route })
+        Some(Flow { action, dest: self.dest, route: self.route, max_len: self.max_len })
     }
 }
 

@@ -165,14 +165,27 @@ impl FastPath {
 
     /// The entry the kernel may hold for a frame from `origin` that the
     /// rule table sends to `hits`, if it can carry it.
-    pub fn flow_for(snap: &Snapshot, origin: Port, hits: &[Hit]) -> Option<Flow> {
+    pub fn flow_for(snap: &Snapshot, origin: Port, dst: Mac, hits: &[Hit]) -> Option<Flow> {
         let [hit] = hits else { return None };
         if !Self::is_fast_origin(snap, origin) {
             return None;
         }
         let route = snap.routes.get(hit.rule as usize)?.id;
+        let mut max_len = 0;
         let action = match (snap.slot_of(hit.dst)?, origin) {
-            (crate::topology::Slot::Iface(s), _) => snap.ifaces[s as usize].nic.fast_target()?,
+            (crate::topology::Slot::Iface(s), _) => {
+                let i = &snap.ifaces[s as usize];
+                max_len = i.max_frame() as u32;
+                match i.nic.fast_target()? {
+                    // Into the guest's namespace directly only for frames
+                    // addressed to it: the kernel then treats them as the
+                    // guest's own. Others (broadcast, another MAC behind the
+                    // guest) leave by the veth's host end, so the guest's
+                    // side reads their header as a wire frame.
+                    Action::Peer { ifindex } if dst != i.mac => Action::Device { ifindex },
+                    a => a,
+                }
+            }
             // Link to link (a host relaying between links) stays in vnetd.
             (crate::topology::Slot::Link(_), Port::Link(_)) => return None,
             (crate::topology::Slot::Link(s), Port::Interface(_)) => {
@@ -181,13 +194,13 @@ impl FastPath {
                 Action::Encap { link: l.id }
             }
         };
-        Some(Flow { action, dest: code(hit.dst), route })
+        Some(Flow { action, dest: code(hit.dst), route, max_len })
     }
 
     /// A dispatcher's route cache asked the table: install the answer if
     /// the kernel can carry it.
     pub fn offer(&self, budget: &mut InstallBudget, snap: &Snapshot, origin: Port, src: Mac, dst: Mac, hits: &[Hit]) {
-        let Some(flow) = Self::flow_for(snap, origin, hits) else { return };
+        let Some(flow) = Self::flow_for(snap, origin, dst, hits) else { return };
         if !budget.take() {
             self.rate_limited.fetch_add(1, Relaxed);
             return;
@@ -210,7 +223,7 @@ impl FastPath {
             let origin = port_of(key.origin);
             scratch.clear();
             snap.table.lookup(origin, Mac(key.src), Mac(key.dst), &mut scratch);
-            if held.is_none() || Self::flow_for(snap, origin, &scratch) != held {
+            if held.is_none() || Self::flow_for(snap, origin, Mac(key.dst), &scratch) != held {
                 self.kernel.remove_flow(&key);
                 self.revoked.fetch_add(1, Relaxed);
             }

@@ -27,7 +27,6 @@ use crate::link::direct::DirectLink;
 use crate::link::tcp::{LinkKey, TcpLink, TcpTransport};
 use crate::link::udp::UdpLink;
 use crate::link::{GsoState, Rx, Transport, UdpEndpoint};
-use crate::fast::FastPath;
 use crate::nic::{rtnl, tap, QemuNic, Tap, VethNic, VirtualNic};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
@@ -262,8 +261,9 @@ pub struct Topology {
     next_iface: u32,
     next_link: u32,
     next_route: u32,
-    /// The kernel fast path, if it loaded (whether or not it is on).
-    pub fast: Option<Arc<FastPath>>,
+    /// The kernel fast path's programs, if they loaded (whether or not the
+    /// fast path is on): guest ports attach to them.
+    pub kernel: Option<Arc<vnet_fastpath::Kernel>>,
 }
 
 impl Topology {
@@ -288,7 +288,7 @@ impl Topology {
                     Setting::WindowMs(v) => d.window_ms = v,
                     Setting::Quota(v) => d.quota = v,
                     Setting::Datapath(v) => {
-                        if v == Datapath::Kernel && self.fast.is_none() {
+                        if v == Datapath::Kernel && self.kernel.is_none() {
                             return Err("the kernel fast path is not loaded on this host (see vnetd's log); datapath auto or user".into());
                         }
                         d.datapath = v
@@ -339,9 +339,9 @@ impl Topology {
                 let nic: Box<dyn VirtualNic> = match (attach, netns) {
                     (Attach::Netns, None) => Tap::create(name, mtu, *mac).map(|t| Box::new(t) as Box<dyn VirtualNic>),
                     (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, *mac, ns).map(|(t, _)| Box::new(t) as Box<dyn VirtualNic>),
-                    (Attach::Qemu, _) => QemuNic::new(name, mtu, self.next_iface, self.fast.as_ref().map(|f| &f.kernel)).map(|n| Box::new(n) as Box<dyn VirtualNic>),
+                    (Attach::Qemu, _) => QemuNic::new(name, mtu, self.next_iface, self.kernel.as_ref()).map(|n| Box::new(n) as Box<dyn VirtualNic>),
                     (Attach::Veth, Some(ns)) => {
-                        let kernel = self.fast.as_ref().map(|f| &f.kernel);
+                        let kernel = self.kernel.as_ref();
                         VethNic::new(name, *mac, mtu, ns, self.next_iface, kernel).map(|n| Box::new(n) as Box<dyn VirtualNic>)
                     }
                     (Attach::Veth, None) => return Err("a veth interface needs netns <name>".into()),
@@ -659,7 +659,7 @@ impl Topology {
             tcp,
             dispatch: self.dispatch,
             iface_dispatch,
-            fast: self.fast.clone().filter(|_| self.dispatch.datapath != Datapath::User),
+            fast_on: self.kernel.is_some() && self.dispatch.datapath != Datapath::User,
         }
     }
 }
@@ -699,9 +699,9 @@ pub struct Snapshot {
     vxlan: HashMap<(IpAddr, u32), u32>,
     /// TCP links by remote IP.
     tcp: HashMap<IpAddr, Arc<TcpLink>>,
-    /// The kernel fast path, while it is on: dispatchers install the
-    /// answers it can carry.
-    pub fast: Option<Arc<FastPath>>,
+    /// The kernel fast path is on: dispatchers install the answers it can
+    /// carry.
+    pub fast_on: bool,
 }
 
 /// Where a port is in one snapshot.

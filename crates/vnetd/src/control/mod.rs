@@ -34,7 +34,7 @@ struct State {
 impl Control {
     pub fn new(dp: Arc<Datapath>, settings: Settings) -> Control {
         let mut state = State::default();
-        state.topo.fast = dp.fast.clone();
+        state.topo.kernel = dp.fast.as_ref().map(|f| f.kernel.clone());
         Control { state: Mutex::new(state), dp, settings }
     }
 
@@ -127,10 +127,10 @@ impl Control {
             // answer any more. Take back the kernel's entries it changed.
             if let Some(fast) = &self.dp.fast {
                 let snap = self.dp.snapshot();
-                if let Err(e) = fast.kernel.set_enabled(snap.fast.is_some()) {
+                if let Err(e) = fast.kernel.set_enabled(snap.fast_on) {
                     tracing::error!("fast path: cannot switch it: {e:#}");
                 }
-                if snap.fast.is_some() {
+                if snap.fast_on {
                     fast.revalidate(&snap);
                 } else {
                     fast.kernel.clear_flows();

@@ -12,7 +12,7 @@
 //!
 //! Nothing here depends on which kind a NIC or a link is.
 
-use crate::fast::InstallBudget;
+use crate::fast::{FastPath, InstallBudget};
 use crate::link::{Segments, Sent, TxCtx, TxQueue};
 use crate::nic::MAX_PARTS;
 use crate::stats::{Counters, DropReason, ThreadStats};
@@ -42,12 +42,14 @@ pub struct Forwarder {
     pending_dest: u32,
     /// Link sends queued or buffered this pass (`batching` on: VMM-driven).
     pub tx: TxQueue,
-    /// This thread's budget of kernel fast-path installs.
+    /// The kernel fast path, if loaded, and this thread's budget of
+    /// installs into it.
+    fast: Option<Arc<FastPath>>,
     budget: InstallBudget,
 }
 
 impl Forwarder {
-    pub fn new(st: Arc<ThreadStats>) -> Forwarder {
+    pub fn new(st: Arc<ThreadStats>, fast: Option<Arc<FastPath>>) -> Forwarder {
         Forwarder {
             st,
             cache: RouteCache::default(),
@@ -57,6 +59,7 @@ impl Forwarder {
             coalescer: TcpCoalescer::default(),
             pending_dest: 0,
             tx: TxQueue::default(),
+            fast,
             budget: InstallBudget::default(),
         }
     }
@@ -90,7 +93,7 @@ impl Forwarder {
             self.hits.extend(hits.iter().filter_map(|h: &Hit| Some((h.rule, snap.slot_of(h.dst)?))));
             self.last = key;
             if self.cache.misses != misses {
-                if let Some(fast) = &snap.fast {
+                if let (true, Some(fast)) = (snap.fast_on, &self.fast) {
                     // The table was asked: the kernel may take this flow's next frames.
                     let hits = self.cache.route(&snap.table, port, src, dst);
                     fast.offer(&mut self.budget, snap, port, src, dst, hits);

@@ -235,7 +235,7 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
     let snap = Arc::new(Snapshot::empty());
     let st = dp.worker_stats(index);
     let mut w = Worker {
-        fwd: Forwarder::new(st.clone()),
+        fwd: Forwarder::new(st.clone(), dp.fast.clone()),
         st,
         dp,
         index,

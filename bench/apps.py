@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""OpenMPI ping-pong (NetPIPE's NPopenmpi, TCP BTL, ranks busy-polling as MPI
+does) between two guests on two hosts, over each transport in one run:
+
+  native       the two host namespaces, over their veth
+  vxlan        the kernel's VXLAN + bridge, guests in namespaces
+  vnet-kernel  veth guests, VNET's kernel fast path
+  vnet-user    TAP guests, vnetd's user-level datapath, its default settings
+
+    sudo python3 bench/mpi.py [--repeats 3] [--max-bytes 1048576]
+
+Prints, per transport and repeat, the 8-byte one-way latency and the 1 MiB
+bandwidth NetPIPE measured, then min/median/max and the ratios to native and
+to VXLAN; writes bench/results/<date>-mpi.json and .md. A benchmark, never a
+pass/fail test. No CPU pinning: ranks and daemons share the machine's two
+CPUs, as a user's MPI job would (`--bind-to none`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent / "tests"))
+from netlab import Lab, guest_mac, mesh_config, overlay_ip, underlay_ip  # noqa: E402
+
+VXLAN_OVERHEAD = 50
+VNET_OVERHEAD = 42
+
+
+def agent_script(tmp: Path) -> Path:
+    p = tmp / "mpi-agent"
+    p.write_text('#!/bin/sh\nh="$1"; shift\nexec ip netns exec "$h" sh -c "$*"\n')
+    p.chmod(0o755)
+    return p
+
+
+def netpipe(lab: Lab, agent: Path, a: str, b: str, subnet: str, max_bytes: int, out: Path) -> dict:
+    cmd = ["mpirun", "--allow-run-as-root", "-H", f"{a},{b}", "-np", "2", "--bind-to", "none",
+           "--mca", "plm_rsh_agent", str(agent), "--mca", "oob_tcp_if_include", subnet,
+           "--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet,
+           "NPopenmpi", "-u", str(max_bytes), "-o", str(out)]
+    r = lab.x(a, *cmd, check=False, timeout=600)
+    if r.returncode != 0 or not out.exists():
+        return {"error": (r.stdout + r.stderr)[-800:]}
+    rows = []
+    for line in out.read_text().splitlines():
+        f = line.split()
+        if len(f) >= 3:
+            rows.append((int(float(f[0])), float(f[1]), float(f[2])))  # bytes, Mbit/s, seconds (one way)
+    small = min((r for r in rows if r[0] >= 8), key=lambda r: r[0])
+    big = max(rows, key=lambda r: r[0])
+    return {"lat8_us": small[2] * 1e6, "lat_bytes": small[0], "bw_mbps": big[1], "bw_bytes": big[0], "rows": rows}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-bytes", type=int, default=1 << 20)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/mpi.py: run as root")
+    results: dict[str, list[dict]] = {t: [] for t in ("native", "vxlan", "vnet-kernel", "vnet-user")}
+    with Lab("mpi") as lab:
+        h = {i: lab.add_host(i) for i in (1, 2)}
+        for i in (1, 2):
+            lab.x(h[i], "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+        # VXLAN guests x1, x2 (198.19.1.0/24).
+        x = {}
+        for i, o in ((1, 2), (2, 1)):
+            x[i] = lab.guest_ns(f"x{i}")
+            m = 1500 - VXLAN_OVERHEAD
+            lab.x(h[i], "ip", "link", "add", "vx42", "type", "vxlan", "id", "42", "dstport", "4789",
+                  "remote", underlay_ip(o), "local", underlay_ip(i), "dev", "eth0")
+            lab.x(h[i], "ip", "link", "set", "vx42", "mtu", m)
+            lab.x(h[i], "ip", "link", "add", "br0", "type", "bridge")
+            subprocess.run(["ip", "link", "add", "vxg", "netns", h[i], "mtu", str(m), "type", "veth",
+                            "peer", "name", "eth0", "netns", x[i], "mtu", str(m)], check=True)
+            for dev in ("vx42", "vxg"):
+                lab.x(h[i], "ip", "link", "set", dev, "master", "br0")
+            for dev in ("vx42", "vxg", "br0"):
+                lab.x(h[i], "ip", "link", "set", dev, "up")
+            lab.x(x[i], "ip", "addr", "add", f"198.19.1.{i}/24", "dev", "eth0")
+            lab.x(x[i], "ip", "link", "set", "eth0", "up")
+        # VNET: veth guests k1, k2 (overlay_ip 11, 12) and TAP guests g1, g2.
+        k = {i: lab.guest_ns(f"k{i}") for i in (1, 2)}
+        gm = 1500 - VNET_OVERHEAD
+        by_host = {i: [(f"g{i}", guest_mac(i)), (f"k{i}", guest_mac(10 + i))] for i in (1, 2)}
+        attach = {f"k{i}": f"netns {k[i]} veth" for i in (1, 2)}
+        for i in (1, 2):
+            lab.start_vnetd(h[i], mesh_config(i, by_host, mtu=gm, attach=attach))
+        g = {i: lab.attach_guest(h[i], f"g{i}", i, mtu=gm) for i in (1, 2)}
+        kg = {i: lab.veth_guest(h[i], f"k{i}", 10 + i, k[i]) for i in (1, 2)}
+        pairs = {
+            "native": (h[1], h[2], "198.18.0.0/24"),
+            "vxlan": (x[1], x[2], "198.19.1.0/24"),
+            "vnet-kernel": (k[1], k[2], "198.19.0.0/24"),
+            "vnet-user": (g[1].ns, g[2].ns, "198.19.0.0/24"),
+        }
+        # Each pair must see only its own partner on the subnet: the TAP and
+        # veth guests share 198.19.0.0/24, which is fine (one NIC each).
+        agent = agent_script(lab.tmp)
+        for r in range(args.repeats):
+            for t, (a, b, subnet) in pairs.items():
+                out = lab.tmp / f"np-{t}-{r}.out"
+                res = netpipe(lab, agent, a, b, subnet, args.max_bytes, out)
+                res["repeat"] = r
+                results[t].append(res)
+                if "error" in res:
+                    print(f"[{r + 1}/{args.repeats}] {t:12s} error: {res['error'][-300:]}", flush=True)
+                else:
+                    print(f"[{r + 1}/{args.repeats}] {t:12s} latency {res['lat_bytes']} B {res['lat8_us']:8.1f} us"
+                          f"   bandwidth {res['bw_bytes']} B {res['bw_mbps']:8.1f} Mbit/s", flush=True)
+    summary = {}
+    for t, rs in results.items():
+        ok = [r for r in rs if "error" not in r]
+        if not ok:
+            continue
+        lat = sorted(r["lat8_us"] for r in ok)
+        bw = sorted(r["bw_mbps"] for r in ok)
+        summary[t] = {"lat": (lat[0], statistics.median(lat), lat[-1]), "bw": (bw[0], statistics.median(bw), bw[-1])}
+    lines = ["| transport | 8 B latency µs (min/median/max) | × native | × vxlan | 1 MiB Mbit/s (min/median/max) | × native | × vxlan |",
+             "|---|---|---:|---:|---|---:|---:|"]
+    for t, s in summary.items():
+        def ratio(key, ref):
+            return f"{s[key][1] / summary[ref][key][1]:.2f}" if ref in summary else "-"
+        lines.append(f"| {t} | {s['lat'][0]:.1f} / {s['lat'][1]:.1f} / {s['lat'][2]:.1f} | {ratio('lat', 'native')} | "
+                     f"{ratio('lat', 'vxlan')} | {s['bw'][0]:.0f} / {s['bw'][1]:.0f} / {s['bw'][2]:.0f} | "
+                     f"{ratio('bw', 'native')} | {ratio('bw', 'vxlan')} |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    res_dir = BENCH / "results"
+    (res_dir / f"{stamp}-mpi.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    (res_dir / f"{stamp}-mpi.md").write_text(
+        f"# OpenMPI ping-pong (NetPIPE NPopenmpi), {stamp}\n\nCommand: `sudo python3 bench/mpi.py "
+        f"--repeats {args.repeats} --max-bytes {args.max_bytes}`\n\n{table}\n")
+    print(f"\nresults: bench/results/{stamp}-mpi.md")
+
+
+if __name__ == "__main__":
+    main()
