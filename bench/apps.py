@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""OpenMPI ping-pong (NetPIPE's NPopenmpi, TCP BTL, ranks busy-polling as MPI
-does) between two guests on two hosts, over each transport in one run:
+"""Applications over each transport, in one run: OpenMPI ping-pong (NetPIPE's
+NPopenmpi, TCP BTL, ranks busy-polling as MPI does) and ping steadiness
+(3,000 pings of 64 B, 3 ms apart, as VNET/P+'s figure 6), between two guests
+on two hosts:
 
   native       the two host namespaces, over their veth
   vxlan        the kernel's VXLAN + bridge, guests in namespaces
   vnet-kernel  veth guests, VNET's kernel fast path
   vnet-user    TAP guests, vnetd's user-level datapath, its default settings
 
-    sudo python3 bench/mpi.py [--repeats 3] [--max-bytes 1048576]
+    sudo python3 bench/apps.py [--repeats 3] [--max-bytes 1048576] [--pings 3000]
 
 Prints, per transport and repeat, the 8-byte one-way latency and the 1 MiB
 bandwidth NetPIPE measured, then min/median/max and the ratios to native and
-to VXLAN; writes bench/results/<date>-mpi.json and .md. A benchmark, never a
+to VXLAN, and the pings' p50/p99/max; writes bench/results/<date>-apps.json
+and .md. A benchmark, never a
 pass/fail test. No CPU pinning: ranks and daemons share the machine's two
 CPUs, as a user's MPI job would (`--bind-to none`).
 """
@@ -22,6 +25,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -65,10 +69,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-bytes", type=int, default=1 << 20)
+    ap.add_argument("--pings", type=int, default=3000)
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/mpi.py: run as root")
     results: dict[str, list[dict]] = {t: [] for t in ("native", "vxlan", "vnet-kernel", "vnet-user")}
+    pings: dict[str, dict] = {}
     with Lab("mpi") as lab:
         h = {i: lab.add_host(i) for i in (1, 2)}
         for i in (1, 2):
@@ -105,6 +111,8 @@ def main():
             "vnet-kernel": (k[1], k[2], "198.19.0.0/24"),
             "vnet-user": (g[1].ns, g[2].ns, "198.19.0.0/24"),
         }
+        server_ip = {"native": underlay_ip(2), "vxlan": "198.19.1.2", "vnet-kernel": overlay_ip(12),
+                     "vnet-user": overlay_ip(2)}
         # Each pair must see only its own partner on the subnet: the TAP and
         # veth guests share 198.19.0.0/24, which is fine (one NIC each).
         agent = agent_script(lab.tmp)
@@ -119,6 +127,16 @@ def main():
                 else:
                     print(f"[{r + 1}/{args.repeats}] {t:12s} latency {res['lat_bytes']} B {res['lat8_us']:8.1f} us"
                           f"   bandwidth {res['bw_bytes']} B {res['bw_mbps']:8.1f} Mbit/s", flush=True)
+        # Steadiness: many small pings, one transport after another.
+        for t, (a, _, _) in pairs.items():
+            out = lab.x(a, "ping", "-n", "-c", str(args.pings), "-i", "0.003", "-W", "1", server_ip[t],
+                        check=False, timeout=args.pings * 0.01 + 60).stdout
+            rtts = sorted(float(v) * 1000 for v in re.findall(r"time=([\d.]+) ms", out))
+            if rtts:
+                q = lambda p: rtts[min(len(rtts) - 1, int(p * len(rtts)))]  # noqa: E731
+                pings[t] = {"n": len(rtts), "sent": args.pings, "p50": q(0.5), "p99": q(0.99), "max": rtts[-1]}
+                print(f"pings {t:12s} n={len(rtts)}/{args.pings} p50 {q(0.5):.0f} us p99 {q(0.99):.0f} us "
+                      f"max {rtts[-1]:.0f} us", flush=True)
     summary = {}
     for t, rs in results.items():
         ok = [r for r in rs if "error" not in r]
@@ -135,15 +153,22 @@ def main():
         lines.append(f"| {t} | {s['lat'][0]:.1f} / {s['lat'][1]:.1f} / {s['lat'][2]:.1f} | {ratio('lat', 'native')} | "
                      f"{ratio('lat', 'vxlan')} | {s['bw'][0]:.0f} / {s['bw'][1]:.0f} / {s['bw'][2]:.0f} | "
                      f"{ratio('bw', 'native')} | {ratio('bw', 'vxlan')} |")
+    lines += ["", f"Pings ({args.pings} × 64 B, 3 ms apart): RTT in µs.", "",
+              "| transport | received | p50 | p99 | max | p99 × native p99 |", "|---|---:|---:|---:|---:|---:|"]
+    for t, p in pings.items():
+        r = f"{p['p99'] / pings['native']['p99']:.2f}" if "native" in pings else "-"
+        lines.append(f"| {t} | {p['n']}/{p['sent']} | {p['p50']:.0f} | {p['p99']:.0f} | {p['max']:.0f} | {r} |")
     table = "\n".join(lines)
     print("\n" + table)
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     res_dir = BENCH / "results"
-    (res_dir / f"{stamp}-mpi.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    (res_dir / f"{stamp}-mpi.md").write_text(
-        f"# OpenMPI ping-pong (NetPIPE NPopenmpi), {stamp}\n\nCommand: `sudo python3 bench/mpi.py "
-        f"--repeats {args.repeats} --max-bytes {args.max_bytes}`\n\n{table}\n")
-    print(f"\nresults: bench/results/{stamp}-mpi.md")
+    (res_dir / f"{stamp}-apps.json").write_text(json.dumps({"args": vars(args), "results": results, "pings": pings}, indent=1))
+    (res_dir / f"{stamp}-apps.md").write_text(
+        f"# Applications over each transport, {stamp}\n\nCommand: `sudo python3 bench/apps.py "
+        f"--repeats {args.repeats} --max-bytes {args.max_bytes} --pings {args.pings}`\n\n"
+        f"OpenMPI ping-pong (NetPIPE NPopenmpi, TCP BTL, --bind-to none, no pinning: ranks and vnetd share "
+        f"the 2 CPUs). One-way latency at the smallest size ≥ 8 B; bandwidth at the largest size.\n\n{table}\n")
+    print(f"\nresults: bench/results/{stamp}-apps.md")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def test_each_mode_carries_ping_and_tcp(lab, mode):
 def test_adaptive_switches_up_under_load_and_back_when_idle(lab):
     _, daemons, g = build_mesh(lab, {1: [1], 2: [2]})
     d1 = daemons[1]
-    assert settings(d1)["mode"] == "adaptive"  # the default
+    assert settings(d1)["mode"] == "guest-driven"  # the default
+    d1.ctl("SET", "mode", "adaptive")
     lab.ping(g[1], g[2], count=3)
     assert d1.stats()["interface g1"]["running"] == "guest-driven"
     assert d1.stats()["interface g1"]["mode_switches"] == 0
@@ -220,6 +221,7 @@ def test_per_interface_adaptive_thresholds(lab):
     d = daemons[1]
     # Global thresholds any transfer crosses; g3's own α_u is out of reach:
     # under load g1 switches, g3 stays guest-driven.
+    d.ctl("SET", "mode", "adaptive")
     d.ctl("SET", "alpha-lower", "10")
     d.ctl("SET", "alpha-upper", "100")
     d.ctl("INTERFACE", "SET", "g3", "alpha-upper", "100000000")

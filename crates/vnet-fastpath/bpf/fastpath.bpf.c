@@ -121,7 +121,6 @@ enum stat {
 	S_DROP_ENCAP,   // the kernel refused to encapsulate: dropped
 	S_DROP_DECAP,   // the kernel refused to decapsulate: dropped
 	S_DROP_NO_PORT, // from_vnetd with no guest port known: dropped
-	S_DROP_REDIRECT,// redirect refused (device gone): dropped
 	S_DISABLED,     // fast path off: every frame to vnetd
 	S_FINISH,       // datagram for vnetd still unsegmented or with a partial
 	                // inner checksum: sent round the finishing pair first

@@ -194,7 +194,7 @@ struct CounterKey {
 
 /// What the programs did with frames, summed over CPUs (the `stats` map;
 /// the order is the program's `enum stat`).
-pub const STAT_NAMES: [&str; 15] = [
+pub const STAT_NAMES: [&str; 14] = [
     "hit_guest",
     "hit_net",
     "miss_guest",
@@ -207,7 +207,6 @@ pub const STAT_NAMES: [&str; 15] = [
     "drop_encap",
     "drop_decap",
     "drop_no_port",
-    "drop_redirect",
     "disabled",
     "finish",
 ];

@@ -201,13 +201,14 @@ impl Control {
                 let configured = t.iface_settings.get(&i.id).copied().unwrap_or_default().effective(&t.dispatch).mode;
                 let running = if i.running_mode.load(Relaxed) == Mode::VmmDriven as u8 { Mode::VmmDriven } else { Mode::GuestDriven };
                 out.push(format!(
-                    "interface {} name={} mode={} running={} mode_switches={} {}",
+                    "interface {} name={} mode={} running={} mode_switches={} {} drop_upcall_full={}",
                     i.id,
                     i.name,
                     configured.name(),
                     running.name(),
                     i.mode_switches.load(Relaxed),
-                    i.stats.render_plus(self.dp.fast.as_ref().map(|f| f.port(i.id, false)).unwrap_or_default())
+                    i.stats.render_plus(self.dp.fast.as_ref().map(|f| f.port(i.id, false)).unwrap_or_default()),
+                    i.nic.upcall_dropped()
                 ));
             }
         }

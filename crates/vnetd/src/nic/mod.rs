@@ -64,6 +64,11 @@ pub trait VirtualNic: Send + Sync {
     fn describe(&self) -> String {
         String::new()
     }
+    /// Frames from the guest lost before vnetd could read them (a queue
+    /// between the kernel and vnetd was full), if the NIC has such a queue.
+    fn upcall_dropped(&self) -> u64 {
+        0
+    }
 }
 
 /// One received frame: `buf[start..end]`, and its offload metadata.
@@ -158,6 +163,10 @@ impl VirtualNic for QemuNic {
 
     fn describe(&self) -> String {
         self.port.describe().to_string()
+    }
+
+    fn upcall_dropped(&self) -> u64 {
+        self.port.upcall_dropped()
     }
 }
 

@@ -112,6 +112,21 @@ pub fn delete(index: u32) -> io::Result<()> {
     transact(RouteNetlinkMessage::DelLink(msg)).map(drop)
 }
 
+/// Frames a device dropped on transmit (its queue full): for an upcall
+/// TAP, frames the fast path handed to vnetd that vnetd could not take.
+pub fn tx_dropped(index: u32) -> io::Result<u64> {
+    let mut msg = LinkMessage::default();
+    msg.header.index = index;
+    for m in transact(RouteNetlinkMessage::GetLink(msg))? {
+        for a in m.attributes {
+            if let LinkAttribute::Stats64(s) = a {
+                return Ok(s.tx_dropped);
+            }
+        }
+    }
+    Err(io::Error::other("no statistics for the device"))
+}
+
 /// Brings a device up.
 pub fn set_up(index: u32) -> io::Result<()> {
     let mut msg = LinkMessage::default();

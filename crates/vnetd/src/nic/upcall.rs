@@ -33,7 +33,7 @@ pub fn tag(key: &str) -> String {
 
 pub enum GuestPort {
     /// The fast path's upcall TAP and the two attached programs.
-    Upcall { tap: Tap, target: Action, _attached: (Attached, Attached) },
+    Upcall { tap: Tap, index: u32, target: Action, _attached: (Attached, Attached) },
     /// No fast path: a packet socket on the device.
     Packet(PacketPort),
 }
@@ -55,7 +55,7 @@ impl GuestPort {
         rtnl::set_up(up_index).with_context(|| format!("cannot bring {upcall} up"))?;
         let attached = k.attach_port(iface, dev_index, up_index, veth)?;
         let target = if veth { Action::Peer { ifindex: dev_index } } else { Action::Device { ifindex: dev_index } };
-        Ok(GuestPort::Upcall { tap, target, _attached: attached })
+        Ok(GuestPort::Upcall { tap, index: up_index, target, _attached: attached })
     }
 
     #[inline]
@@ -90,6 +90,15 @@ impl GuestPort {
         match self {
             GuestPort::Upcall { .. } => "path=kernel",
             GuestPort::Packet(_) => "path=user",
+        }
+    }
+
+    /// Frames the fast path handed to vnetd that the upcall TAP's queue had
+    /// no room for (the kernel's count).
+    pub fn upcall_dropped(&self) -> u64 {
+        match self {
+            GuestPort::Upcall { index, .. } => rtnl::tx_dropped(*index).unwrap_or(0),
+            GuestPort::Packet(_) => 0,
         }
     }
 }

@@ -116,6 +116,10 @@ impl VirtualNic for VethNic {
     fn describe(&self) -> String {
         format!("host={} {}", self.host, self.port.describe())
     }
+
+    fn upcall_dropped(&self) -> u64 {
+        self.port.upcall_dropped()
+    }
 }
 
 impl Drop for VethNic {
