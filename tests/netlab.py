@@ -199,6 +199,32 @@ class Lab:
             self.wait_ready(d)
         return d
 
+    def start_vnetd_traced(self, host: str, config: str, *strace_args) -> Vnetd:
+        """vnetd under strace with `strace_args` (e.g. a fault to inject),
+        started and ready. Stop it with `stop_traced`."""
+        name = host.removeprefix(self.prefix)
+        conf = self.tmp / f"{name}-traced-{next(_counter)}.conf"
+        conf.write_text(config)
+        sock, log = self.tmp / f"{name}.sock", self.tmp / f"{name}-traced-{next(_counter)}.log"
+        with open(log, "w") as lf:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", host, "strace", "-f", *[str(a) for a in strace_args],
+                 str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(self.key_dir), "--config", str(conf)],
+                stdout=lf, stderr=subprocess.STDOUT)
+        self.other_procs.append(proc)
+        d = Vnetd(self, host, sock, proc, log)
+        self.wait_ready(d)
+        return d
+
+    @staticmethod
+    def stop_traced(d: Vnetd) -> int:
+        """Stops a traced vnetd itself (strace would only detach on
+        SIGTERM); returns strace's exit status, which is vnetd's."""
+        out = subprocess.run(["pgrep", "-P", str(d.proc.pid), "-x", "vnetd"], capture_output=True, text=True).stdout.split()
+        if out:
+            subprocess.run(["kill", "-TERM", out[0]])
+        return d.proc.wait(timeout=10)
+
     def wait_ready(self, d: Vnetd, timeout: float = 10):
         deadline = time.time() + timeout
         while time.time() < deadline:

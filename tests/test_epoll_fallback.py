@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from netlab import VNETD, Vnetd, guest_mac, mesh_config
+from netlab import guest_mac, mesh_config
 
 
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
@@ -19,20 +19,10 @@ def test_without_epoll_pwait2_the_dispatcher_falls_back_and_forwards(lab):
     by_host = {h: [(f"g{h}", guest_mac(h))] for h in (1, 2)}
     hosts = {h: lab.add_host(h) for h in (1, 2)}
     d2 = lab.start_vnetd(hosts[2], mesh_config(2, by_host))
-    conf = lab.tmp / "h1-nopwait2.conf"
-    conf.write_text(mesh_config(1, by_host))
-    sock, log = lab.tmp / "h1.sock", lab.tmp / "h1-nopwait2.log"
     trace = lab.tmp / "strace.out"
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", hosts[1], "strace", "-f", "-o", str(trace),
-             "-e", "trace=epoll_pwait2", "-e", "inject=epoll_pwait2:error=ENOSYS",
-             str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(lab.key_dir), "--config", str(conf)],
-            stdout=lf, stderr=subprocess.STDOUT)
-    lab.other_procs.append(proc)
-    d1 = Vnetd(lab, hosts[1], sock, proc, log)
+    d1 = lab.start_vnetd_traced(hosts[1], mesh_config(1, by_host), "-o", trace,
+                                "-e", "trace=epoll_pwait2", "-e", "inject=epoll_pwait2:error=ENOSYS")
     try:
-        lab.wait_ready(d1)
         g = {h: lab.attach_guest(hosts[h], f"g{h}", h) for h in (1, 2)}
         assert lab.reaches(g[1], g[2]), d1.log_text()
         r = lab.ping(g[1], g[2], count=20, wait=1)
@@ -43,18 +33,13 @@ def test_without_epoll_pwait2_the_dispatcher_falls_back_and_forwards(lab):
         d1.ctl("LINK", "ADD", "198.18.0.77", "name", "spare")
         assert time.monotonic() - t < 0.5
         # The dispatcher sleeps in epoll_wait instead of spinning.
-        busy = float(subprocess.run(["ps", "-o", "%cpu=", "-p", str(vnetd_pid(proc.pid))],
+        busy = float(subprocess.run(["ps", "-o", "%cpu=", "-p", str(vnetd_pid(d1.proc.pid))],
                                     capture_output=True, text=True).stdout or 0)
         assert busy < 50, f"vnetd uses {busy}% CPU while idle"
         assert "epoll_pwait2 unavailable" in d1.log_text()
         assert "ENOSYS (Function not implemented) (INJECTED)" in trace.read_text()
     finally:
-        # Stop vnetd itself (strace would only detach on SIGTERM); strace
-        # then exits with vnetd's status.
-        pid = vnetd_pid(proc.pid)
-        if pid:
-            subprocess.run(["kill", "-TERM", str(pid)])
-        assert proc.wait(timeout=10) == 0, d1.log_text()
+        assert lab.stop_traced(d1) == 0, d1.log_text()
     assert d2.proc.poll() is None
 
 

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from netlab import VNETD, Guest, Lab, REPO, Vnetd, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
-from test_epoll_fallback import vnetd_pid
+from netlab import Guest, Lab, REPO, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 
@@ -258,19 +257,9 @@ def test_where_bpf_is_refused_vnetd_says_so_and_veth_guests_still_work(lab):
     # (docs/datapath.md, offloads across the fast path).
     lab.x(hosts[2], "ethtool", "-K", "eth0", "tx", "off")
     d2 = lab.start_vnetd(hosts[2], mesh_config(2, by_host, mtu=FAST_MTU, attach=attach))
-    conf = lab.tmp / "h1-nobpf.conf"
-    conf.write_text(mesh_config(1, by_host, mtu=FAST_MTU, attach=attach))
-    sock, log = lab.tmp / "h1.sock", lab.tmp / "h1-nobpf.log"
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", hosts[1], "strace", "-f", "-o", "/dev/null", "-e", "trace=bpf",
-             "-e", "inject=bpf:error=EPERM",
-             str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(lab.key_dir), "--config", str(conf)],
-            stdout=lf, stderr=subprocess.STDOUT)
-    lab.other_procs.append(proc)
-    d1 = Vnetd(lab, hosts[1], sock, proc, log)
+    d1 = lab.start_vnetd_traced(hosts[1], mesh_config(1, by_host, mtu=FAST_MTU, attach=attach),
+                                "-o", "/dev/null", "-e", "trace=bpf", "-e", "inject=bpf:error=EPERM")
     try:
-        lab.wait_ready(d1)
         g = {h: lab.veth_guest(hosts[h], f"g{h}", h, gns[h]) for h in (1, 2)}
         assert "path=user" in d1.ctl("INTERFACE", "LIST").stdout
         r = lab.ping(g[1], g[2], count=20, wait=1)
@@ -285,10 +274,7 @@ def test_where_bpf_is_refused_vnetd_says_so_and_veth_guests_still_work(lab):
         # The other host, with its fast path, carried its side in the kernel.
         assert fast(d2)["hit_guest"] > 10
     finally:
-        pid = vnetd_pid(proc.pid)
-        if pid:
-            subprocess.run(["kill", "-TERM", str(pid)])
-        assert proc.wait(timeout=10) == 0, d1.log_text()
+        assert lab.stop_traced(d1) == 0, d1.log_text()
 
 
 def test_hostile_traffic_at_a_fast_path_host_is_dropped_and_counted_while_legit_traffic_flows(lab):

@@ -101,8 +101,30 @@ struct Finisher {
 impl Finisher {
     const MAC: [u8; 6] = [0x02, 0x76, 0x6e, 0x00, 0x00, 0x01];
 
+    /// Deletes pairs left by a vnetd that was killed (SIGKILL: no clean
+    /// exit): `vfa<pid>` carrying vnetd's mark, whose pid is no running
+    /// vnetd.
+    fn sweep() {
+        let Ok(dir) = std::fs::read_dir("/sys/class/net") else { return };
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name.strip_prefix("vfa").and_then(|p| p.parse::<u32>().ok()) else { continue };
+            let alive = std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() == "vnetd").unwrap_or(false);
+            if alive {
+                continue;
+            }
+            if let Ok(Some(d)) = rtnl::device(&name) {
+                if d.is_vnetds_veth() {
+                    tracing::info!("removing {name}, left by a vnetd that is gone");
+                    let _ = rtnl::delete(d.index);
+                }
+            }
+        }
+    }
+
     fn make(kernel: &Kernel) -> anyhow::Result<Finisher> {
         use anyhow::Context;
+        Self::sweep();
         let pid = std::process::id();
         let (a, b) = (format!("vfa{pid}"), format!("vfb{pid}"));
         let ns = std::fs::File::open("/proc/self/ns/net").context("own network namespace")?;

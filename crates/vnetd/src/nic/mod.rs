@@ -116,12 +116,9 @@ impl VirtualNic for Tap {
 /// QEMU holds the TAP's file side (`-netdev tap,ifname=..`); vnetd meets
 /// the TAP device through the fast path's upcall TAP, or without the fast
 /// path through a packet socket (`upcall.rs`).
-pub struct QemuNic {
-    port: upcall::GuestPort,
-    tap: QemuTap,
-}
+pub type QemuNic = upcall::PortNic<QemuTap>;
 
-impl QemuNic {
+impl upcall::PortNic<QemuTap> {
     /// A QEMU TAP: made (or, if vnetd made it earlier, taken over) and
     /// attached. If attaching fails, a TAP made here goes again and one
     /// taken over stays.
@@ -129,44 +126,18 @@ impl QemuNic {
         let tap = Tap::create_for_qemu(device, mtu)?;
         let upcall = format!("vu{}", upcall::tag(&format!("qemu/{device}")));
         let port = upcall::GuestPort::attach(kernel, iface, device, tap.index(), &upcall, mtu, false)?;
-        Ok(QemuNic { port, tap })
+        Ok(upcall::PortNic { port, device: tap })
     }
 }
 
-impl VirtualNic for QemuNic {
-    #[inline]
-    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        self.port.recv(buf)
-    }
-
-    #[inline]
-    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        self.port.send(vnet, parts)
-    }
-
-    fn event_fd(&self) -> RawFd {
-        self.port.fd()
-    }
-
-    /// A QEMU TAP in force goes when vnetd exits, as with its interface.
+/// A QEMU TAP in force goes when vnetd exits, as with its interface.
+impl upcall::PortDevice for QemuTap {
     fn in_force(&self) {
-        self.tap.remove_on_drop(true);
+        self.remove_on_drop(true);
     }
 
     fn deleted(&self, detach: bool) {
-        self.tap.remove_on_drop(!detach);
-    }
-
-    fn fast_target(&self) -> Option<vnet_fastpath::Action> {
-        self.port.fast_target()
-    }
-
-    fn describe(&self) -> String {
-        self.port.describe().to_string()
-    }
-
-    fn upcall_dropped(&self) -> u64 {
-        self.port.upcall_dropped()
+        self.remove_on_drop(!detach);
     }
 }
 

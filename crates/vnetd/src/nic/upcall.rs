@@ -12,7 +12,7 @@
 //! is this port's alone. A packet socket cannot be used beside the fast
 //! path: it sees every frame before TC ingress runs.
 
-use super::{parse_received, rtnl, send_vnet, PacketPort, Received, Tap};
+use super::{parse_received, rtnl, send_vnet, PacketPort, Received, Tap, VirtualNic};
 use anyhow::{anyhow, Context, Result};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -100,5 +100,66 @@ impl GuestPort {
             GuestPort::Upcall { index, .. } => rtnl::tx_dropped(*index).unwrap_or(0),
             GuestPort::Packet(_) => 0,
         }
+    }
+}
+
+/// The device behind a guest port, as it lives and goes: what differs
+/// between a veth guest and a QEMU TAP.
+pub trait PortDevice: Send + Sync {
+    /// Its request committed with the interface in force.
+    fn in_force(&self);
+    /// Its interface was deleted (`detach`: the device stays).
+    fn deleted(&self, detach: bool);
+    /// What `INTERFACE LIST` shows of it.
+    fn describe(&self) -> String {
+        String::new()
+    }
+}
+
+/// A NIC met through a `GuestPort`. Fields drop in order: the port (programs
+/// detached, upcall TAP closed) before the device goes.
+pub struct PortNic<D> {
+    pub port: GuestPort,
+    pub device: D,
+}
+
+impl<D: PortDevice> VirtualNic for PortNic<D> {
+    #[inline]
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        self.port.recv(buf)
+    }
+
+    #[inline]
+    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        self.port.send(vnet, parts)
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.port.fd()
+    }
+
+    fn in_force(&self) {
+        self.device.in_force();
+    }
+
+    fn deleted(&self, detach: bool) {
+        self.device.deleted(detach);
+    }
+
+    fn fast_target(&self) -> Option<Action> {
+        self.port.fast_target()
+    }
+
+    fn describe(&self) -> String {
+        let d = self.device.describe();
+        if d.is_empty() {
+            self.port.describe().to_string()
+        } else {
+            format!("{d} {}", self.port.describe())
+        }
+    }
+
+    fn upcall_dropped(&self) -> u64 {
+        self.port.upcall_dropped()
     }
 }

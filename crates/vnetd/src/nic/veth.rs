@@ -19,16 +19,14 @@
 //! with the interface in force, like a namespace TAP; it goes with
 //! `INTERFACE DEL` (not with `detach`).
 
-use super::upcall::{tag, GuestPort};
-use super::{rtnl, tap, Received, VirtualNic};
+use super::upcall::{tag, GuestPort, PortDevice, PortNic};
+use super::{rtnl, tap};
 use anyhow::{anyhow, bail, Context, Result};
-use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
-use vnet_core::offload::VnetHdr;
 use vnet_core::Mac;
-use vnet_fastpath::{Action, Kernel};
+use vnet_fastpath::Kernel;
 
 /// The names of a guest's host-side devices: (host end, upcall TAP).
 pub fn host_names(netns: &str, name: &str) -> (String, String) {
@@ -36,8 +34,11 @@ pub fn host_names(netns: &str, name: &str) -> (String, String) {
     (format!("vh{t}"), format!("vu{t}"))
 }
 
-pub struct VethNic {
-    port: GuestPort,
+/// A veth guest's NIC.
+pub type VethNic = PortNic<VethPair>;
+
+/// The pair, seen from vnetd's side.
+pub struct VethPair {
     host: String,
     host_index: u32,
     /// Delete the pair when this goes (its request failed, or its interface
@@ -45,7 +46,7 @@ pub struct VethNic {
     remove: AtomicBool,
 }
 
-impl VethNic {
+impl PortNic<VethPair> {
     /// Makes the pair (or takes over the one an earlier vnetd made) and
     /// attaches it: to the fast path if `kernel` is loaded (`iface` is the
     /// interface's id), else through a packet socket.
@@ -71,7 +72,7 @@ impl VethNic {
         rtnl::set_up(host_index).with_context(|| format!("cannot bring {host} up"))?;
         let port = GuestPort::attach(kernel, iface, &host, host_index, &upcall, mtu, true)?;
         std::mem::forget(undo);
-        Ok(VethNic { port, host, host_index, remove: AtomicBool::new(made) })
+        Ok(PortNic { port, device: VethPair { host, host_index, remove: AtomicBool::new(made) } })
     }
 }
 
@@ -86,21 +87,7 @@ impl Drop for Undo {
     }
 }
 
-impl VirtualNic for VethNic {
-    #[inline]
-    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        self.port.recv(buf)
-    }
-
-    #[inline]
-    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        self.port.send(vnet, parts)
-    }
-
-    fn event_fd(&self) -> RawFd {
-        self.port.fd()
-    }
-
+impl PortDevice for VethPair {
     fn in_force(&self) {
         self.remove.store(false, Relaxed);
     }
@@ -109,20 +96,12 @@ impl VirtualNic for VethNic {
         self.remove.store(!detach, Relaxed);
     }
 
-    fn fast_target(&self) -> Option<Action> {
-        self.port.fast_target()
-    }
-
     fn describe(&self) -> String {
-        format!("host={} {}", self.host, self.port.describe())
-    }
-
-    fn upcall_dropped(&self) -> u64 {
-        self.port.upcall_dropped()
+        format!("host={}", self.host)
     }
 }
 
-impl Drop for VethNic {
+impl Drop for VethPair {
     fn drop(&mut self) {
         // The programs detach and the upcall TAP goes with `io`; the pair
         // goes only when asked.
