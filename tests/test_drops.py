@@ -70,6 +70,10 @@ def test_a_full_udp_send_buffer_counts_queue_full(lab):
     assert lab.reaches(g[1], g[2])
     pin_neighbour(lab, g[1], g[2].ip, g[2].mac)
     lab.x(hosts[1], "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "1mbit", "burst", "5kb", "limit", "200mb")
+    # The guest's burst must reach vnetd whole: a TAP queue of 1000 frames
+    # overflows under it (the guest's own drop, before vnetd), and then the
+    # socket buffer might never fill.
+    lab.x(g[1].ns, "ip", "link", "set", g[1].tap, "txqueuelen", "50000")
     before = d[1].stats()
     n = 20_000
     blast(lab, g[1], g[2].ip, n, size=1400)
@@ -85,3 +89,4 @@ def test_a_full_udp_send_buffer_counts_queue_full(lab):
     assert after["global"]["drop_queue_full"] == link["drop_queue_full"]
     qdisc = lab.x(hosts[1], "tc", "-s", "qdisc", "show", "dev", "eth0").stdout
     assert "dropped 0," in qdisc, qdisc  # the kernel dropped nothing below vnetd
+    assert lab.x(g[1].ns, "cat", f"/sys/class/net/{g[1].tap}/statistics/tx_dropped").stdout.strip() == "0" 
