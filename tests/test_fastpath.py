@@ -157,9 +157,11 @@ def test_fast_host_and_user_host_interoperate(lab):
 
 def test_datapath_setting_switches_at_run_time(lab):
     _, d, g = veth_mesh(lab, {1: [1], 2: [2]})
-    assert "datapath=auto" in d[1].ctl("SHOW").stdout
+    show = d[1].ctl("SHOW").stdout
+    assert "datapath=auto" in show and "datapath_in_force=kernel" in show, show
     assert lab.reaches(g[1], g[2])
     d[1].ctl("SET", "datapath", "user")
+    assert "datapath_in_force=user" in d[1].ctl("SHOW").stdout
     f = fast(d[1])
     assert f["enabled"] == "no" and f["entries"] == 0, f
     hits = f["hit_guest"]
@@ -271,6 +273,7 @@ def test_where_bpf_is_refused_vnetd_says_so_and_veth_guests_still_work(lab):
         assert bad.returncode != 0 and "not loaded" in bad.stderr + bad.stdout
         s = d1.stats()
         assert s["fastpath"]["loaded"] == "no" and s["paths"]["kernel_frames"] == 0, s["fastpath"]
+        assert "datapath_in_force=user_(kernel_fast_path_not_loaded)" in d1.ctl("SHOW").stdout
         # The other host, with its fast path, carried its side in the kernel.
         assert fast(d2)["hit_guest"] > 10
     finally:

@@ -162,11 +162,18 @@ impl Control {
             Command::Show => {
                 let udp = self.dp.udp_addrs();
                 out.push(format!(
-                    "vnetd version={} sockets={udp} default_mtu={} default_link_port={} dispatchers={}",
+                    "vnetd version={} sockets={udp} default_mtu={} default_link_port={} dispatchers={} datapath_in_force={}",
                     env!("CARGO_PKG_VERSION"),
                     self.settings.default_mtu,
                     self.settings.default_link_port,
-                    self.dp.worker_count()
+                    self.dp.worker_count(),
+                    // What `SET datapath` (auto by default) comes to here.
+                    match (&self.dp.fast, t.dispatch.datapath) {
+                        (None, _) => "user (kernel fast path not loaded)",
+                        (Some(_), vnet_core::command::Datapath::User) => "user",
+                        (Some(_), _) => "kernel",
+                    }
+                    .replace(' ', "_")
                 ));
                 out.push(format!("settings {}", t.dispatch.render()));
                 list_ifaces(t, out);
