@@ -285,7 +285,7 @@ def test_hostile_traffic_at_a_fast_path_host_is_dropped_and_counted_while_legit_
     path: what the kernel does not take reaches vnetd and is counted exactly
     as before; the forged frames to g3 are each delivered once (by either
     path); the flood of made-up MACs cannot pin the kernel's map."""
-    from test_hostile import BATCHES, HOSTILE, STREAM, rss_kb, rx_packets
+    from test_hostile import BATCHES, STREAM, rss_kb, run_hostile, rx_packets
     layout = {1: [1, 3], 2: [2]}
     _, d, g = veth_mesh(lab, layout, mtu=1000, extra={1: "LINK ADD 198.18.0.2 vxlan vni 42 name vx\n"})
     evil = lab.add_host(9)
@@ -300,15 +300,7 @@ def test_hostile_traffic_at_a_fast_path_host_is_dropped_and_counted_while_legit_
     before = d1.stats()
     assert before["interface g1"]["fast_out_frames"] > 50, "the stream flows in the kernel before the attack"
     g3_rx = rx_packets(lab, g[3])
-    hostile = lab.popen(evil, "python3", HOSTILE, "198.18.0.1", "198.18.0.2", "198.18.0.9",
-                        g[1].mac, g[2].mac, g[3].mac, stdout=subprocess.PIPE, text=True)
-    done = {}
-    for line in hostile.stdout:
-        if line.strip() == "done":
-            break
-        name, n = line.split()
-        done[name] = int(n)
-    assert hostile.wait(timeout=60) == 0 and done == BATCHES
+    run_hostile(lab, evil, g[1], g[2], g[3], send)
     assert send.poll() is None, "the stream ended before the hostile input did"
     sent = send.communicate(input="", timeout=60)[0].split()
     got = recv.communicate(timeout=60)[0].split()

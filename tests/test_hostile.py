@@ -28,6 +28,23 @@ def rx_packets(lab, g):
     return int(lab.x(g.ns, "cat", f"/sys/class/net/{g.tap}/statistics/rx_packets").stdout)
 
 
+def run_hostile(lab, evil, g1, g2, g3, stream):
+    """Runs tools/hostile.py from host `evil` at host 1 (peer: host 2) and
+    checks it sent every batch, with the legitimate `stream` still running
+    after each."""
+    hostile = lab.popen(evil, "python3", HOSTILE, "198.18.0.1", "198.18.0.2", "198.18.0.9",
+                        g1.mac, g2.mac, g3.mac, stdout=subprocess.PIPE, text=True)
+    done = {}
+    for line in hostile.stdout:
+        if line.strip() == "done":
+            break
+        name, n = line.split()
+        done[name] = int(n)
+        assert stream.poll() is None, f"the stream had ended before batch {name}"
+    assert hostile.wait(timeout=60) == 0
+    assert done == BATCHES
+
+
 def test_hostile_traffic_is_dropped_and_counted_while_legit_traffic_flows(lab):
     # g3 is on host 1 too, and nobody talks to it: only the forged frames reach it.
     layout = {1: [("g1", guest_mac(1)), ("g3", guest_mac(3))], 2: [("g2", guest_mac(2))]}
@@ -53,17 +70,7 @@ def test_hostile_traffic_is_dropped_and_counted_while_legit_traffic_flows(lab):
     g3_rx = rx_packets(lab, g3)
 
     # The hostile input, from one process on the stranger's host.
-    hostile = lab.popen(evil, "python3", HOSTILE, "198.18.0.1", "198.18.0.2", "198.18.0.9",
-                        g1.mac, g2.mac, g3.mac, stdout=subprocess.PIPE, text=True)
-    done = {}
-    for line in hostile.stdout:
-        if line.strip() == "done":
-            break
-        name, n = line.split()
-        done[name] = int(n)
-        assert send.poll() is None, f"the stream had ended before batch {name}"
-    assert hostile.wait(timeout=60) == 0
-    assert done == BATCHES
+    run_hostile(lab, evil, g1, g2, g3, send)
     # A TCP link's stream out of step: the peer, past the key handshake,
     # announces a bad length; vnetd counts it and closes the connection at once.
     peer = subprocess.run(["ip", "netns", "exec", h2, sys.executable, REPO / "tests" / "tools" / "tcp_link_peer.py",

@@ -263,6 +263,16 @@ static __always_inline __u16 fold(__u32 sum)
 	return (__u16)~sum;
 }
 
+// Counts a frame the fast path carried: in on its origin, out on its
+// destination, on the route that sent it, and under `what`.
+static __always_inline void count_hit(__u32 origin, const struct flow_action *a, __u32 len, __u32 what)
+{
+	count_port(origin, 1, len);
+	count_port(a->dest, 0, len);
+	count(C_ROUTE, a->route, len);
+	stat(what);
+}
+
 // Hands a frame from a guest to vnetd through the port's upcall TAP.
 static __always_inline int upcall(struct port_info *p, __u32 why)
 {
@@ -306,8 +316,8 @@ static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, str
 	if (bpf_skb_adjust_room(skb, OUTER, BPF_ADJ_ROOM_MAC, flags))
 		return upcall(p, S_SLOW_GSO); // the kernel would not: unchanged, so vnetd can
 
-	struct ethhdr eth = *inner_eth; // the caller's copy: the packet moved
-	if (bpf_skb_store_bytes(skb, ETH_HLEN + 28, &eth, ETH_HLEN, 0))
+	// inner_eth is the caller's copy: the packet has moved.
+	if (bpf_skb_store_bytes(skb, ETH_HLEN + 28, inner_eth, ETH_HLEN, 0))
 		goto shot;
 	__u8 hdr[28];
 	__builtin_memcpy(hdr, l->hdr, 28);
@@ -320,10 +330,7 @@ static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, str
 	udp->len = bpf_htons(tot - sizeof(struct iphdr));
 	if (bpf_skb_store_bytes(skb, ETH_HLEN, hdr, 28, 0))
 		goto shot;
-	count_port(p->origin, 1, len);
-	count_port(a->dest, 0, len);
-	count(C_ROUTE, a->route, len);
-	stat(S_HIT_GUEST);
+	count_hit(p->origin, a, len, S_HIT_GUEST);
 	// The kernel routes the outer packet (it must leave by the link's
 	// device) and fills in the next hop's Ethernet header, resolving the
 	// neighbour if need be: no forwarding setting is needed on the host,
@@ -370,10 +377,7 @@ int from_guest(struct __sk_buff *skb)
 	__u32 len = skb->len;
 	if (a->max_len && !skb->gso_size && len > a->max_len)
 		return upcall(p, S_SLOW_BIG); // vnetd drops it and counts it (oversize)
-	count_port(p->origin, 1, len);
-	count_port(a->dest, 0, len);
-	count(C_ROUTE, a->route, len);
-	stat(S_HIT_GUEST);
+	count_hit(p->origin, a, len, S_HIT_GUEST);
 	if (a->kind == ACT_PEER)
 		return bpf_redirect_peer(a->ifindex, 0);
 	return bpf_redirect(a->ifindex, 0);
@@ -470,10 +474,7 @@ int from_network(struct __sk_buff *skb)
 		stat(S_DROP_DECAP);
 		return TC_ACT_SHOT;
 	}
-	count_port(key.origin, 1, len);
-	count_port(a->dest, 0, len);
-	count(C_ROUTE, a->route, len);
-	stat(S_HIT_NET);
+	count_hit(key.origin, a, len, S_HIT_NET);
 	if (peer)
 		return bpf_redirect_peer(a->ifindex, 0);
 	return bpf_redirect(a->ifindex, 0);

@@ -23,10 +23,6 @@ static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fastpath.bpf.o"
 /// Set in a port number that names a link (clear: an interface).
 pub const LINK_BIT: u32 = 0x8000_0000;
 
-/// Bytes the VNET/P wire adds in front of a frame over IPv4: IPv4 and UDP
-/// headers (the frame's own Ethernet header is carried whole).
-pub const IPV4_OVERHEAD: u32 = 28;
-
 /// A route-cache key, as VNET/P's cache is keyed: origin port, destination
 /// and source MAC.
 #[repr(C)]
@@ -422,6 +418,11 @@ impl Kernel {
             }
         }
         out
+    }
+
+    /// How many entries are installed (keys only: no value is read).
+    pub fn flow_count(&self) -> usize {
+        self.flows.keys().count()
     }
 
     pub fn remove_flow(&self, key: &FlowKey) {

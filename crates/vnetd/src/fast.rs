@@ -259,7 +259,7 @@ impl FastPath {
         let mut s = format!(
             "fastpath loaded=yes enabled={} entries={} installs={} install_failures={} rate_limited={} revoked={}",
             if on { "yes" } else { "no" },
-            self.kernel.flows().len(),
+            self.kernel.flow_count(),
             self.installs.load(Relaxed),
             self.install_failures.load(Relaxed),
             self.rate_limited.load(Relaxed),
