@@ -1,16 +1,15 @@
 """A real VM (QEMU, TCG) on a TAP that vnetd made with `qemu`, talking
 across the overlay to a namespace guest on another host."""
 
-import queue
 import re
 import subprocess
-import threading
 import time
 
 import pytest
 
 from netlab import REPO, guest_mac, mesh_config
 from vm import guest
+from vm.guest import Console
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 VM_MAC = "52:54:00:00:00:09"
@@ -27,31 +26,6 @@ echo VNET-SENT
 nc -l -p 5002 > /tmp/in
 echo "VNET-SUM-IN $(sha256sum /tmp/in) $(wc -c < /tmp/in)"
 """
-
-
-class Console:
-    """The VM's serial console, read line by line without blocking the test."""
-
-    def __init__(self, proc):
-        self.lines = queue.Queue()
-        self.seen = []
-        threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
-
-    def _pump(self, proc):
-        for line in proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, marker, timeout=90):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                line = self.lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            self.seen.append(line)
-            if marker in line:
-                return line
-        raise AssertionError(f"VM never printed {marker}; console:\n" + "\n".join(self.seen[-40:]))
 
 
 @pytest.mark.parametrize("datapath", ["user", "kernel"])

@@ -12,9 +12,12 @@ import gzip
 import hashlib
 import lzma
 import os
+import queue
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,6 +121,55 @@ def qemu_command(tap: str, mac: str, ip_cidr: str, script: str, mem_mb: int = 25
         "-netdev", f"tap,id=n0,ifname={tap},script=no,downscript=no",
         "-device", f"virtio-net-pci,netdev=n0,mac={mac},romfile=",
     ]
+
+
+def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: int = 256,
+                            server: bool = False) -> list[str]:
+    """QEMU (TCG) booting the guest on a vhost-user virtio-net device whose
+    backend is at `sock`: QEMU connects there (and reconnects each second
+    when the backend restarts), or with `server` listens there for the
+    backend. Guest memory must be shared (memfd); `vectors=0` because QEMU
+    7.2 under TCG crashes setting up MSI-X for vhost-user."""
+    import base64
+
+    vmlinux, initrd = build()
+    b64 = base64.b64encode(script.encode()).decode()
+    chardev = f"socket,id=c0,path={sock}," + ("server=on,wait=off" if server else "reconnect=1")
+    return [
+        "qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", str(mem_mb), "-smp", "1",
+        "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio", "-no-reboot",
+        "-object", f"memory-backend-memfd,id=mem,size={mem_mb}M,share=on", "-numa", "node,memdev=mem",
+        "-kernel", str(vmlinux), "-initrd", str(initrd),
+        "-append", f"console=ttyS0 panic=-1 quiet vnet.ip={ip_cidr} vnet.script={b64}",
+        "-chardev", chardev,
+        "-netdev", "vhost-user,id=n0,chardev=c0",
+        "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=",
+    ]
+
+
+class Console:
+    """A VM's serial console, read line by line without blocking the test."""
+
+    def __init__(self, proc):
+        self.lines = queue.Queue()
+        self.seen = []
+        threading.Thread(target=self._pump, args=(proc,), daemon=True).start()
+
+    def _pump(self, proc):
+        for line in proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def wait_for(self, marker, timeout=90):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                line = self.lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            self.seen.append(line)
+            if marker in line:
+                return line
+        raise AssertionError(f"VM never printed {marker}; console:\n" + "\n".join(self.seen[-40:]))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ pub enum Attach {
     /// A veth pair: the guest's end in its namespace, the host's end where
     /// the kernel fast path attaches.
     Veth,
+    /// A vhost-user virtio-net device on a Unix socket (`IfaceAdd::socket`):
+    /// vnetd listens there, or with `client` connects to the VMM's socket.
+    VhostUser { client: bool },
 }
 
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -283,7 +286,7 @@ impl Setting {
 pub enum Command {
     /// `netns`: create the TAP persistent, inside this named network
     /// namespace (the guest's), so it survives vnetd restarts.
-    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach, netns: Option<String> },
+    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach, netns: Option<String>, socket: Option<String> },
     /// `detach`: let go of the TAP but leave the device (for migration).
     IfaceDel(IfaceRef, bool),
     IfaceList,
@@ -505,14 +508,14 @@ pub fn check_netns_name(name: &str) -> Result<(), String> {
 
 fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     let [name, mac, rest @ ..] = args else {
-        return Err("INTERFACE ADD needs <tap-name> <guest-MAC> [mtu <bytes>] [qemu]".into());
+        return Err("INTERFACE ADD needs <name> <guest-MAC> [mtu <bytes>] [qemu | netns <ns> [veth] | vhost-user <socket> [client]]".into());
     };
     check_ifname(name)?;
     let mac: Mac = mac.parse()?;
     if mac.is_multicast() {
         return Err(format!("guest MAC {mac} is a multicast address"));
     }
-    let (mut mtu, mut attach, mut netns) = (None, Attach::Netns, None);
+    let (mut mtu, mut attach, mut netns, mut socket) = (None, Attach::Netns, None, None);
     let mut rest = rest;
     while let Some((kw, r)) = rest.split_first() {
         match kw.to_ascii_lowercase().as_str() {
@@ -528,6 +531,15 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
             }
             "qemu" => attach = Attach::Qemu,
             "veth" => attach = Attach::Veth,
+            "vhost-user" => {
+                let Some((path, r2)) = r.split_first() else { return Err("vhost-user needs a socket path".into()) };
+                check_socket_path(path)?;
+                socket = Some(path.to_string());
+                attach = Attach::VhostUser { client: false };
+                rest = r2;
+                continue;
+            }
+            "client" if socket.is_some() => attach = Attach::VhostUser { client: true },
             "netns" => {
                 let Some((n, r2)) = r.split_first() else { return Err("netns needs a namespace name".into()) };
                 check_netns_name(n)?;
@@ -535,7 +547,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
-            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth or qemu)")),
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, qemu or vhost-user <socket> [client])")),
         }
         rest = r;
     }
@@ -545,7 +557,25 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     if netns.is_none() && attach == Attach::Veth {
         return Err("a veth interface needs netns <name>: the guest's end goes there".into());
     }
-    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns })
+    if socket.is_some() && (netns.is_some() || !matches!(attach, Attach::VhostUser { .. })) {
+        return Err("a vhost-user interface is its socket alone: no netns, veth or qemu".into());
+    }
+    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns, socket })
+}
+
+/// A vhost-user socket's path: absolute, no `..`, no control characters,
+/// and short enough for a Unix socket address (107 bytes).
+pub fn check_socket_path(p: &str) -> Result<(), String> {
+    if !p.starts_with('/') {
+        return Err(format!("vhost-user socket '{p}' is not an absolute path"));
+    }
+    if p.len() > 107 {
+        return Err(format!("vhost-user socket path is {} bytes; a Unix socket's is at most 107", p.len()));
+    }
+    if p.split('/').any(|c| c == "..") || p.chars().any(|c| c.is_control()) || p.ends_with('/') {
+        return Err(format!("'{p}' is not a plain socket path (no '..', no control characters, not a directory)"));
+    }
+    Ok(())
 }
 
 /// A key file's name: letters, digits, '.', '_' and '-', not starting with
@@ -656,20 +686,38 @@ mod tests {
     fn parses_every_command() {
         assert_eq!(
             one("interface add vg1 02:00:00:00:00:01 mtu 9000"),
-            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns, netns: None }
+            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns, netns: None, socket: None }
         );
         assert_eq!(
             one("interface add vm1 52:54:00:12:34:56 QEMU mtu 1500"),
-            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu, netns: None }
+            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu, netns: None, socket: None }
         );
         assert_eq!(
             one("interface add g1 02:00:00:00:00:01 netns guest-1"),
-            Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()) }
+            Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()), socket: None }
         );
         assert_eq!(
             one("interface add eth1 02:00:00:00:00:01 mtu 1458 netns c1 veth"),
-            Command::IfaceAdd { name: "eth1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(1458), attach: Attach::Veth, netns: Some("c1".into()) }
+            Command::IfaceAdd { name: "eth1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(1458), attach: Attach::Veth, netns: Some("c1".into()), socket: None }
         );
+        assert_eq!(
+            one("interface add vm2 52:54:00:00:00:02 vhost-user /run/vnet/vm2.sock"),
+            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()) }
+        );
+        assert_eq!(
+            one("interface add vm3 52:54:00:00:00:03 vhost-user /tmp/q.sock client mtu 9000"),
+            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true }, netns: None, socket: Some("/tmp/q.sock".into()) }
+        );
+        for bad in [
+            "interface add vm4 52:54:00:00:00:04 vhost-user",
+            "interface add vm4 52:54:00:00:00:04 vhost-user rel.sock",
+            "interface add vm4 52:54:00:00:00:04 vhost-user /tmp/../etc/x",
+            "interface add vm4 52:54:00:00:00:04 client",
+            "interface add vm4 52:54:00:00:00:04 vhost-user /tmp/x.sock netns g",
+            "interface add vm4 52:54:00:00:00:04 vhost-user /tmp/x.sock qemu",
+        ] {
+            assert!(parse_line(bad).is_err(), "{bad}");
+        }
         assert_eq!(one("set datapath KERNEL"), Command::Set(Setting::Datapath(Datapath::Kernel)));
         assert_eq!(one("set datapath user"), Command::Set(Setting::Datapath(Datapath::User)));
         assert_eq!(one("set datapath auto"), Command::Set(Setting::Datapath(Datapath::Auto)));
@@ -780,7 +828,7 @@ mod tests {
             ("link add 10.0.0.2 name", "needs a value"),
             ("link del", "missing"),
             ("link list now", "unexpected"),
-            ("interface add vg1", "needs <tap-name>"),
+            ("interface add vg1", "needs <name> <guest-MAC>"),
             ("interface add this-name-is-too-long 02:00:00:00:00:01", "not a device name"),
             ("interface add vg/1 02:00:00:00:00:01", "not a device name"),
             ("interface add vg1 01:00:00:00:00:01", "multicast"),

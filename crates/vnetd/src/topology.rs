@@ -27,7 +27,7 @@ use crate::link::direct::DirectLink;
 use crate::link::tcp::{LinkKey, TcpLink, TcpTransport};
 use crate::link::udp::UdpLink;
 use crate::link::{GsoState, Rx, Transport, UdpEndpoint};
-use crate::nic::{rtnl, tap, QemuNic, Tap, VethNic, VirtualNic};
+use crate::nic::{rtnl, tap, QemuNic, Tap, VethNic, VhostUserNic, VirtualNic};
 use crate::stats::Counters;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -317,7 +317,7 @@ impl Topology {
                 self.check_thresholds()?;
                 Ok(format!("interface {idx} {name} {shown}"))
             }
-            Command::IfaceAdd { name, mac, mtu, attach, netns } => {
+            Command::IfaceAdd { name, mac, mtu, attach, netns, socket } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
                     return Err(format!("interface {name} exists (index {})", i.id));
                 }
@@ -348,6 +348,10 @@ impl Topology {
                         VethNic::new(name, *mac, mtu, ns, self.next_iface, kernel).map(|n| Box::new(n) as Box<dyn VirtualNic>)
                     }
                     (Attach::Veth, None) => return Err("a veth interface needs netns <name>".into()),
+                    (Attach::VhostUser { client }, _) => {
+                        let Some(path) = socket else { return Err("a vhost-user interface needs a socket path".into()) };
+                        VhostUserNic::new(name, path, *client).map(|n| Box::new(n) as Box<dyn VirtualNic>)
+                    }
                 }
                 .map_err(|e| format!("{e:#}"))?;
                 let idx = self.next_iface;
@@ -372,6 +376,7 @@ impl Topology {
                     Attach::Qemu => " qemu",
                     Attach::Veth => " veth",
                     Attach::Netns => "",
+                    Attach::VhostUser { .. } => " vhost-user",
                 };
                 Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{how}"))
             }

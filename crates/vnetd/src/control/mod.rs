@@ -208,14 +208,15 @@ impl Control {
                 let configured = t.iface_settings.get(&i.id).copied().unwrap_or_default().effective(&t.dispatch).mode;
                 let running = if i.running_mode.load(Relaxed) == Mode::VmmDriven as u8 { Mode::VmmDriven } else { Mode::GuestDriven };
                 out.push(format!(
-                    "interface {} name={} mode={} running={} mode_switches={} {} drop_upcall_full={}",
+                    "interface {} name={} mode={} running={} mode_switches={} {} drop_upcall_full={}{}",
                     i.id,
                     i.name,
                     configured.name(),
                     running.name(),
                     i.mode_switches.load(Relaxed),
                     i.stats.render_plus(self.dp.fast.as_ref().map(|f| f.port(i.id, false)).unwrap_or_default()),
-                    i.nic.upcall_dropped()
+                    i.nic.upcall_dropped(),
+                    i.nic.extra_stats()
                 ));
             }
         }
@@ -279,6 +280,7 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
             Attach::Netns => "netns",
             Attach::Qemu => "qemu",
             Attach::Veth => "veth",
+            Attach::VhostUser { .. } => "vhost-user",
         };
         let netns = i.netns.as_ref().map_or(String::new(), |n| format!(" netns={n}"));
         let nic = i.nic.describe();

@@ -2,7 +2,9 @@
 //! destination in the form that destination takes.
 //!
 //! - To a guest's NIC: as it is, offload metadata and all — a 64 KiB TCP
-//!   super-frame stays one write.
+//!   super-frame stays one write — unless the guest's driver did not
+//!   negotiate offloads: then cut and checksummed as for a link. Each NIC
+//!   sent to is flushed once at the end of the pass (`VirtualNic::flush`).
 //! - To a link: as it is if the link takes offloaded frames (a device);
 //!   otherwise cut to the link's frame size (TCP segmentation) and partial
 //!   checksums finished, then handed to the link's `Transport`, which sends
@@ -46,6 +48,8 @@ pub struct Forwarder {
     /// installs into it.
     fast: Option<Arc<FastPath>>,
     budget: InstallBudget,
+    /// Slots of the interfaces sent to since the last flush.
+    touched: Vec<u32>,
 }
 
 impl Forwarder {
@@ -61,6 +65,7 @@ impl Forwarder {
             tx: TxQueue::default(),
             fast,
             budget: InstallBudget::default(),
+            touched: Vec::with_capacity(8),
         }
     }
 
@@ -134,6 +139,12 @@ impl Forwarder {
             return;
         }
         if let [(_, Slot::Iface(s))] = self.hits[..] {
+            if !snap.ifaces[s as usize].nic.takes_offloads() {
+                self.end_run(snap, buf);
+                let mut vnet = VnetHdr::default();
+                self.deliver(snap, Slot::Iface(s), &mut buf[range], &mut vnet);
+                return;
+            }
             let id = snap.ifaces[s as usize].id;
             if self.coalescer.is_pending() && self.pending_dest == id && self.coalescer.offer(buf, range.clone()) {
                 return;
@@ -174,6 +185,7 @@ impl Forwarder {
             return;
         };
         let iface = &snap.ifaces[slot as usize];
+        self.touch(slot);
         let (result, frames, bytes) = match self.coalescer.take() {
             Run::Empty => return,
             Run::Single(r) => {
@@ -212,6 +224,11 @@ impl Forwarder {
         match to {
             Slot::Iface(s) => {
                 let iface = &snap.ifaces[s as usize];
+                self.touch(s);
+                if (vnet.is_gso() || vnet.flags & F_NEEDS_CSUM != 0) && !iface.nic.takes_offloads() {
+                    self.finish_for_nic(snap, s, frame, vnet);
+                    return;
+                }
                 if !vnet.is_gso() && frame.len() > iface.max_frame() {
                     self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
                     return;
@@ -246,6 +263,53 @@ impl Forwarder {
                 let sent = t.send(&mut self.tx, &cx, vnet, frame);
                 self.count(link, sent);
             }
+        }
+    }
+
+    /// Notes that the interface at `slot` is to be flushed this pass.
+    #[inline]
+    fn touch(&mut self, slot: u32) {
+        if self.touched.last() != Some(&slot) && !self.touched.contains(&slot) {
+            self.touched.push(slot);
+        }
+    }
+
+    /// Delivers an offloaded frame to a NIC whose guest did not negotiate
+    /// offloads: a super-frame cut to segments of its size, a partial
+    /// checksum finished.
+    fn finish_for_nic(&mut self, snap: &Snapshot, slot: u32, frame: &mut [u8], vnet: &mut VnetHdr) {
+        let iface = &snap.ifaces[slot as usize];
+        if !vnet.is_gso() {
+            if offload::complete_checksum(frame, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
+                self.st.drop_at(Some(&iface.stats), DropReason::Malformed);
+                return;
+            }
+            self.st.offload.checksums.fetch_add(1, Relaxed);
+            let plain = VnetHdr::default();
+            if frame.len() > iface.max_frame() {
+                self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
+                return;
+            }
+            let r = iface.nic.send(&plain, &[frame]);
+            self.account(&iface.stats, r.map(|_| frame.len()));
+            return;
+        }
+        let (Some(hl), true) = (offload::tcp_payload_offset(frame), vnet.gso_size as usize >= offload::MIN_GSO_SIZE) else {
+            self.st.drop_at(Some(&iface.stats), DropReason::Malformed);
+            return;
+        };
+        let mss = (vnet.gso_size as usize).min(iface.max_frame().saturating_sub(hl)).max(8);
+        if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
+            self.st.drop_at(Some(&iface.stats), DropReason::Malformed);
+            return;
+        }
+        self.st.offload.segmented.fetch_add(1, Relaxed);
+        self.st.offload.segments.fetch_add(self.plan.len() as u64, Relaxed);
+        let plain = VnetHdr::default();
+        for k in 0..self.plan.len() {
+            let payload = &frame[self.plan.payload[k].clone()];
+            let r = iface.nic.send(&plain, &[self.plan.header(k), payload]);
+            self.account(&iface.stats, r.map(|_| self.plan.frame_len(k)));
         }
     }
 
@@ -309,6 +373,11 @@ impl Forwarder {
     /// Sends what this pass queued (one `sendmmsg` per UDP socket), writes
     /// out the links that buffered frames, and counts it all.
     pub fn flush(&mut self, snap: &Snapshot) {
+        for slot in self.touched.drain(..) {
+            if let Some(i) = snap.ifaces.get(slot as usize) {
+                i.nic.flush();
+            }
+        }
         self.tx.flush();
         for (slot, len, err) in self.tx.done.drain(..) {
             let Some(link) = snap.links.get(slot as usize) else { continue };

@@ -396,6 +396,9 @@ impl Worker {
             self.st.dispatch.rx_frames.fetch_add(n as u64, Relaxed);
             self.st.dispatch.rx_passes.fetch_add(1, Relaxed);
         }
+        // Buffers read are returned to the guest now (and it is told, if it
+        // asked): before the frames' own sends are flushed.
+        iface.nic.flush();
         n
     }
 

@@ -8,6 +8,8 @@
 //!   socket.
 //! - `VethNic`: a veth pair, the guest's end in its namespace; the kernel
 //!   fast path attaches to the host's end (`veth.rs`).
+//! - `VhostUserNic`: the VMM shares the guest's memory and virtio rings
+//!   over a vhost-user socket; dispatchers work the rings (`vhost_user/`).
 //!
 //! Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
 //! only marked ones are taken over, un-persisted or deleted.
@@ -17,6 +19,7 @@ pub mod rtnl;
 pub mod tap;
 pub mod upcall;
 pub mod veth;
+pub mod vhost_user;
 
 use anyhow::Result;
 use std::io::{self, IoSlice};
@@ -30,6 +33,7 @@ pub use packet::PacketPort;
 pub const MAX_PARTS: usize = 64;
 pub use tap::{QemuTap, Tap};
 pub use veth::VethNic;
+pub use vhost_user::VhostUserNic;
 
 /// A guest's virtual NIC, as the dispatcher uses it. A new kind (say, a
 /// vhost-user NIC) is one more implementation; the dispatcher never asks
@@ -68,6 +72,21 @@ pub trait VirtualNic: Send + Sync {
     /// between the kernel and vnetd was full), if the NIC has such a queue.
     fn upcall_dropped(&self) -> u64 {
         0
+    }
+    /// The end of a burst: frames were sent to this NIC, or read from it,
+    /// since the last flush. A NIC with shared rings makes them visible to
+    /// the guest and interrupts it here, once per burst. Every dispatcher
+    /// that sends to a NIC or reads it calls this before it sleeps.
+    fn flush(&self) {}
+    /// Whether the guest takes super-frames and partial checksums as they
+    /// are (a TAP or veth always does; a virtio driver only if it
+    /// negotiated them); otherwise the forwarder finishes them first.
+    fn takes_offloads(&self) -> bool {
+        true
+    }
+    /// Counters of this NIC kind, for `STATS` (` key=value` pairs).
+    fn extra_stats(&self) -> String {
+        String::new()
     }
 }
 

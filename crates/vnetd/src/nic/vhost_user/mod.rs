@@ -1,0 +1,380 @@
+//! A vhost-user virtio-net NIC: the VMM (QEMU, cloud-hypervisor) or a
+//! userspace driver (DPDK's virtio-user) shares the guest's memory and rings
+//! with vnetd over a Unix socket, and vnetd's dispatchers move frames
+//! straight between the guest's buffers and the overlay — the virtio NIC
+//! VNET/P put in the VMM, with no TAP and no host kernel between.
+//!
+//! - `frontend.rs`: the protocol (features, memory table, ring set-up), run
+//!   on one thread per NIC that serves the socket (`server`) or keeps
+//!   connecting to the VMM's (`client`), and starts over whenever either
+//!   side restarts.
+//! - `ring.rs`: the rings themselves, worked by the dispatcher that owns the
+//!   interface.
+//!
+//! The dispatcher watches one descriptor per NIC (`event_fd`): an epoll set
+//! holding the transmit queue's kick eventfd (which changes with each
+//! connection) and a poke the protocol thread uses when a ring starts.
+//! Receive-queue kicks are never asked for: a frame for a guest with no
+//! posted buffers is dropped and counted (`queue_full`), as a full TAP's is.
+
+mod frontend;
+pub mod ring;
+
+use super::{Received, VirtualNic};
+use anyhow::{bail, Context, Result};
+use frontend::{feature, Frontend, RX, TX};
+use ring::{Popped, Ring};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use vhost::vhost_user::{BackendReqHandler, Error as VhostError};
+use vnet_core::offload::VnetHdr;
+
+/// What the protocol thread and the dispatchers share.
+pub struct Shared {
+    rings: [Mutex<Ring>; 2],
+    /// The features the frontend acknowledged.
+    acked: AtomicU64,
+    /// The dispatcher's descriptor: the transmit kick and `poke_fd` in it.
+    epoll: OwnedFd,
+    poke_fd: OwnedFd,
+    /// The dispatcher wants kicks (guest-driven) or polls (VMM-driven).
+    kicks_on: AtomicBool,
+    connected: AtomicBool,
+    counters: Counters,
+}
+
+#[derive(Default)]
+struct Counters {
+    connects: AtomicU64,
+    /// Interrupts sent to the guest, for frames received and for frames
+    /// sent (transmit buffers returned).
+    rx_interrupts: AtomicU64,
+    tx_interrupts: AtomicU64,
+    /// Chains the guest queued that could not be read (returned unread).
+    bad_chains: AtomicU64,
+}
+
+impl Shared {
+    fn new() -> Result<Shared> {
+        // SAFETY: plain epoll_create1 / eventfd; both owned below.
+        let (ep, poke) = unsafe { (libc::epoll_create1(libc::EPOLL_CLOEXEC), libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK)) };
+        if ep < 0 || poke < 0 {
+            bail!("epoll/eventfd: {}", io::Error::last_os_error());
+        }
+        // SAFETY: fresh descriptors, owned from here on.
+        let (epoll, poke_fd) = unsafe { (OwnedFd::from_raw_fd(ep), OwnedFd::from_raw_fd(poke)) };
+        let s = Shared {
+            rings: [Mutex::new(Ring::new()), Mutex::new(Ring::new())],
+            acked: AtomicU64::new(0),
+            epoll,
+            poke_fd,
+            kicks_on: AtomicBool::new(true),
+            connected: AtomicBool::new(false),
+            counters: Counters::default(),
+        };
+        s.epoll_ctl(libc::EPOLL_CTL_ADD, s.poke_fd.as_raw_fd());
+        Ok(s)
+    }
+
+    fn ring(&self, i: usize) -> &Mutex<Ring> {
+        &self.rings[i]
+    }
+
+    fn epoll_ctl(&self, op: libc::c_int, fd: RawFd) {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
+        // SAFETY: ev is valid; a failure (already there, gone) changes nothing.
+        unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) };
+    }
+
+    /// The transmit queue's kick descriptor changed from `old` to `new`.
+    fn watch_kick(&self, old: Option<&File>, new: Option<&File>) {
+        if let Some(o) = old {
+            self.epoll_ctl(libc::EPOLL_CTL_DEL, o.as_raw_fd());
+        }
+        if let Some(n) = new {
+            self.epoll_ctl(libc::EPOLL_CTL_ADD, n.as_raw_fd());
+        }
+    }
+
+    /// Wakes the dispatcher (a ring started with frames perhaps waiting).
+    fn poke(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writing 8 bytes to our eventfd.
+        unsafe { libc::write(self.poke_fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    fn clear_poke(&self) {
+        let mut v = [0u8; 8];
+        // SAFETY: reading our eventfd's counter into v.
+        unsafe { libc::read(self.poke_fd.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+    }
+
+    fn hdr_len(&self) -> usize {
+        if self.acked.load(Relaxed) & (feature::VERSION_1 | feature::MRG_RXBUF) != 0 {
+            12
+        } else {
+            10
+        }
+    }
+
+    /// Publishes `ring`'s used entries and interrupts the guest if it asked.
+    fn complete(&self, i: usize, counter: &AtomicU64) {
+        let mut r = self.rings[i].lock().unwrap();
+        if r.publish() && r.guest_wants_interrupt() && r.signal() {
+            counter.fetch_add(1, Relaxed);
+        }
+    }
+}
+
+/// How the socket's other end is met.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// vnetd listens; the VMM connects (QEMU's `reconnect=1` comes back
+    /// after a vnetd restart).
+    Server,
+    /// The VMM listens (`server=on`); vnetd connects, and again whenever
+    /// the connection drops.
+    Client,
+}
+
+/// The protocol thread's stop signal and what to shut down to wake it.
+struct Control {
+    stop: AtomicBool,
+    /// The live connection (shut down to end it) and the listener.
+    conn: Mutex<Option<UnixStream>>,
+    listener: Option<RawFd>,
+}
+
+pub struct VhostUserNic {
+    shared: Arc<Shared>,
+    control: Arc<Control>,
+    path: PathBuf,
+    role: Role,
+    /// The socket file this NIC made (device and inode), removed when the
+    /// NIC goes if it is still the same file.
+    made: Option<(u64, u64)>,
+    _listener: Option<UnixListener>,
+}
+
+impl VhostUserNic {
+    /// Serves a vhost-user-net device on `path` (`client`: connects to the
+    /// VMM's socket there instead).
+    pub fn new(name: &str, path: &str, client: bool) -> Result<VhostUserNic> {
+        let path = PathBuf::from(path);
+        let shared = Arc::new(Shared::new()?);
+        let (role, listener, made) = if client {
+            (Role::Client, None, None)
+        } else {
+            let l = bind(&path)?;
+            let m = std::fs::metadata(&path).with_context(|| format!("{}", path.display()))?;
+            (Role::Server, Some(l), Some((m.dev(), m.ino())))
+        };
+        let control = Arc::new(Control {
+            stop: AtomicBool::new(false),
+            conn: Mutex::new(None),
+            listener: listener.as_ref().map(|l| l.as_raw_fd()),
+        });
+        let (s, c, p) = (shared.clone(), control.clone(), path.clone());
+        let l = listener.as_ref().map(|l| l.try_clone()).transpose().context("listener")?;
+        std::thread::Builder::new()
+            .name(format!("vhost-{name}"))
+            .spawn(move || match l {
+                Some(l) => serve(&s, &c, &l),
+                None => connect_loop(&s, &c, &p),
+            })
+            .context("cannot start the vhost-user thread")?;
+        Ok(VhostUserNic { shared, control, path, role, made, _listener: listener })
+    }
+}
+
+/// Binds the server socket at `path`: a path that exists is replaced only
+/// if it is a socket nobody listens on (left by a vnetd that died).
+fn bind(path: &Path) -> Result<UnixListener> {
+    if !path.is_absolute() {
+        bail!("vhost-user socket {} is not an absolute path", path.display());
+    }
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_socket() {
+            bail!("{} exists and is not a socket: not replaced", path.display());
+        }
+        if UnixStream::connect(path).is_ok() {
+            bail!("{} is a socket something listens on: not replaced", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("cannot replace stale socket {}", path.display()))?;
+    }
+    let l = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    Ok(l)
+}
+
+/// Serves one frontend connection until it ends (or vnetd stops it).
+fn run_connection(shared: &Arc<Shared>, control: &Control, stream: UnixStream) {
+    if let Ok(c) = stream.try_clone() {
+        *control.conn.lock().unwrap() = Some(c);
+    }
+    if control.stop.load(Relaxed) {
+        return;
+    }
+    let fe = Arc::new(Mutex::new(Frontend::new(shared.clone())));
+    let mut handler = BackendReqHandler::from_stream(stream, fe.clone());
+    shared.counters.connects.fetch_add(1, Relaxed);
+    shared.connected.store(true, Relaxed);
+    tracing::info!("vhost-user frontend connected");
+    loop {
+        match handler.handle_request() {
+            Ok(()) => {}
+            // The device refused one request; the frontend was told.
+            Err(e @ (VhostError::InvalidParam | VhostError::InvalidOperation(_) | VhostError::InactiveFeature(_) | VhostError::InactiveOperation(_) | VhostError::ReqHandlerError(_))) => {
+                tracing::debug!("vhost-user request refused: {e}");
+            }
+            Err(e) => {
+                if !control.stop.load(Relaxed) {
+                    tracing::info!("vhost-user frontend gone: {e}");
+                }
+                break;
+            }
+        }
+    }
+    shared.connected.store(false, Relaxed);
+    fe.lock().unwrap().reset();
+    *control.conn.lock().unwrap() = None;
+}
+
+fn serve(shared: &Arc<Shared>, control: &Control, listener: &UnixListener) {
+    while !control.stop.load(Relaxed) {
+        match listener.accept() {
+            Ok((s, _)) => run_connection(shared, control, s),
+            Err(e) => {
+                if control.stop.load(Relaxed) {
+                    return;
+                }
+                tracing::warn!("vhost-user accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn connect_loop(shared: &Arc<Shared>, control: &Control, path: &Path) {
+    let mut logged = false;
+    while !control.stop.load(Relaxed) {
+        match UnixStream::connect(path) {
+            Ok(s) => {
+                logged = false;
+                run_connection(shared, control, s);
+            }
+            Err(e) => {
+                if !logged {
+                    tracing::info!(path = %path.display(), "vhost-user: cannot connect yet ({e}); retrying");
+                    logged = true;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+impl Drop for VhostUserNic {
+    fn drop(&mut self) {
+        self.control.stop.store(true, Relaxed);
+        if let Some(c) = self.control.conn.lock().unwrap().take() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(l) = self.control.listener {
+            // SAFETY: shutdown(2) on our listening socket wakes its accept.
+            unsafe { libc::shutdown(l, libc::SHUT_RDWR) };
+        }
+        if let Some((dev, ino)) = self.made {
+            if std::fs::metadata(&self.path).is_ok_and(|m| m.dev() == dev && m.ino() == ino) {
+                let _ = std::fs::remove_file(&self.path);
+            }
+        }
+    }
+}
+
+impl VirtualNic for VhostUserNic {
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        let hdr_len = self.shared.hdr_len();
+        let mut tx = self.shared.rings[TX].lock().unwrap();
+        loop {
+            if !tx.running() {
+                tx.clear_kick();
+                self.shared.clear_poke();
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            match tx.pop_frame(buf, hdr_len) {
+                Popped::Frame { len, vnet } => return Ok(Received { start: 0, end: len, vnet }),
+                Popped::Bad => {
+                    self.shared.counters.bad_chains.fetch_add(1, Relaxed);
+                }
+                Popped::TooBig => return Err(io::Error::from_raw_os_error(libc::EMSGSIZE)),
+                Popped::Empty => {
+                    tx.clear_kick();
+                    self.shared.clear_poke();
+                    if self.shared.kicks_on.load(Relaxed) && tx.set_kicks(true) {
+                        continue;
+                    }
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+            }
+        }
+    }
+
+    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        let acked = self.shared.acked.load(Relaxed);
+        let hdr_len = self.shared.hdr_len();
+        let mut rx = self.shared.rings[RX].lock().unwrap();
+        if !rx.running() {
+            return Err(io::Error::from_raw_os_error(libc::ENETDOWN));
+        }
+        rx.put_frame(vnet, parts, hdr_len, acked & feature::MRG_RXBUF != 0)?;
+        Ok(parts.iter().map(|p| p.len()).sum())
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.shared.epoll.as_raw_fd()
+    }
+
+    fn set_notify(&self, on: bool) {
+        self.shared.kicks_on.store(on, Relaxed);
+        let mut tx = self.shared.rings[TX].lock().unwrap();
+        if tx.set_kicks(on) {
+            self.shared.poke();
+        }
+    }
+
+    fn flush(&self) {
+        let c = &self.shared.counters;
+        self.shared.complete(RX, &c.rx_interrupts);
+        self.shared.complete(TX, &c.tx_interrupts);
+    }
+
+    fn takes_offloads(&self) -> bool {
+        let want = feature::GUEST_CSUM | feature::GUEST_TSO4 | feature::GUEST_TSO6;
+        self.shared.acked.load(Relaxed) & want == want
+    }
+
+    fn describe(&self) -> String {
+        let role = if self.role == Role::Client { " client" } else { "" };
+        let up = if self.shared.connected.load(Relaxed) { "yes" } else { "no" };
+        format!("vhost-user={}{role} connected={up}", self.path.display())
+    }
+
+    fn extra_stats(&self) -> String {
+        let c = &self.shared.counters;
+        format!(
+            " vhost_connects={} vhost_rx_interrupts={} vhost_tx_interrupts={} vhost_bad_chains={} vhost_features={:#x}",
+            c.connects.load(Relaxed),
+            c.rx_interrupts.load(Relaxed),
+            c.tx_interrupts.load(Relaxed),
+            c.bad_chains.load(Relaxed),
+            self.shared.acked.load(Relaxed)
+        )
+    }
+}

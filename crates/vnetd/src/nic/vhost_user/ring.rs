@@ -1,0 +1,330 @@
+//! One split virtqueue of a vhost-user NIC, worked from vnetd's side: the
+//! guest's descriptors read and written in its shared memory, used entries
+//! published in batches, notifications both ways.
+//!
+//! `virtio-queue` walks descriptor chains (indirect tables, loops and
+//! out-of-range addresses are its to refuse); the used ring is written here,
+//! because a frame spread over several receive buffers (mergeable buffers)
+//! must appear to the guest at once, and because a batch of frames should
+//! cost the guest one look at the ring and at most one interrupt.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
+
+pub type Memory = GuestMemoryMmap<()>;
+
+/// Largest queue the guest may make (QEMU's default is 256).
+pub const MAX_QUEUE_SIZE: u16 = 1024;
+/// Most receive buffers one frame may take (a 64 KiB super-frame in the
+/// guest's smallest mergeable buffers).
+const MAX_BUFFERS: usize = 64;
+const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
+const VRING_USED_F_NO_NOTIFY: u16 = 1;
+
+/// What taking one frame from the guest's transmit queue gave.
+pub enum Popped {
+    /// `len` bytes of frame in the caller's buffer, with their offload header.
+    Frame { len: usize, vnet: VnetHdr },
+    /// Nothing waits.
+    Empty,
+    /// A chain that could not be read (an address outside the guest's
+    /// memory, a write-only buffer): returned to the guest unread.
+    Bad,
+    /// A frame larger than the caller's buffer: returned unread.
+    TooBig,
+}
+
+pub struct Ring {
+    pub queue: Queue,
+    pub mem: Option<Arc<Memory>>,
+    pub kick: Option<File>,
+    pub call: Option<File>,
+    /// Not disabled by `SET_VRING_ENABLE 0`. Rings start enabled: QEMU
+    /// (7.2) enables a net device's rings before it acknowledges features,
+    /// when the `vhost` crate still refuses `SET_VRING_ENABLE`, and never
+    /// again, so enabled-until-disabled is what works with real frontends.
+    pub enabled: bool,
+    /// Used entries written since the last publish.
+    unpublished: u16,
+    /// The used index the guest was last considered for an interrupt at.
+    signalled_used: u16,
+    /// Scratch for receive: the buffers (address, length) and the chains
+    /// (head, capacity) one frame is written into.
+    segs: Vec<(GuestAddress, usize)>,
+    chains: Vec<(u16, usize)>,
+}
+
+impl Ring {
+    pub fn new() -> Ring {
+        Ring {
+            queue: Queue::new(MAX_QUEUE_SIZE).expect("a valid queue size"),
+            mem: None,
+            kick: None,
+            call: None,
+            enabled: true,
+            unpublished: 0,
+            signalled_used: 0,
+            segs: Vec::with_capacity(MAX_BUFFERS * 4),
+            chains: Vec::with_capacity(MAX_BUFFERS),
+        }
+    }
+
+    /// Back to the state before the frontend set anything up (a reset, or
+    /// the connection went).
+    pub fn reset(&mut self) {
+        self.queue.reset();
+        self.kick = None;
+        self.call = None;
+        self.enabled = true;
+        self.unpublished = 0;
+    }
+
+    /// Ready to move frames: addresses valid in the guest's memory, a kick
+    /// descriptor given, and enabled.
+    #[inline]
+    pub fn running(&self) -> bool {
+        self.enabled && self.queue.ready() && self.mem.is_some()
+    }
+
+    /// Starts the ring if everything it needs is there; the used index is
+    /// taken from the guest's memory (the frontend gives only the avail
+    /// index, which is all a restarted backend needs to go on).
+    pub fn try_start(&mut self) -> bool {
+        let Some(mem) = &self.mem else { return false };
+        if self.queue.ready() || self.kick.is_none() {
+            return self.queue.ready();
+        }
+        // `is_valid` looks only at a ready queue.
+        self.queue.set_ready(true);
+        let valid = self.queue.is_valid(&**mem);
+        self.queue.set_ready(false);
+        if !valid {
+            return false;
+        }
+        let used: u16 = match mem.load(GuestAddress(self.queue.used_ring() + 2), Ordering::Acquire) {
+            Ok(v) => u16::from_le(v),
+            Err(_) => return false,
+        };
+        self.queue.set_next_used(used);
+        self.signalled_used = used;
+        self.unpublished = 0;
+        self.queue.set_ready(true);
+        true
+    }
+
+    /// Takes the next frame the guest queued for sending into `out`; the
+    /// virtio-net header (`hdr_len` bytes) is parsed, not copied.
+    pub fn pop_frame(&mut self, out: &mut [u8], hdr_len: usize) -> Popped {
+        let Ring { queue, mem, .. } = self;
+        let Some(mem) = mem.as_deref() else { return Popped::Empty };
+        let Some(chain) = queue.pop_descriptor_chain(mem) else { return Popped::Empty };
+        let head = chain.head_index();
+        let mut hdr = [0u8; 12];
+        let mut got = 0usize;
+        let mut result = None;
+        for d in chain {
+            if d.is_write_only() {
+                result = Some(Popped::Bad);
+                break;
+            }
+            let mut addr = d.addr();
+            let mut rem = d.len() as usize;
+            if got < hdr_len {
+                let n = rem.min(hdr_len - got);
+                if mem.read_slice(&mut hdr[got..got + n], addr).is_err() {
+                    result = Some(Popped::Bad);
+                    break;
+                }
+                got += n;
+                rem -= n;
+                addr = GuestAddress(addr.0.wrapping_add(n as u64));
+            }
+            if rem > 0 {
+                let at = got - hdr_len;
+                let Some(dst) = out.get_mut(at..at + rem) else {
+                    result = Some(Popped::TooBig);
+                    break;
+                };
+                if mem.read_slice(dst, addr).is_err() {
+                    result = Some(Popped::Bad);
+                    break;
+                }
+                got += rem;
+            }
+        }
+        self.push_used(head, 0);
+        if let Some(r) = result {
+            return r;
+        }
+        if got < hdr_len {
+            return Popped::Bad;
+        }
+        let vnet = VnetHdr::parse(&hdr[..VNET_HDR_LEN]).unwrap_or_default();
+        Popped::Frame { len: got - hdr_len, vnet }
+    }
+
+    /// Writes one frame (`parts` after its header) into buffers the guest
+    /// posted: several if `mergeable`, else one that holds it all. The
+    /// used entries wait for `publish`. `ENOBUFS` if the guest has not
+    /// posted room enough (nothing is taken then).
+    pub fn put_frame(&mut self, vnet: &VnetHdr, parts: &[&[u8]], hdr_len: usize, mergeable: bool) -> io::Result<()> {
+        let total = hdr_len + parts.iter().map(|p| p.len()).sum::<usize>();
+        let Ring { queue, mem, segs, chains, .. } = self;
+        let Some(mem) = mem.as_deref() else { return Err(io::Error::from_raw_os_error(libc::ENETDOWN)) };
+        segs.clear();
+        chains.clear();
+        let mut cap = 0usize;
+        while cap < total {
+            let room = if mergeable { MAX_BUFFERS } else { 1 };
+            let chain = if chains.len() < room { queue.pop_descriptor_chain(mem) } else { None };
+            let Some(chain) = chain else {
+                for _ in 0..chains.len() {
+                    queue.go_to_previous_position();
+                }
+                return Err(io::Error::from_raw_os_error(libc::ENOBUFS));
+            };
+            let head = chain.head_index();
+            let mut c = 0usize;
+            for d in chain {
+                if d.is_write_only() && d.len() > 0 {
+                    segs.push((d.addr(), d.len() as usize));
+                    c += d.len() as usize;
+                }
+            }
+            chains.push((head, c));
+            cap += c;
+        }
+        let mut hdr = [0u8; 12];
+        vnet.write(&mut hdr[..VNET_HDR_LEN]);
+        hdr[10..12].copy_from_slice(&(chains.len() as u16).to_le_bytes());
+        let mut seg = 0;
+        let mut off = 0;
+        let mut ok = true;
+        'copy: for src in std::iter::once(&hdr[..hdr_len]).chain(parts.iter().copied()) {
+            let mut s = src;
+            while !s.is_empty() {
+                let (addr, len) = segs[seg];
+                if off == len {
+                    seg += 1;
+                    off = 0;
+                    continue;
+                }
+                let n = (len - off).min(s.len());
+                if mem.write_slice(&s[..n], GuestAddress(addr.0.wrapping_add(off as u64))).is_err() {
+                    ok = false;
+                    break 'copy;
+                }
+                off += n;
+                s = &s[n..];
+            }
+        }
+        let mut left = if ok { total } else { 0 };
+        for i in 0..self.chains.len() {
+            let (head, c) = self.chains[i];
+            let n = left.min(c);
+            left -= n;
+            self.push_used(head, n as u32);
+        }
+        if ok {
+            Ok(())
+        } else {
+            Err(io::Error::from_raw_os_error(libc::EFAULT))
+        }
+    }
+
+    /// Writes a used entry (not yet visible to the guest).
+    fn push_used(&mut self, head: u16, len: u32) {
+        let Some(mem) = self.mem.as_deref() else { return };
+        let next = self.queue.next_used();
+        let at = self.queue.used_ring() + 4 + u64::from(next % self.queue.size()) * 8;
+        let mut e = [0u8; 8];
+        e[..4].copy_from_slice(&u32::from(head).to_le_bytes());
+        e[4..].copy_from_slice(&len.to_le_bytes());
+        // An address the guest made invalid fails here; the ring is the
+        // guest's to break.
+        let _ = mem.write_slice(&e, GuestAddress(at));
+        self.queue.set_next_used(next.wrapping_add(1));
+        self.unpublished = self.unpublished.wrapping_add(1);
+    }
+
+    /// Makes the used entries written so far visible to the guest; true if
+    /// there were any.
+    pub fn publish(&mut self) -> bool {
+        if self.unpublished == 0 {
+            return false;
+        }
+        self.unpublished = 0;
+        let Some(mem) = self.mem.as_deref() else { return false };
+        let idx = self.queue.next_used();
+        let _ = mem.store(idx.to_le(), GuestAddress(self.queue.used_ring() + 2), Ordering::Release);
+        true
+    }
+
+    /// Whether the guest asked to be interrupted for the entries published
+    /// since it was last considered (event index, or the avail ring's
+    /// NO_INTERRUPT flag without it).
+    pub fn guest_wants_interrupt(&mut self) -> bool {
+        let Some(mem) = self.mem.as_deref() else { return false };
+        fence(Ordering::SeqCst);
+        let new = self.queue.next_used();
+        let old = std::mem::replace(&mut self.signalled_used, new);
+        if new == old {
+            return false;
+        }
+        let avail = self.queue.avail_ring();
+        if self.queue.event_idx_enabled() {
+            let at = GuestAddress(avail + 4 + 2 * u64::from(self.queue.size()));
+            let Ok(ev) = mem.load::<u16>(at, Ordering::Acquire) else { return true };
+            // vring_need_event: the guest's used_event lies in (old, new].
+            new.wrapping_sub(u16::from_le(ev)).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            let Ok(flags) = mem.load::<u16>(GuestAddress(avail), Ordering::Acquire) else { return true };
+            u16::from_le(flags) & VRING_AVAIL_F_NO_INTERRUPT == 0
+        }
+    }
+
+    /// Interrupts the guest (its call descriptor).
+    pub fn signal(&self) -> bool {
+        let Some(call) = &self.call else { return false };
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writing 8 bytes to an eventfd we hold.
+        unsafe { libc::write(call.as_raw_fd(), one.as_ptr().cast(), 8) == 8 }
+    }
+
+    /// Consumes pending kicks (the kick descriptor is non-blocking).
+    pub fn clear_kick(&self) {
+        if let Some(k) = &self.kick {
+            let mut v = [0u8; 8];
+            // SAFETY: reading an eventfd's 8-byte counter into v.
+            unsafe { libc::read(k.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+        }
+    }
+
+    /// Asks the guest to kick (`on`) or not to, for new frames; with `on`,
+    /// true if frames came while notifications were off (look again).
+    pub fn set_kicks(&mut self, on: bool) -> bool {
+        let Some(mem) = self.mem.as_deref() else { return false };
+        if !self.queue.ready() {
+            return false;
+        }
+        let used = GuestAddress(self.queue.used_ring());
+        if self.queue.event_idx_enabled() {
+            if !on {
+                return false; // a stale avail_event asks for nothing new
+            }
+            let at = GuestAddress(used.0 + 4 + 8 * u64::from(self.queue.size()));
+            let _ = mem.store(self.queue.next_avail().to_le(), at, Ordering::Relaxed);
+        } else {
+            let flags: u16 = if on { 0 } else { VRING_USED_F_NO_NOTIFY };
+            let _ = mem.store(flags.to_le(), used, Ordering::Relaxed);
+        }
+        fence(Ordering::SeqCst);
+        on && self.queue.avail_idx(mem, Ordering::Acquire).map(|i| i.0 != self.queue.next_avail()).unwrap_or(false)
+    }
+}
