@@ -165,6 +165,36 @@ impl YieldStrategy {
     }
 }
 
+/// How a virtio NIC interrupts its guest for received frames
+/// (`SET interrupts`; VNET/P+, docs/vhost-user.md).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
+pub enum Interrupts {
+    /// Once the frames are in the guest's buffers, if it asked (virtio's
+    /// event index), once per dispatcher pass.
+    Plain,
+    /// VNET/P+: an early virtual interrupt before the frames are copied in,
+    /// and an end-of-coalescing decision by receive density (α, β).
+    #[default]
+    Optimistic,
+}
+
+impl Interrupts {
+    pub fn parse(s: &str) -> Result<Interrupts, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "plain" => Ok(Interrupts::Plain),
+            "optimistic" => Ok(Interrupts::Optimistic),
+            _ => Err(format!("'{s}' is not an interrupt policy (want plain or optimistic)")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Interrupts::Plain => "plain",
+            Interrupts::Optimistic => "optimistic",
+        }
+    }
+}
+
 /// Which datapath carries frames (`SET datapath`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub enum Datapath {
@@ -252,6 +282,11 @@ pub enum Setting {
     Quota(u32),
     /// Which datapath carries frames.
     Datapath(Datapath),
+    /// How virtio NICs interrupt their guests.
+    Interrupts(Interrupts),
+    /// Optimistic interrupts' receive-density thresholds α and β, kB/s.
+    EocAlpha(u32),
+    EocBeta(u32),
 }
 
 impl Setting {
@@ -273,9 +308,12 @@ impl Setting {
             "window-ms" => Setting::WindowMs(num(1, 10_000)?),
             "quota" => Setting::Quota(num(1, 4096)?),
             "datapath" => Setting::Datapath(Datapath::parse(value)?),
+            "interrupts" => Setting::Interrupts(Interrupts::parse(value)?),
+            "eoc-alpha" => Setting::EocAlpha(num(0, 100_000_000)?),
+            "eoc-beta" => Setting::EocBeta(num(1, 100_000_000)?),
             _ => {
                 return Err(format!(
-                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms, quota or datapath)"
+                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms, quota, datapath, interrupts, eoc-alpha or eoc-beta)"
                 ))
             }
         })
@@ -718,6 +756,11 @@ mod tests {
         ] {
             assert!(parse_line(bad).is_err(), "{bad}");
         }
+        assert_eq!(one("set interrupts PLAIN"), Command::Set(Setting::Interrupts(Interrupts::Plain)));
+        assert_eq!(one("set eoc-alpha 500"), Command::Set(Setting::EocAlpha(500)));
+        assert_eq!(one("set eoc-beta 200000"), Command::Set(Setting::EocBeta(200000)));
+        assert!(parse_line("set interrupts often").is_err());
+        assert!(parse_line("set eoc-beta 0").is_err());
         assert_eq!(one("set datapath KERNEL"), Command::Set(Setting::Datapath(Datapath::Kernel)));
         assert_eq!(one("set datapath user"), Command::Set(Setting::Datapath(Datapath::User)));
         assert_eq!(one("set datapath auto"), Command::Set(Setting::Datapath(Datapath::Auto)));

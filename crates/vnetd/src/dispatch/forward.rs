@@ -16,7 +16,7 @@
 
 use crate::fast::{FastPath, InstallBudget};
 use crate::link::{Segments, Sent, TxCtx, TxQueue};
-use crate::nic::MAX_PARTS;
+use crate::nic::{IrqPolicy, MAX_PARTS};
 use crate::stats::{Counters, DropReason, ThreadStats};
 use crate::topology::{Link, Slot, Snapshot};
 use std::io;
@@ -48,8 +48,10 @@ pub struct Forwarder {
     /// installs into it.
     fast: Option<Arc<FastPath>>,
     budget: InstallBudget,
-    /// Slots of the interfaces sent to since the last flush.
+    /// Slots of the interfaces sent to or read since the last flush, and
+    /// of those holding an interrupt back until this thread is idle.
     touched: Vec<u32>,
+    deferred: Vec<u32>,
 }
 
 impl Forwarder {
@@ -66,6 +68,7 @@ impl Forwarder {
             fast,
             budget: InstallBudget::default(),
             touched: Vec::with_capacity(8),
+            deferred: Vec::with_capacity(8),
         }
     }
 
@@ -185,7 +188,7 @@ impl Forwarder {
             return;
         };
         let iface = &snap.ifaces[slot as usize];
-        self.touch(slot);
+        self.arriving(snap, slot);
         let (result, frames, bytes) = match self.coalescer.take() {
             Run::Empty => return,
             Run::Single(r) => {
@@ -224,7 +227,7 @@ impl Forwarder {
         match to {
             Slot::Iface(s) => {
                 let iface = &snap.ifaces[s as usize];
-                self.touch(s);
+                self.arriving(snap, s);
                 if (vnet.is_gso() || vnet.flags & F_NEEDS_CSUM != 0) && !iface.nic.takes_offloads() {
                     self.finish_for_nic(snap, s, frame, vnet);
                     return;
@@ -266,11 +269,36 @@ impl Forwarder {
         }
     }
 
-    /// Notes that the interface at `slot` is to be flushed this pass.
+    /// Notes that the interface at `slot` is to be flushed this pass (its
+    /// frames were read); true the first time.
     #[inline]
-    fn touch(&mut self, slot: u32) {
-        if self.touched.last() != Some(&slot) && !self.touched.contains(&slot) {
-            self.touched.push(slot);
+    pub fn touch(&mut self, slot: u32) -> bool {
+        if self.touched.last() == Some(&slot) || self.touched.contains(&slot) {
+            return false;
+        }
+        self.touched.push(slot);
+        true
+    }
+
+    /// Frames are about to be sent to the interface at `slot`: the first
+    /// time this pass, its NIC hears of their arrival (early interrupts).
+    #[inline]
+    fn arriving(&mut self, snap: &Snapshot, slot: u32) {
+        if self.touch(slot) {
+            snap.ifaces[slot as usize].nic.arriving(&IrqPolicy::of(&snap.dispatch));
+        }
+    }
+
+    pub fn has_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// This thread has no more work: the interrupts NICs held back go now.
+    pub fn idle(&mut self, snap: &Snapshot) {
+        for slot in self.deferred.drain(..) {
+            if let Some(i) = snap.ifaces.get(slot as usize) {
+                i.nic.idle();
+            }
         }
     }
 
@@ -373,9 +401,14 @@ impl Forwarder {
     /// Sends what this pass queued (one `sendmmsg` per UDP socket), writes
     /// out the links that buffered frames, and counts it all.
     pub fn flush(&mut self, snap: &Snapshot) {
-        for slot in self.touched.drain(..) {
-            if let Some(i) = snap.ifaces.get(slot as usize) {
-                i.nic.flush();
+        if !self.touched.is_empty() {
+            let irq = IrqPolicy::of(&snap.dispatch);
+            for slot in self.touched.drain(..) {
+                if let Some(i) = snap.ifaces.get(slot as usize) {
+                    if i.nic.flush(&irq) && !self.deferred.contains(&slot) {
+                        self.deferred.push(slot);
+                    }
+                }
             }
         }
         self.tx.flush();

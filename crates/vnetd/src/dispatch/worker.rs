@@ -227,6 +227,8 @@ struct Worker {
     /// In the real-time class now; whether the kernel allows it.
     realtime: bool,
     realtime_ok: bool,
+    /// The last poll pass found no work.
+    idle_pass: bool,
 }
 
 pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
@@ -250,6 +252,7 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         last_work: Instant::now(),
         realtime: false,
         realtime_ok: true,
+        idle_pass: false,
     };
     w.reload();
     w.run()
@@ -272,6 +275,7 @@ impl Worker {
             if polling {
                 let work = self.poll_pass();
                 let now = Instant::now();
+                self.idle_pass = work == 0;
                 if work > 0 {
                     self.st.dispatch.busy_passes.fetch_add(1, Relaxed);
                     self.last_work = now;
@@ -295,7 +299,22 @@ impl Worker {
                     }
                 }
             }
-            let n = match self.epoll.wait(timeout) {
+            // Interrupts held back (optimistic interrupts, "too hot") go at
+            // the end of the busy period: a poll pass that found nothing, or
+            // nothing ready when the thread would sleep.
+            let mut ready = None;
+            if self.fwd.has_deferred() {
+                if self.idle_pass {
+                    self.fwd.idle(&self.snap);
+                } else if timeout != Some(Duration::ZERO) {
+                    match self.epoll.wait(Some(Duration::ZERO)) {
+                        Ok(0) => self.fwd.idle(&self.snap),
+                        Ok(n) => ready = Some(n),
+                        Err(e) => bail!("epoll wait failed: {e}"),
+                    }
+                }
+            }
+            let n = match ready.map_or_else(|| self.epoll.wait(timeout), Ok) {
                 Ok(n) => n,
                 Err(e) => bail!("epoll wait failed: {e}"),
             };
@@ -396,9 +415,8 @@ impl Worker {
             self.st.dispatch.rx_frames.fetch_add(n as u64, Relaxed);
             self.st.dispatch.rx_passes.fetch_add(1, Relaxed);
         }
-        // Buffers read are returned to the guest now (and it is told, if it
-        // asked): before the frames' own sends are flushed.
-        iface.nic.flush();
+        // The buffers read go back to the guest at the end of the pass.
+        self.fwd.touch(slot);
         n
     }
 

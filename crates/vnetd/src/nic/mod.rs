@@ -73,11 +73,23 @@ pub trait VirtualNic: Send + Sync {
     fn upcall_dropped(&self) -> u64 {
         0
     }
+    /// Frames for this NIC arrived and are about to be copied in (the first
+    /// of a dispatcher pass): where optimistic interrupts are on, a NIC with
+    /// shared rings may interrupt its guest now (an early virtual
+    /// interrupt), so that the guest wakes while they are copied.
+    fn arriving(&self, _irq: &IrqPolicy) {}
     /// The end of a burst: frames were sent to this NIC, or read from it,
     /// since the last flush. A NIC with shared rings makes them visible to
     /// the guest and interrupts it here, once per burst. Every dispatcher
-    /// that sends to a NIC or reads it calls this before it sleeps.
-    fn flush(&self) {}
+    /// that sends to a NIC or reads it calls this before it sleeps. True if
+    /// the NIC held an interrupt back for the end of the dispatcher's busy
+    /// period (`idle`).
+    fn flush(&self, _irq: &IrqPolicy) -> bool {
+        false
+    }
+    /// The dispatcher that flushed this NIC has no more work: deliver an
+    /// interrupt held back.
+    fn idle(&self) {}
     /// Whether the guest takes super-frames and partial checksums as they
     /// are (a TAP or veth always does; a virtio driver only if it
     /// negotiated them); otherwise the forwarder finishes them first.
@@ -87,6 +99,26 @@ pub trait VirtualNic: Send + Sync {
     /// Counters of this NIC kind, for `STATS` (` key=value` pairs).
     fn extra_stats(&self) -> String {
         String::new()
+    }
+}
+
+/// How NICs with shared rings interrupt their guests (`SET interrupts`,
+/// `eoc-alpha`, `eoc-beta`).
+#[derive(Clone, Copy, Debug)]
+pub struct IrqPolicy {
+    pub optimistic: bool,
+    /// Receive-density thresholds α and β, bytes per second.
+    pub alpha: u64,
+    pub beta: u64,
+}
+
+impl IrqPolicy {
+    pub fn of(d: &crate::topology::DispatchSettings) -> IrqPolicy {
+        IrqPolicy {
+            optimistic: d.interrupts == vnet_core::command::Interrupts::Optimistic,
+            alpha: u64::from(d.eoc_alpha) * 1000,
+            beta: u64::from(d.eoc_beta) * 1000,
+        }
     }
 }
 

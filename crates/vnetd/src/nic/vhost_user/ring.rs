@@ -58,6 +58,20 @@ pub struct Ring {
     /// (head, capacity) one frame is written into.
     segs: Vec<(GuestAddress, usize)>,
     chains: Vec<(u16, usize)>,
+    /// Optimistic interrupts' state (the receive queue's).
+    pub irq: IrqState,
+}
+
+/// Since the last early virtual interrupt (EVI) that was sent: when, how
+/// many bytes came, whether the last attempt found the guest's
+/// interrupts off, and whether an interrupt waits for the dispatcher's
+/// idle point.
+#[derive(Default)]
+pub struct IrqState {
+    pub evi_at: Option<std::time::Instant>,
+    pub bytes: u64,
+    pub evi_failed: bool,
+    pub deferred: bool,
 }
 
 impl Ring {
@@ -72,6 +86,7 @@ impl Ring {
             signalled_used: 0,
             segs: Vec::with_capacity(MAX_BUFFERS * 4),
             chains: Vec::with_capacity(MAX_BUFFERS),
+            irq: IrqState::default(),
         }
     }
 
@@ -83,6 +98,7 @@ impl Ring {
         self.call = None;
         self.enabled = true;
         self.unpublished = 0;
+        self.irq = IrqState::default();
     }
 
     /// Ready to move frames: addresses valid in the guest's memory, a kick
@@ -287,6 +303,27 @@ impl Ring {
             let Ok(flags) = mem.load::<u16>(GuestAddress(avail), Ordering::Acquire) else { return true };
             u16::from_le(flags) & VRING_AVAIL_F_NO_INTERRUPT == 0
         }
+    }
+
+    /// Whether the guest has interrupts on right now: it would want one for
+    /// the next used entry (its used_event is where the ring stands, or no
+    /// NO_INTERRUPT flag without event index). Off while it polls (NAPI).
+    pub fn guest_armed(&self) -> bool {
+        let Some(mem) = self.mem.as_deref() else { return false };
+        fence(Ordering::SeqCst);
+        let avail = self.queue.avail_ring();
+        if self.queue.event_idx_enabled() {
+            let at = GuestAddress(avail + 4 + 2 * u64::from(self.queue.size()));
+            mem.load::<u16>(at, Ordering::Acquire).is_ok_and(|ev| u16::from_le(ev) == self.queue.next_used())
+        } else {
+            mem.load::<u16>(GuestAddress(avail), Ordering::Acquire).is_ok_and(|f| u16::from_le(f) & VRING_AVAIL_F_NO_INTERRUPT == 0)
+        }
+    }
+
+    /// An early interrupt was sent: entries from here on are what the
+    /// guest is next considered for.
+    pub fn signalled_now(&mut self) {
+        self.signalled_used = self.queue.next_used();
     }
 
     /// Interrupts the guest (its call descriptor).
