@@ -97,7 +97,8 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     # Optimistic interrupts (the default): every interrupt the guest got for
     # received frames has a reason, and early ones were sent.
     reasons = ("evi_sent", "eoc_masked", "eoc_cold", "eoc_density", "idle_interrupts")
-    assert st["evi_sent"] > 0 and st["vhost_rx_interrupts"] == sum(st[k] for k in reasons), st
+    assert st["evi_sent"] > 0, st
+    assert st["vhost_rx_interrupts"] == sum(st[k] for k in reasons) - st["eoc_pending"], st
     print("vm9", {k: v for k, v in st.items() if "evi" in k or "eoc" in k or "interrupt" in k or k == "in_frames"})
 
     # vnetd dies under the running guest and a new one takes its place: the

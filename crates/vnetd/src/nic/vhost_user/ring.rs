@@ -334,6 +334,15 @@ impl Ring {
         unsafe { libc::write(call.as_raw_fd(), one.as_ptr().cast(), 8) == 8 }
     }
 
+    /// Whether the last interrupt is still unread by the frontend (its call
+    /// eventfd readable): another write would only add to its counter.
+    pub fn signal_pending(&self) -> bool {
+        let Some(call) = &self.call else { return false };
+        let mut p = libc::pollfd { fd: call.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd, no wait.
+        unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
+    }
+
     /// Consumes pending kicks (the kick descriptor is non-blocking).
     pub fn clear_kick(&self) {
         if let Some(k) = &self.kick {
