@@ -99,7 +99,9 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     reasons = ("evi_sent", "eoc_masked", "eoc_cold", "eoc_density", "idle_interrupts")
     assert st["evi_sent"] > 0, st
     assert st["vhost_rx_interrupts"] == sum(st[k] for k in reasons) - st["eoc_pending"], st
-    print("vm9", {k: v for k, v in st.items() if "evi" in k or "eoc" in k or "interrupt" in k or k == "in_frames"})
+    # Cut-through: frames in one buffer went uncopied; the rest (a Linux
+    # guest's TCP segments: header, then payload pages) are counted copied.
+    assert st["tx_in_place_frames"] + st["tx_copied_multi_buffer_frames"] == st["in_frames"], st
 
     # vnetd dies under the running guest and a new one takes its place: the
     # VM reconnects (or is reconnected to) without a reboot.
@@ -113,4 +115,5 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     console.wait_for("VNET-DONE")
     vm.wait(timeout=30)
     st = d2.stats()["interface vm9"]
-    assert st["vhost_connects"] == 1 and st["in_frames"] > 0, st
+    assert st["vhost_connects"] >= 1, f"connects {st['vhost_connects']}"
+    assert st["in_frames"] > 0 and st["out_frames"] > 0, f"in {st['in_frames']} out {st['out_frames']}"

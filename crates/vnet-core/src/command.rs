@@ -287,6 +287,8 @@ pub enum Setting {
     /// Optimistic interrupts' receive-density thresholds α and β, kB/s.
     EocAlpha(u32),
     EocBeta(u32),
+    /// Cut-through: frames sent from a guest's shared memory without a copy.
+    CutThrough(bool),
 }
 
 impl Setting {
@@ -311,9 +313,14 @@ impl Setting {
             "interrupts" => Setting::Interrupts(Interrupts::parse(value)?),
             "eoc-alpha" => Setting::EocAlpha(num(0, 100_000_000)?),
             "eoc-beta" => Setting::EocBeta(num(1, 100_000_000)?),
+            "cut-through" => Setting::CutThrough(match value.to_ascii_lowercase().as_str() {
+                "on" => true,
+                "off" => false,
+                _ => return Err(format!("'{value}' is not on or off")),
+            }),
             _ => {
                 return Err(format!(
-                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms, quota, datapath, interrupts, eoc-alpha or eoc-beta)"
+                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms, quota, datapath, interrupts, eoc-alpha, eoc-beta or cut-through)"
                 ))
             }
         })
@@ -761,6 +768,8 @@ mod tests {
         assert_eq!(one("set eoc-beta 200000"), Command::Set(Setting::EocBeta(200000)));
         assert!(parse_line("set interrupts often").is_err());
         assert!(parse_line("set eoc-beta 0").is_err());
+        assert_eq!(one("set cut-through OFF"), Command::Set(Setting::CutThrough(false)));
+        assert!(parse_line("set cut-through maybe").is_err());
         assert_eq!(one("set datapath KERNEL"), Command::Set(Setting::Datapath(Datapath::Kernel)));
         assert_eq!(one("set datapath user"), Command::Set(Setting::Datapath(Datapath::User)));
         assert_eq!(one("set datapath auto"), Command::Set(Setting::Datapath(Datapath::Auto)));

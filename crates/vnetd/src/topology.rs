@@ -171,6 +171,8 @@ pub struct DispatchSettings {
     /// Optimistic interrupts' α and β (receive density, kB/s).
     pub eoc_alpha: u32,
     pub eoc_beta: u32,
+    /// Frames sent from guests' shared memory uncopied.
+    pub cut_through: bool,
 }
 
 impl Default for DispatchSettings {
@@ -193,6 +195,7 @@ impl Default for DispatchSettings {
             // early interrupts drive it (docs/vhost-user.md).
             eoc_alpha: 1_000,
             eoc_beta: 200_000,
+            cut_through: true,
         }
     }
 }
@@ -200,7 +203,7 @@ impl Default for DispatchSettings {
 impl DispatchSettings {
     pub fn render(&self) -> String {
         format!(
-            "mode={} yield={} sleep-us={} nowork-us={} alpha-lower={} alpha-upper={} window-ms={} quota={} datapath={} interrupts={} eoc-alpha={} eoc-beta={}",
+            "mode={} yield={} sleep-us={} nowork-us={} alpha-lower={} alpha-upper={} window-ms={} quota={} datapath={} interrupts={} eoc-alpha={} eoc-beta={} cut-through={}",
             self.mode.name(),
             self.yield_strategy.name(),
             self.sleep_us,
@@ -212,7 +215,8 @@ impl DispatchSettings {
             self.datapath.name(),
             self.interrupts.name(),
             self.eoc_alpha,
-            self.eoc_beta
+            self.eoc_beta,
+            if self.cut_through { "on" } else { "off" }
         )
     }
 }
@@ -311,6 +315,7 @@ impl Topology {
                     Setting::Interrupts(v) => d.interrupts = v,
                     Setting::EocAlpha(v) => d.eoc_alpha = v,
                     Setting::EocBeta(v) => d.eoc_beta = v,
+                    Setting::CutThrough(v) => d.cut_through = v,
                 }
                 self.check_thresholds()?;
                 Ok(format!("set {}", self.dispatch.render()))

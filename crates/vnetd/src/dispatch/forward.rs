@@ -401,16 +401,6 @@ impl Forwarder {
     /// Sends what this pass queued (one `sendmmsg` per UDP socket), writes
     /// out the links that buffered frames, and counts it all.
     pub fn flush(&mut self, snap: &Snapshot) {
-        if !self.touched.is_empty() {
-            let irq = IrqPolicy::of(&snap.dispatch);
-            for slot in self.touched.drain(..) {
-                if let Some(i) = snap.ifaces.get(slot as usize) {
-                    if i.nic.flush(&irq) && !self.deferred.contains(&slot) {
-                        self.deferred.push(slot);
-                    }
-                }
-            }
-        }
         self.tx.flush();
         for (slot, len, err) in self.tx.done.drain(..) {
             let Some(link) = snap.links.get(slot as usize) else { continue };
@@ -428,6 +418,18 @@ impl Forwarder {
             if frames > 0 {
                 link.stats.sent_many(frames, bytes);
                 self.st.global.sent_many(frames, bytes);
+            }
+        }
+        // NICs last: a guest's transmit buffers sent in place (cut-through)
+        // go back to it only once the sends above are done.
+        if !self.touched.is_empty() {
+            let irq = IrqPolicy::of(&snap.dispatch);
+            for slot in self.touched.drain(..) {
+                if let Some(i) = snap.ifaces.get(slot as usize) {
+                    if i.nic.flush(&irq) && !self.deferred.contains(&slot) {
+                        self.deferred.push(slot);
+                    }
+                }
             }
         }
         let d = &self.st.dispatch;

@@ -29,6 +29,7 @@ use crate::link::udp::{RxBatch, UdpEndpoint};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
 use crate::link::Rx;
+use crate::nic::Frame;
 use crate::topology::{IfaceDispatch, Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
 use anyhow::{bail, Result};
@@ -396,10 +397,16 @@ impl Worker {
         let quota = snap.dispatch.quota as usize;
         let mut n = 0;
         while n < quota {
-            match iface.nic.recv(&mut self.buf) {
-                Ok(rx) => {
+            let r = if snap.dispatch.cut_through { iface.nic.recv_in_place(&mut self.buf) } else { iface.nic.recv(&mut self.buf).map(Frame::Copied) };
+            match r {
+                Ok(Frame::Copied(rx)) => {
                     n += 1;
                     self.fwd.from_port(snap, Slot::Iface(slot), &mut self.buf[rx.start..rx.end], rx.vnet);
+                }
+                Ok(Frame::InPlace(mut f)) => {
+                    n += 1;
+                    let vnet = f.vnet;
+                    self.fwd.from_port(snap, Slot::Iface(slot), f.frame(), vnet);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {

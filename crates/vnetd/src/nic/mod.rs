@@ -43,6 +43,12 @@ pub trait VirtualNic: Send + Sync {
     /// metadata (every NIC kind here speaks virtio-net headers, so a guest's
     /// super-frames and partial checksums arrive labelled).
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received>;
+    /// As `recv`, but a NIC that shares the guest's memory may hand the
+    /// frame over where it lies, uncopied (cut-through); the dispatcher
+    /// finishes with it before its next flush.
+    fn recv_in_place(&self, buf: &mut [u8]) -> io::Result<Frame> {
+        self.recv(buf).map(Frame::Copied)
+    }
     /// Sends one frame made of `parts`, with offload metadata `vnet` (all
     /// zero for a plain frame); returns the frame's length.
     fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize>;
@@ -119,6 +125,39 @@ impl IrqPolicy {
             alpha: u64::from(d.eoc_alpha) * 1000,
             beta: u64::from(d.eoc_beta) * 1000,
         }
+    }
+}
+
+/// A frame read from a NIC: copied into the caller's buffer, or left in
+/// the guest's memory.
+pub enum Frame {
+    Copied(Received),
+    InPlace(InPlace),
+}
+
+/// A frame in the guest's memory, kept mapped while this lives. The
+/// descriptor it lies in is the device's until the NIC's next flush.
+pub struct InPlace {
+    ptr: *mut u8,
+    len: usize,
+    pub vnet: VnetHdr,
+    _mapping: std::sync::Arc<dyn Send + Sync>,
+}
+
+impl InPlace {
+    /// # Safety
+    /// `ptr..ptr+len` lies inside the mapping `mapping` keeps alive.
+    pub unsafe fn new(ptr: *mut u8, len: usize, vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) -> InPlace {
+        InPlace { ptr, len, vnet, _mapping: mapping }
+    }
+
+    /// The frame's bytes. The guest may still write them (it should not,
+    /// and can only change its own frame): they are read as untrusted input
+    /// like every frame, and routed by the MACs read once.
+    pub fn frame(&mut self) -> &mut [u8] {
+        // SAFETY: the range is inside a live shared mapping (new's
+        // contract); u8 has no invalid values.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 

@@ -20,7 +20,7 @@
 mod frontend;
 pub mod ring;
 
-use super::{IrqPolicy, Received, VirtualNic};
+use super::{Frame, InPlace, IrqPolicy, Received, VirtualNic};
 use anyhow::{bail, Context, Result};
 use frontend::{feature, Frontend, RX, TX};
 use ring::{Popped, Ring};
@@ -71,8 +71,14 @@ struct Counters {
     /// An EoC interrupt not sent because the last one was still unread.
     eoc_pending: AtomicU64,
     idle_interrupts: AtomicU64,
-    /// Frames and bytes written into the guest's receive buffers.
+    /// Frames written into the guest's receive buffers.
     rx_frames: AtomicU64,
+    /// Cut-through: frames from the guest sent where they lay, and those
+    /// copied anyway because they were spread over several buffers.
+    tx_in_place_frames: AtomicU64,
+    tx_in_place_bytes: AtomicU64,
+    tx_copied_frames: AtomicU64,
+    tx_copied_bytes: AtomicU64,
 }
 
 impl Shared {
@@ -312,9 +318,12 @@ impl Drop for VhostUserNic {
     }
 }
 
-impl VirtualNic for VhostUserNic {
-    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+impl VhostUserNic {
+    /// The next frame from the guest's transmit queue (`in_place`: left in
+    /// its memory if it lies in one buffer).
+    fn take(&self, buf: &mut [u8], in_place: bool) -> io::Result<Frame> {
         let hdr_len = self.shared.hdr_len();
+        let c = &self.shared.counters;
         let mut tx = self.shared.rings[TX].lock().unwrap();
         loop {
             if !tx.running() {
@@ -322,10 +331,23 @@ impl VirtualNic for VhostUserNic {
                 self.shared.clear_poke();
                 return Err(io::ErrorKind::WouldBlock.into());
             }
-            match tx.pop_frame(buf, hdr_len) {
-                Popped::Frame { len, vnet } => return Ok(Received { start: 0, end: len, vnet }),
+            match tx.pop_frame(buf, hdr_len, in_place) {
+                Popped::Frame { len, vnet, copied } => {
+                    if copied {
+                        c.tx_copied_frames.fetch_add(1, Relaxed);
+                        c.tx_copied_bytes.fetch_add(len as u64, Relaxed);
+                    }
+                    return Ok(Frame::Copied(Received { start: 0, end: len, vnet }));
+                }
+                Popped::InPlace { ptr, len, vnet } => {
+                    c.tx_in_place_frames.fetch_add(1, Relaxed);
+                    c.tx_in_place_bytes.fetch_add(len as u64, Relaxed);
+                    let mapping: Arc<dyn Send + Sync> = tx.mem.clone().expect("a running ring has memory");
+                    // SAFETY: pop_frame found ptr..ptr+len inside this mapping.
+                    return Ok(Frame::InPlace(unsafe { InPlace::new(ptr, len, vnet, mapping) }));
+                }
                 Popped::Bad => {
-                    self.shared.counters.bad_chains.fetch_add(1, Relaxed);
+                    c.bad_chains.fetch_add(1, Relaxed);
                 }
                 Popped::TooBig => return Err(io::Error::from_raw_os_error(libc::EMSGSIZE)),
                 Popped::Empty => {
@@ -338,6 +360,19 @@ impl VirtualNic for VhostUserNic {
                 }
             }
         }
+    }
+}
+
+impl VirtualNic for VhostUserNic {
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        match self.take(buf, false)? {
+            Frame::Copied(r) => Ok(r),
+            Frame::InPlace(_) => unreachable!("in place only when asked"),
+        }
+    }
+
+    fn recv_in_place(&self, buf: &mut [u8]) -> io::Result<Frame> {
+        self.take(buf, true)
     }
 
     fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
@@ -472,7 +507,8 @@ impl VirtualNic for VhostUserNic {
         format!(
             " vhost_connects={} vhost_features={:#x} vhost_bad_chains={} vhost_rx_interrupts={} vhost_tx_interrupts={} \
              vhost_rx_interrupts_per_frame={per_frame:.3} evi_sent={} evi_suppressed={} eoc_not_needed={} eoc_masked={} \
-             eoc_cold={} eoc_density={} eoc_hot={} eoc_pending={} idle_interrupts={}",
+             eoc_cold={} eoc_density={} eoc_hot={} eoc_pending={} idle_interrupts={} \
+             tx_in_place_frames={} tx_in_place_bytes={} tx_copied_multi_buffer_frames={} tx_copied_multi_buffer_bytes={}",
             v(&c.connects),
             self.shared.acked.load(Relaxed),
             v(&c.bad_chains),
@@ -487,6 +523,10 @@ impl VirtualNic for VhostUserNic {
             v(&c.eoc_hot),
             v(&c.eoc_pending),
             v(&c.idle_interrupts),
+            v(&c.tx_in_place_frames),
+            v(&c.tx_in_place_bytes),
+            v(&c.tx_copied_frames),
+            v(&c.tx_copied_bytes),
         )
     }
 }

@@ -14,7 +14,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
 
 pub type Memory = GuestMemoryMmap<()>;
@@ -29,8 +29,12 @@ const VRING_USED_F_NO_NOTIFY: u16 = 1;
 
 /// What taking one frame from the guest's transmit queue gave.
 pub enum Popped {
-    /// `len` bytes of frame in the caller's buffer, with their offload header.
-    Frame { len: usize, vnet: VnetHdr },
+    /// `len` bytes of frame in the caller's buffer, with their offload
+    /// header; `copied`: although cut-through was asked for (the frame was
+    /// spread over several buffers).
+    Frame { len: usize, vnet: VnetHdr, copied: bool },
+    /// `len` bytes of frame at `ptr`, in the guest's memory.
+    InPlace { ptr: *mut u8, len: usize, vnet: VnetHdr },
     /// Nothing waits.
     Empty,
     /// A chain that could not be read (an address outside the guest's
@@ -134,55 +138,70 @@ impl Ring {
         true
     }
 
-    /// Takes the next frame the guest queued for sending into `out`; the
-    /// virtio-net header (`hdr_len` bytes) is parsed, not copied.
-    pub fn pop_frame(&mut self, out: &mut [u8], hdr_len: usize) -> Popped {
-        let Ring { queue, mem, .. } = self;
+    /// Takes the next frame the guest queued for sending: into `out`, or,
+    /// with `in_place` and the frame in one buffer, where it lies (the
+    /// virtio-net header, `hdr_len` bytes, is parsed, never copied).
+    pub fn pop_frame(&mut self, out: &mut [u8], hdr_len: usize, in_place: bool) -> Popped {
+        let Ring { queue, mem, segs, .. } = self;
         let Some(mem) = mem.as_deref() else { return Popped::Empty };
         let Some(chain) = queue.pop_descriptor_chain(mem) else { return Popped::Empty };
         let head = chain.head_index();
-        let mut hdr = [0u8; 12];
-        let mut got = 0usize;
-        let mut result = None;
+        segs.clear();
+        let mut bad = false;
         for d in chain {
             if d.is_write_only() {
-                result = Some(Popped::Bad);
+                bad = true;
                 break;
             }
-            let mut addr = d.addr();
-            let mut rem = d.len() as usize;
-            if got < hdr_len {
-                let n = rem.min(hdr_len - got);
-                if mem.read_slice(&mut hdr[got..got + n], addr).is_err() {
-                    result = Some(Popped::Bad);
-                    break;
-                }
-                got += n;
-                rem -= n;
-                addr = GuestAddress(addr.0.wrapping_add(n as u64));
-            }
-            if rem > 0 {
-                let at = got - hdr_len;
-                let Some(dst) = out.get_mut(at..at + rem) else {
-                    result = Some(Popped::TooBig);
-                    break;
-                };
-                if mem.read_slice(dst, addr).is_err() {
-                    result = Some(Popped::Bad);
-                    break;
-                }
-                got += rem;
+            if d.len() > 0 {
+                segs.push((d.addr(), d.len() as usize));
             }
         }
+        let r = if bad { Popped::Bad } else { Self::read_frame(mem, segs, out, hdr_len, in_place) };
         self.push_used(head, 0);
-        if let Some(r) = result {
-            return r;
-        }
-        if got < hdr_len {
-            return Popped::Bad;
+        r
+    }
+
+    fn read_frame(mem: &Memory, segs: &[(GuestAddress, usize)], out: &mut [u8], hdr_len: usize, in_place: bool) -> Popped {
+        // The header, from the first buffer(s).
+        let mut hdr = [0u8; 12];
+        let mut got = 0;
+        let mut at = 0; // next segment
+        let mut skip = 0; // bytes of segs[at] already taken
+        while got < hdr_len {
+            let Some(&(addr, len)) = segs.get(at) else { return Popped::Bad };
+            let n = (len - skip).min(hdr_len - got);
+            if mem.read_slice(&mut hdr[got..got + n], GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
+                return Popped::Bad;
+            }
+            got += n;
+            skip += n;
+            if skip == len {
+                at += 1;
+                skip = 0;
+            }
         }
         let vnet = VnetHdr::parse(&hdr[..VNET_HDR_LEN]).unwrap_or_default();
-        Popped::Frame { len: got - hdr_len, vnet }
+        let rest = &segs[at..];
+        // Cut-through: the whole frame in one buffer, handed over in place.
+        if in_place && rest.len() == 1 {
+            let (addr, len) = rest[0];
+            let (start, n) = (GuestAddress(addr.0.wrapping_add(skip as u64)), len - skip);
+            if let Ok(slice) = mem.get_slice(start, n) {
+                return Popped::InPlace { ptr: slice.ptr_guard_mut().as_ptr(), len: n, vnet };
+            }
+        }
+        let mut len = 0;
+        for &(addr, l) in rest {
+            let (a, n) = (GuestAddress(addr.0.wrapping_add(skip as u64)), l - skip);
+            skip = 0;
+            let Some(dst) = out.get_mut(len..len + n) else { return Popped::TooBig };
+            if mem.read_slice(dst, a).is_err() {
+                return Popped::Bad;
+            }
+            len += n;
+        }
+        Popped::Frame { len, vnet, copied: in_place }
     }
 
     /// Writes one frame (`parts` after its header) into buffers the guest
