@@ -3,7 +3,7 @@
 //! and any error names its line, so nothing is applied from a bad request.
 //!
 //! ```text
-//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu]
+//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu | vhost-user <socket> [client]]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
 //! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>]
@@ -14,7 +14,8 @@
 //! ROUTE DEL <route-idx | the rule as added>
 //! ROUTE LIST
 //! STATS [interfaces | links | routes | global]
-//! SET <mode | yield | sleep-us | nowork-us | alpha-lower | alpha-upper | window-ms | quota> <value>
+//! SET <mode | yield | sleep-us | nowork-us | alpha-lower | alpha-upper | window-ms | quota | datapath
+//!      | interrupts | eoc-alpha | eoc-beta | cut-through> <value>
 //! INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
 //! SHOW
 //! HELP
@@ -369,9 +370,11 @@ impl Command {
 }
 
 pub const HELP: &str = "\
-INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu]
-                                                     create a TAP for a guest (netns: persistent, in
-                                                     that namespace; qemu: for QEMU to open)
+INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu | vhost-user <socket> [client]]
+                                                     create a guest's NIC: a TAP (netns: persistent, in
+                                                     that namespace; veth: a veth pair there; qemu: a TAP
+                                                     for QEMU to open) or a vhost-user virtio-net device
+                                                     on a Unix socket (client: connect to the VMM's)
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
@@ -392,6 +395,10 @@ SET yield <immediate | timed | adaptive>             what an idle poll loop does
 SET sleep-us <T_sleep> | nowork-us <T_nowork>        yield timings, microseconds
 SET alpha-lower <pkt/s> | alpha-upper <pkt/s> | window-ms <ms>   adaptive mode's thresholds
 SET quota <frames>                                   frames taken from a source per pass
+SET datapath <auto | kernel | user>                  the kernel fast path, or vnetd's only
+SET interrupts <plain | optimistic>                  how vhost-user NICs interrupt guests (VNET/P+)
+SET eoc-alpha <kB/s> | eoc-beta <kB/s>               optimistic interrupts' density thresholds
+SET cut-through <on | off>                           send vhost-user guests' frames uncopied
 SHOW                                                 settings and everything above
 BEGIN ... COMMIT                                     several lines, all or nothing";
 
