@@ -230,6 +230,10 @@ fn bind(path: &Path) -> Result<UnixListener> {
         std::fs::remove_file(path).with_context(|| format!("cannot replace stale socket {}", path.display()))?;
     }
     let l = UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    // Whoever connects gets to map memory into vnetd and feed it descriptors:
+    // vnetd's own user only, unless the admin opens it (or uses `client`).
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .with_context(|| format!("cannot restrict {}", path.display()))?;
     Ok(l)
 }
 
