@@ -127,7 +127,8 @@ def test_modes_and_yield_strategies_change_while_traffic_flows(lab):
     assert len(intervals) >= 4 and min(intervals) > 0.2 * median and median > 100e6, intervals
     assert settings(daemons[1]) == {
         "mode": "adaptive", "yield": "adaptive", "sleep-us": "200", "nowork-us": "1000",
-        "alpha-lower": "1000", "alpha-upper": "20000", "window-ms": "10", "quota": "32", "datapath": "auto"}
+        "alpha-lower": "1000", "alpha-upper": "20000", "window-ms": "10", "quota": "32", "datapath": "auto",
+        "interrupts": "optimistic", "eoc-alpha": "1000", "eoc-beta": "200000", "cut-through": "on"}
     # Bad settings are refused and change nothing.
     r = daemons[1].ctl("SET", "alpha-lower", "50000", check=False)
     assert r.returncode == 1 and "must be below alpha-upper" in r.stderr
