@@ -329,6 +329,9 @@ impl VhostUserNic {
         let hdr_len = self.shared.hdr_len();
         let c = &self.shared.counters;
         let mut tx = self.shared.rings[TX].lock().unwrap();
+        // Kicks re-armed and frames found waiting: look once more, never in a
+        // loop (a guest whose avail index is nonsense would hold us there).
+        let mut looked_again = false;
         loop {
             if !tx.running() {
                 tx.clear_kick();
@@ -357,7 +360,8 @@ impl VhostUserNic {
                 Popped::Empty => {
                     tx.clear_kick();
                     self.shared.clear_poke();
-                    if self.shared.kicks_on.load(Relaxed) && tx.set_kicks(true) {
+                    if !looked_again && self.shared.kicks_on.load(Relaxed) && tx.set_kicks(true) {
+                        looked_again = true;
                         continue;
                     }
                     return Err(io::ErrorKind::WouldBlock.into());
