@@ -16,16 +16,7 @@ VM_MAC = "52:54:00:00:00:09"
 VM_IP = "198.19.0.9"
 N = 4_000_000
 
-VM_SCRIPT = f"""
-ping -c 2 -W 2 198.19.0.1 >/dev/null && echo VNET-PING-OK
-head -c {N} /dev/urandom > /tmp/out
-echo "VNET-SUM-OUT $(sha256sum /tmp/out)"
-i=0
-until nc 198.19.0.1 5001 < /tmp/out; do i=$((i+1)); [ $i -gt 50 ] && break; sleep 0.2; done
-echo VNET-SENT
-nc -l -p 5002 > /tmp/in
-echo "VNET-SUM-IN $(sha256sum /tmp/in) $(wc -c < /tmp/in)"
-"""
+VM_SCRIPT = guest.exchange_script(N)
 
 
 @pytest.mark.parametrize("datapath", ["user", "kernel"])

@@ -147,6 +147,23 @@ def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: i
     ]
 
 
+def exchange_script(n: int) -> str:
+    """The VM's half of a two-way check with a namespace guest at
+    198.19.0.1: ping it, send it `n` random bytes on port 5001, then take
+    what it sends on 5002; the console says VNET-PING-OK, VNET-SUM-OUT <sha>,
+    VNET-SENT and VNET-SUM-IN <sha> <file> <bytes>."""
+    return f"""
+ping -c 2 -W 2 198.19.0.1 >/dev/null && echo VNET-PING-OK
+head -c {n} /dev/urandom > /tmp/out
+echo "VNET-SUM-OUT $(sha256sum /tmp/out)"
+i=0
+until nc 198.19.0.1 5001 < /tmp/out; do i=$((i+1)); [ $i -gt 50 ] && break; sleep 0.2; done
+echo VNET-SENT
+nc -l -p 5002 > /tmp/in
+echo "VNET-SUM-IN $(sha256sum /tmp/in) $(wc -c < /tmp/in)"
+"""
+
+
 class Console:
     """A VM's serial console, read line by line without blocking the test."""
 
