@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Frames per second a guest's NIC pushes through vnetd, by NIC kind, in
+one interleaved run: a DPDK testpmd (txonly, one polling core) is the
+guest on host 1; its frames cross vnetd h1, the UDP link and vnetd h2 to a
+namespace guest's TAP on host 2, whose received-frame count is the figure.
+
+  vhost        testpmd's net_virtio_user port on a vhost-user interface
+               (vnetd works its rings; cut-through on, the default)
+  vhost-copy   the same with `SET cut-through off`
+  tap          testpmd's net_af_packet port on a namespace guest's TAP that
+               vnetd holds (what a container's or a TAP VM's frames cost)
+  dpdk-loop    testpmd's own vhost PMD (net_vhost, rxonly, on the other CPU)
+               fed by the same virtio-user sender, no vnetd: the vhost-user
+               protocol's ceiling on this machine
+  vhost-intake, tap-intake
+               the NIC alone: frames to a MAC no route names, which vnetd h1
+               takes from the NIC, routes and drops (no_route); the figure
+               is h1's in_frames rate for that interface. The end-to-end
+               figures above are bounded by the lab's underlay (a UDP send
+               through veth, a bridge and veth into host 2's socket, all in
+               vnetd h1's system call), the same for every NIC kind
+
+    sudo python3 bench/vhost.py [--reps 3] [--seconds 5] [--sizes 64,1500] [--transports ...]
+
+Placement: host 1's vnetd, which takes the sender's frames, is pinned alone
+on CPU 0 (`--cpus 0`: the datapath on its own core); the sender polls on
+CPU 1, where host 2's vnetd (`--cpus 1`, real-time while event-driven)
+preempts it when frames come for the receiver. Two busy-polling testpmds (a receiving one too) and two vnetds do not
+fit on this machine's two CPUs (a receiving testpmd sharing a CPU with a
+poller or a dispatcher is starved and its ring overflows), so the receive
+side is the kernel's TAP; frames into a vhost-user guest are exercised by
+tests/test_vhost_testpmd.py, not measured here. TSO super-frames: not
+measured (testpmd's txonly sends UDP only). Prints min/median/max per
+transport, ratios to the TAP path and to the DPDK loop, and the load
+average before/after each point; writes bench/results/<date>-vhost.{json,md}.
+A benchmark, never a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent / "tests"))
+from netlab import Lab, guest_mac, mesh_config  # noqa: E402
+
+MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
+# Host 1's vnetd, which takes the sender's frames, has CPU 0 to itself (the
+# datapath on its own core: VNET/P+'s noise isolation); the sender polls on
+# CPU 1, where host 2's vnetd (real-time while event-driven) preempts it
+# whenever frames arrive for the receiver.
+CPU_PMD, CPU_VNETD = 1, (0, 1)
+TRANSPORTS = ["vhost", "vhost-copy", "tap", "dpdk-loop", "vhost-intake", "tap-intake"]
+# A MAC no route names: frames to it are taken from the NIC, routed and
+# dropped (no_route) by vnetd h1, nothing further.
+NOWHERE = "02:00:00:00:00:99"
+
+
+def loadavg() -> str:
+    return Path("/proc/loadavg").read_text().split(" ")[0]
+
+
+class Pmd:
+    """A testpmd in the background (in namespace `ns`, or the root one)."""
+
+    def __init__(self, lab: Lab, ns: str | None, name: str, vdev: str, args: list[str], cpu: int):
+        self.prefix = f"{lab.prefix}{name}"
+        # Forwarding lcore on `cpu`; the main lcore (stats once a second) on the other.
+        cmd = ["dpdk-testpmd", "--lcores", f"0@{1 - cpu},1@{cpu}", "--no-pci", "--no-huge", "-m", "512", f"--file-prefix={self.prefix}",
+               "--vdev", vdev, "--", "--nb-cores=1", "--stats-period", "1", "--total-num-mbufs=16384", *args]
+        if ns:
+            cmd = ["ip", "netns", "exec", ns, *cmd]
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        lab.other_procs.append(self.p)
+
+    def stop(self) -> str:
+        self.p.send_signal(signal.SIGINT)
+        try:
+            out = self.p.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            out = self.p.communicate()[0]
+        shutil.rmtree(f"/var/run/dpdk/{self.prefix}", ignore_errors=True)
+        return out
+
+
+def rx_rate(out: str) -> float | None:
+    """The median of testpmd's per-second Rx-pps samples after the first
+    with traffic (a partial second)."""
+    pps = [int(x) for x in re.findall(r"Rx-pps:\s+(\d+)", out)]
+    start = next((i for i, v in enumerate(pps) if v > 0), len(pps))
+    pps = pps[start + 1:] or pps[start:]
+    return statistics.median(pps) if pps else None
+
+
+class Bench:
+    def __init__(self, lab: Lab, vnetd_bin: str | None):
+        self.lab = lab
+        self.h1, self.h2 = lab.add_host(1), lab.add_host(2)
+        self.sa, self.sb = lab.tmp / "a.sock", lab.tmp / "b.sock"
+        by_host = {1: [("pa", MAC_A), ("ta", guest_mac(1))], 2: [("pb", MAC_B), ("tb", guest_mac(2))]}
+        c1 = mesh_config(1, by_host, attach={"pa": f"vhost-user {self.sa}"}) + "SET datapath user\n"
+        c2 = mesh_config(2, by_host, attach={"pb": f"vhost-user {self.sb}"}) + "SET datapath user\n"
+        self.d1 = lab.start_vnetd(self.h1, c1, "--cpus", str(CPU_VNETD[0]))
+        self.d2 = lab.start_vnetd(self.h2, c2, "--cpus", str(CPU_VNETD[1]))
+        self.ga = lab.attach_guest(self.h1, "ta", 1)
+        self.gb = lab.attach_guest(self.h2, "tb", 2)
+
+    def tb_rx(self) -> int:
+        return int(self.lab.x(self.gb.ns, "cat", "/sys/class/net/tb/statistics/rx_packets").stdout)
+
+    def measure(self, transport: str, size: int, seconds: float) -> float | None:
+        lab = self.lab
+        tx_args = ["--forward-mode=txonly", f"--txpkts={size}", f"--eth-peer=0,{self.gb.mac}"]
+        if transport == "dpdk-loop":  # testpmd's vhost backend receives what virtio-user sends
+            sock = lab.tmp / "loop.sock"
+            rx = Pmd(lab, None, "b", f"net_vhost0,iface={sock},queues=1", ["--forward-mode=rxonly"], 1 - CPU_PMD)
+            time.sleep(1)
+            tx = Pmd(lab, None, "a", f"net_virtio_user0,path={sock},mac={MAC_A}", tx_args, CPU_PMD)
+            time.sleep(seconds)
+            tx.stop()
+            return rx_rate(rx.stop())
+        intake = transport.endswith("-intake")
+        if intake:
+            tx_args[-1] = f"--eth-peer=0,{NOWHERE}"
+            nic = "interface pa" if transport.startswith("vhost") else "interface ta"
+            count = lambda: self.d1.stats()[nic]["in_frames"]
+        else:
+            count = self.tb_rx
+        if transport.startswith("vhost"):
+            for d in (self.d1, self.d2):
+                d.ctl("SET", "cut-through", "off" if transport == "vhost-copy" else "on")
+            tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
+        else:  # tap
+            tx = Pmd(lab, self.ga.ns, "a", "net_af_packet0,iface=ta,blocksz=4096,framesz=2048,framecnt=512",
+                     tx_args, CPU_PMD)
+        time.sleep(2)  # start-up and the first partial second
+        t0, n0 = time.time(), count()
+        time.sleep(seconds)
+        t1, n1 = time.time(), count()
+        tx.stop()
+        return (n1 - n0) / (t1 - t0)
+
+
+def summarize(rows: list[dict], transports: list[str], sizes: list[int]) -> list[str]:
+    out = ["| size | transport | Mpps min / median / max | Gbit/s (median) | / tap (or tap-intake) | / dpdk-loop | load before→after |",
+           "|---|---|---|---|---|---|---|"]
+    for size in sizes:
+        med = {}
+        for t in transports:
+            v = [r["pps"] for r in rows if r["size"] == size and r["transport"] == t and r["pps"] is not None]
+            if v:
+                med[t] = statistics.median(v)
+        for t in transports:
+            v = [r["pps"] for r in rows if r["size"] == size and r["transport"] == t and r["pps"] is not None]
+            loads = ", ".join(f"{r['load_before']}→{r['load_after']}" for r in rows if r["size"] == size and r["transport"] == t)
+            if not v:
+                out.append(f"| {size} | {t} | failed | - | - | - | {loads} |")
+                continue
+            m = med[t]
+            ratio = lambda ref: f"{m / med[ref]:.2f}" if med.get(ref) else "-"
+            base = "tap-intake" if t.endswith("-intake") else "tap"
+            out.append(f"| {size} | {t} | {min(v) / 1e6:.3f} / {m / 1e6:.3f} / {max(v) / 1e6:.3f} | "
+                       f"{m * size * 8 / 1e9:.2f} | {ratio(base)} | {ratio('dpdk-loop')} | {loads} |")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=6)
+    ap.add_argument("--sizes", default="64,1500")
+    ap.add_argument("--transports", default=",".join(TRANSPORTS))
+    args = ap.parse_args()
+    if shutil.which("dpdk-testpmd") is None:
+        sys.exit("dpdk-testpmd not found: apt-get install dpdk-dev (scripts/setup does)")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    transports = args.transports.split(",")
+    lab = Lab(tag="vh")
+    rows = []
+    try:
+        b = Bench(lab, None)
+        for rep in range(args.reps):
+            for size in sizes:
+                order = transports if rep % 2 == 0 else transports[::-1]
+                for t in order:
+                    row = {"rep": rep, "size": size, "transport": t, "load_before": loadavg()}
+                    row["pps"] = b.measure(t, size, args.seconds)
+                    row["load_after"] = loadavg()
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        for name, d in (("h1", b.d1), ("h2", b.d2)):
+            st = d.stats()
+            rows.append({"vnetd": name, "global": st["global"], "offload": st["offload"],
+                         "nics": {k: v for k, v in st.items() if k.startswith("interface")}})
+    finally:
+        lab.close()
+    table = summarize([r for r in rows if "pps" in r], transports, sizes)
+    stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
+    out = BENCH / "results" / f"{stamp}-vhost"
+    cmd = "sudo python3 bench/vhost.py " + " ".join(sys.argv[1:])
+    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(f"# vhost-user frames per second\n\n`{cmd}`\n\n" + "\n".join(table) + "\n")
+    print("\n".join(table))
+    print(f"wrote {out}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
