@@ -12,7 +12,7 @@ namespace guest's TAP on host 2, whose received-frame count is the figure.
   dpdk-loop    testpmd's own vhost PMD (net_vhost, rxonly, on the other CPU)
                fed by the same virtio-user sender, no vnetd: the vhost-user
                protocol's ceiling on this machine
-  vhost-intake, tap-intake
+  vhost-intake, vhost-copy-intake, tap-intake
                the NIC alone: frames to a MAC no route names, which vnetd h1
                takes from the NIC, routes and drops (no_route); the figure
                is h1's in_frames rate for that interface. The end-to-end
@@ -60,7 +60,7 @@ MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
 # CPU 1, where host 2's vnetd (real-time while event-driven) preempts it
 # whenever frames arrive for the receiver.
 CPU_PMD, CPU_VNETD = 1, (0, 1)
-TRANSPORTS = ["vhost", "vhost-copy", "tap", "dpdk-loop", "vhost-intake", "tap-intake"]
+TRANSPORTS = ["vhost", "vhost-copy", "tap", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
 # A MAC no route names: frames to it are taken from the NIC, routed and
 # dropped (no_route) by vnetd h1, nothing further.
 NOWHERE = "02:00:00:00:00:99"
@@ -139,7 +139,7 @@ class Bench:
             count = self.tb_rx
         if transport.startswith("vhost"):
             for d in (self.d1, self.d2):
-                d.ctl("SET", "cut-through", "off" if transport == "vhost-copy" else "on")
+                d.ctl("SET", "cut-through", "off" if transport.startswith("vhost-copy") else "on")
             tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
         else:  # tap
             tx = Pmd(lab, self.ga.ns, "a", "net_af_packet0,iface=ta,blocksz=4096,framesz=2048,framecnt=512",
