@@ -190,7 +190,7 @@ impl Default for DispatchSettings {
             window_ms: 5,
             quota: 64,
             datapath: Datapath::Auto,
-            interrupts: Interrupts::Optimistic,
+            interrupts: Interrupts::Plain,
             // Below 1 MB/s a stream is cold; above 200 MB/s (1.6 Gbit/s)
             // early interrupts drive it (docs/vhost-user.md).
             eoc_alpha: 1_000,
