@@ -164,6 +164,14 @@ impl VhostUserBackendReqHandlerMut for Frontend {
         let mut regions = Vec::with_capacity(ctx.len());
         let mut mappings = Vec::with_capacity(ctx.len());
         for (region, file) in ctx.iter().zip(files) {
+            // A mapping past the file's end faults (SIGBUS) when touched: the
+            // frontend's file must hold the whole region.
+            let len = file.metadata().map_err(|_| Error::InvalidParam)?.len();
+            let (size, offset) = (region.memory_size, region.mmap_offset);
+            if offset.checked_add(size).is_none_or(|end| end > len) || size == 0 {
+                tracing::info!(size, offset, file = len, "vhost-user memory region past its file's end refused");
+                return Err(Error::InvalidParam);
+            }
             let mapped = region.mmap_region(file)?;
             let r = GuestRegionMmap::new(mapped, GuestAddress(region.guest_phys_addr)).ok_or(Error::InvalidParam)?;
             mappings.push((region.user_addr, region.memory_size, region.guest_phys_addr));
