@@ -121,6 +121,118 @@ pub fn complete_checksum(frame: &mut [u8], start: usize, offset: usize) -> Resul
     Ok(())
 }
 
+/// Most pieces a frame may arrive in after its head (`Pieces`): a frame in
+/// more is copied whole instead.
+pub const MAX_PIECES: usize = 32;
+
+/// A frame in pieces, in order: its head (holding every header) and the
+/// buffers after it, e.g. a guest's transmit descriptors, read where they
+/// lie. A contiguous frame is one piece.
+#[derive(Clone, Copy)]
+pub struct Pieces<'a> {
+    parts: &'a [&'a [u8]],
+    len: usize,
+}
+
+impl<'a> Pieces<'a> {
+    pub fn new(parts: &'a [&'a [u8]]) -> Pieces<'a> {
+        Pieces { parts, len: parts.iter().map(|p| p.len()).sum() }
+    }
+
+    /// The pieces, the head first.
+    pub fn parts(&self) -> &'a [&'a [u8]] {
+        self.parts
+    }
+
+    /// The first piece: where the headers are read from.
+    pub fn head(&self) -> &'a [u8] {
+        self.parts.first().copied().unwrap_or(&[])
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Calls `f` with the slices that hold the frame's bytes `range`, in
+    /// order (none empty).
+    #[inline]
+    pub fn each(&self, range: std::ops::Range<usize>, mut f: impl FnMut(&'a [u8])) {
+        let mut at = 0;
+        for p in self.parts {
+            let end = at + p.len();
+            if end > range.start && at < range.end {
+                let s = range.start.max(at) - at;
+                let e = range.end.min(end) - at;
+                f(&p[s..e]);
+            }
+            if end >= range.end {
+                break;
+            }
+            at = end;
+        }
+    }
+
+    /// How many slices `each` gives for `range`.
+    pub fn count(&self, range: std::ops::Range<usize>) -> usize {
+        let mut n = 0;
+        self.each(range, |_| n += 1);
+        n
+    }
+
+    /// The one's-complement sum of the bytes `range` (which starts at an
+    /// even offset of the checksummed region) added to `sum`, across
+    /// pieces of any length: a slice that starts at an odd offset of the
+    /// range is summed byte-swapped (RFC 1071).
+    pub fn csum_add(&self, sum: u64, range: std::ops::Range<usize>) -> u64 {
+        let (mut sum, mut odd) = (sum, false);
+        self.each(range, |s| {
+            let c = csum_add(0, s);
+            sum += if odd { (c as u16).swap_bytes() as u64 } else { c };
+            odd ^= s.len() % 2 == 1;
+        });
+        sum
+    }
+
+    /// Copies the frame into `out` (at least `len()` bytes long).
+    pub fn copy_to(&self, out: &mut [u8]) {
+        let mut at = 0;
+        for p in self.parts {
+            out[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+    }
+}
+
+/// As `complete_checksum`, for a frame in pieces whose checksum field lies
+/// in its (writable) head `head`; `rest` are the pieces after it.
+pub fn complete_checksum_pieces(head: &mut [u8], rest: &[&[u8]], start: usize, offset: usize) -> Result<(), OffloadError> {
+    if rest.is_empty() {
+        return complete_checksum(head, start, offset);
+    }
+    let l3 = match head.get(12..14) {
+        Some([0x81, 0x00] | [0x88, 0xa8]) => 18,
+        Some(_) => 14,
+        None => return Err(OffloadError::Malformed),
+    };
+    let len = head.len() + rest.iter().map(|p| p.len()).sum::<usize>();
+    let field_end = start.checked_add(offset).and_then(|x| x.checked_add(2));
+    if start < l3 || start >= len || field_end.is_none_or(|e| e > head.len()) {
+        return Err(OffloadError::Malformed);
+    }
+    let h: &[u8] = head;
+    let mut parts = [&[][..]; MAX_PIECES + 1];
+    parts[0] = h;
+    let n = rest.len().min(MAX_PIECES);
+    parts[1..=n].copy_from_slice(&rest[..n]);
+    let c = csum_fold(Pieces::new(&parts[..=n]).csum_add(0, start..len));
+    head[start + offset..start + offset + 2].copy_from_slice(&c.to_be_bytes());
+    Ok(())
+}
+
 /// Offsets of a TCP frame's headers.
 struct TcpLayout {
     l3: usize,
@@ -196,22 +308,30 @@ impl SegmentPlan {
 
 /// Plans cutting a TCP super-frame into frames of at most `mss` payload bytes.
 pub fn plan_tcp_segments(frame: &[u8], mss: usize, plan: &mut SegmentPlan) -> Result<(), OffloadError> {
-    let t = tcp_layout(frame)?;
+    plan_tcp_segments_in(&Pieces::new(std::slice::from_ref(&frame)), mss, plan)
+}
+
+/// As `plan_tcp_segments`, for a frame in pieces: its headers must lie in
+/// its head; the payload ranges are offsets into the whole frame.
+pub fn plan_tcp_segments_in(frame: &Pieces, mss: usize, plan: &mut SegmentPlan) -> Result<(), OffloadError> {
+    let head = frame.head();
+    let t = tcp_layout(head)?;
     if mss == 0 {
         return Err(OffloadError::Malformed);
     }
-    let payload_len = frame.len() - t.payload;
+    let total = frame.len();
+    let payload_len = total - t.payload;
     let n = payload_len.div_ceil(mss).max(1);
     plan.hdr_len = t.payload;
     plan.headers.clear();
     plan.payload.clear();
-    let seq0 = u32::from_be_bytes(frame[t.l4 + 4..t.l4 + 8].try_into().unwrap());
-    let id0 = if t.ipv4 { u16::from_be_bytes([frame[t.l3 + 4], frame[t.l3 + 5]]) } else { 0 };
-    let flags0 = frame[t.l4 + 13];
+    let seq0 = u32::from_be_bytes(head[t.l4 + 4..t.l4 + 8].try_into().unwrap());
+    let id0 = if t.ipv4 { u16::from_be_bytes([head[t.l3 + 4], head[t.l3 + 5]]) } else { 0 };
+    let flags0 = head[t.l4 + 13];
     for i in 0..n {
-        let range = (t.payload + i * mss).min(frame.len())..(t.payload + (i + 1) * mss).min(frame.len());
+        let range = (t.payload + i * mss).min(total)..(t.payload + (i + 1) * mss).min(total);
         let at = plan.headers.len();
-        plan.headers.extend_from_slice(&frame[..t.payload]);
+        plan.headers.extend_from_slice(&head[..t.payload]);
         let h = &mut plan.headers[at..];
         let l4_len = h.len() - t.l4 + range.len();
         if t.ipv4 {
@@ -235,7 +355,7 @@ pub fn plan_tcp_segments(frame: &[u8], mss: usize, plan: &mut SegmentPlan) -> Re
         }
         h[t.l4 + 13] = flags;
         h[t.l4 + 16..t.l4 + 18].copy_from_slice(&[0, 0]);
-        let sum = csum_add(csum_add(pseudo_header_sum(h, &t, l4_len), &h[t.l4..]), &frame[range.clone()]);
+        let sum = frame.csum_add(csum_add(pseudo_header_sum(h, &t, l4_len), &h[t.l4..]), range.clone());
         // The payload may start at an odd offset within the TCP segment only
         // if the header length is odd, which TCP's 4-byte units rule out.
         h[t.l4 + 16..t.l4 + 18].copy_from_slice(&csum_fold(sum).to_be_bytes());
@@ -888,5 +1008,85 @@ mod tests {
         assert_eq!(VnetHdr::parse(&b), Some(h));
         assert!(h.is_gso());
         assert_eq!(VnetHdr::parse(&b[..9]), None);
+    }
+
+    /// Splits `frame` at random cut points (some pieces of odd length, some
+    /// of one byte) after `head` bytes.
+    fn cut<'a>(frame: &'a [u8], head: usize, seed: &mut u64) -> Vec<&'a [u8]> {
+        let mut parts = vec![&frame[..head]];
+        let mut at = head;
+        while at < frame.len() {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            let n = match *seed % 4 {
+                0 => 1,
+                1 => (*seed >> 8) as usize % 7 + 1,
+                _ => (*seed >> 8) as usize % 3000 + 1,
+            };
+            let e = (at + n).min(frame.len());
+            parts.push(&frame[at..e]);
+            at = e;
+        }
+        parts
+    }
+
+    #[test]
+    fn a_super_frame_in_pieces_is_cut_as_the_same_frame_whole() {
+        let payload: Vec<u8> = (0..40_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        for (round, frame) in [tcp4(&payload, 0x18), tcp6(&payload[..30_001], 0x19)].iter().cycle().take(200).enumerate() {
+            let head = 54 + round % 2 * 20 + round % 37; // headers, and perhaps some payload
+            let parts = cut(frame, head.min(frame.len()), &mut seed);
+            let pieces = Pieces::new(&parts);
+            assert_eq!(pieces.len(), frame.len());
+            let mss = [536, 1448, 1460, 8948][round % 4];
+            let (mut whole, mut cut_plan) = (SegmentPlan::default(), SegmentPlan::default());
+            plan_tcp_segments(frame, mss, &mut whole).unwrap();
+            plan_tcp_segments_in(&pieces, mss, &mut cut_plan).unwrap();
+            assert_eq!(whole.headers, cut_plan.headers, "round {round}");
+            assert_eq!(whole.payload, cut_plan.payload);
+            // The slices of each segment's payload are its bytes.
+            for r in &whole.payload {
+                let mut got = Vec::new();
+                pieces.each(r.clone(), |s| {
+                    assert!(!s.is_empty());
+                    got.extend_from_slice(s)
+                });
+                assert_eq!(got, &frame[r.clone()]);
+                assert_eq!(pieces.count(r.clone()), {
+                    let mut n = 0;
+                    pieces.each(r.clone(), |_| n += 1);
+                    n
+                });
+            }
+            let mut flat = vec![0u8; frame.len()];
+            pieces.copy_to(&mut flat);
+            assert_eq!(&flat, frame);
+        }
+    }
+
+    #[test]
+    fn a_partial_checksum_over_pieces_is_the_checksum_of_the_whole() {
+        let payload: Vec<u8> = (0..9_999u32).map(|i| (i * 13 + 5) as u8).collect();
+        let mut seed = 12345u64;
+        for round in 0..300 {
+            let mut frame = tcp4(&payload[..round * 31 % payload.len()], 0x18);
+            // Leave the TCP checksum partial, as a guest does: the field holds
+            // the pseudo-header sum.
+            frame[50..52].copy_from_slice(&[0x12, 0x34]);
+            let mut whole = frame.clone();
+            complete_checksum(&mut whole, 34, 16).unwrap();
+            let head_len = (54 + round % 9).min(frame.len());
+            let (head, tail) = frame.split_at_mut(head_len);
+            let rest = cut(tail, 0, &mut seed);
+            complete_checksum_pieces(head, &rest[1..], 34, 16).unwrap();
+            assert_eq!(&head[50..52], &whole[50..52], "round {round}");
+        }
+        // The field must lie in the head, past the Ethernet header.
+        let mut f = tcp4(&payload[..100], 0x18);
+        let (head, tail) = f.split_at_mut(40);
+        assert_eq!(complete_checksum_pieces(head, &[tail], 34, 16), Err(OffloadError::Malformed));
+        assert_eq!(complete_checksum_pieces(head, &[tail], 10, 16), Err(OffloadError::Malformed));
     }
 }

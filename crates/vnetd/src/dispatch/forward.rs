@@ -15,7 +15,7 @@
 //! Nothing here depends on which kind a NIC or a link is.
 
 use crate::fast::{FastPath, InstallBudget};
-use crate::link::{Segments, Sent, TxCtx, TxQueue};
+use crate::link::{Segments, Sent, TxCtx, TxQueue, SEG_PARTS};
 use crate::nic::{IrqPolicy, MAX_PARTS};
 use crate::stats::{Counters, DropReason, ThreadStats};
 use crate::topology::{Link, Slot, Snapshot};
@@ -24,7 +24,7 @@ use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use vnet_core::mac::frame_macs;
-use vnet_core::offload::{self, Run, SegmentPlan, TcpCoalescer, VnetHdr, F_NEEDS_CSUM};
+use vnet_core::offload::{self, Pieces, Run, SegmentPlan, TcpCoalescer, VnetHdr, F_NEEDS_CSUM, MAX_PIECES};
 use vnet_core::table::{Hit, Port};
 use vnet_core::{Mac, RouteCache};
 
@@ -75,7 +75,7 @@ impl Forwarder {
     /// Routes `frame` from the port at `origin`; false (counted as a drop)
     /// when it cannot be routed. The destinations are left in `self.hits`.
     #[inline]
-    fn route(&mut self, snap: &Snapshot, origin: Slot, frame: &[u8]) -> bool {
+    fn route(&mut self, snap: &Snapshot, origin: Slot, head: &[u8], len: usize) -> bool {
         let (port, origin_stats) = match origin {
             Slot::Iface(s) => {
                 let i = &snap.ifaces[s as usize];
@@ -86,9 +86,9 @@ impl Forwarder {
                 (Port::Link(l.id), &l.stats)
             }
         };
-        origin_stats.received(frame.len());
-        self.st.global.received(frame.len());
-        let Some((dst, src)) = frame_macs(frame) else {
+        origin_stats.received(len);
+        self.st.global.received(len);
+        let Some((dst, src)) = frame_macs(head) else {
             self.st.drop_at(Some(origin_stats), DropReason::Malformed);
             return false;
         };
@@ -113,7 +113,7 @@ impl Forwarder {
             return false;
         }
         for &(rule, _) in &self.hits {
-            snap.routes[rule as usize].stats.sent(frame.len());
+            snap.routes[rule as usize].stats.sent(len);
         }
         if self.hits.len() > 1 {
             self.st.dispatch.fanout_copies.fetch_add(self.hits.len() as u64 - 1, Relaxed);
@@ -123,13 +123,22 @@ impl Forwarder {
 
     /// A frame read from a guest's NIC or a direct link, with its offload
     /// metadata.
-    pub fn from_port(&mut self, snap: &Snapshot, origin: Slot, frame: &mut [u8], mut vnet: VnetHdr) {
-        if !self.route(snap, origin, frame) {
+    pub fn from_port(&mut self, snap: &Snapshot, origin: Slot, frame: &mut [u8], vnet: VnetHdr) {
+        self.from_port_pieces(snap, origin, frame, &[], vnet);
+    }
+
+    /// A frame in pieces (a guest's buffers, cut through): `head`, which
+    /// holds its headers and may be written (checksums are finished
+    /// there), then `rest`, which stays where it lies and goes out by
+    /// iovec to every kind of destination.
+    pub fn from_port_pieces(&mut self, snap: &Snapshot, origin: Slot, head: &mut [u8], rest: &[&[u8]], mut vnet: VnetHdr) {
+        let len = head.len() + rest.iter().map(|p| p.len()).sum::<usize>();
+        if !self.route(snap, origin, head, len) {
             return;
         }
         let hits = std::mem::take(&mut self.hits);
         for &(_, to) in &hits {
-            self.deliver(snap, to, frame, &mut vnet);
+            self.deliver(snap, to, head, rest, len, &mut vnet);
         }
         self.hits = hits;
     }
@@ -138,14 +147,15 @@ impl Forwarder {
     /// received run must be followed by `end_run`, with the same snapshot,
     /// before `buf` changes.
     pub fn from_link(&mut self, snap: &Snapshot, slot: u32, buf: &mut [u8], range: Range<usize>) {
-        if !self.route(snap, Slot::Link(slot), &buf[range.clone()]) {
+        if !self.route(snap, Slot::Link(slot), &buf[range.clone()], range.len()) {
             return;
         }
         if let [(_, Slot::Iface(s))] = self.hits[..] {
             if !snap.ifaces[s as usize].nic.takes_offloads() {
                 self.end_run(snap, buf);
                 let mut vnet = VnetHdr::default();
-                self.deliver(snap, Slot::Iface(s), &mut buf[range], &mut vnet);
+                let len = range.len();
+                self.deliver(snap, Slot::Iface(s), &mut buf[range], &[], len, &mut vnet);
                 return;
             }
             let id = snap.ifaces[s as usize].id;
@@ -163,7 +173,7 @@ impl Forwarder {
         let hits = std::mem::take(&mut self.hits);
         let mut vnet = VnetHdr::default();
         for &(_, to) in &hits {
-            self.deliver(snap, to, &mut buf[range.clone()], &mut vnet);
+            self.deliver(snap, to, &mut buf[range.clone()], &[], range.len(), &mut vnet);
         }
         self.hits = hits;
     }
@@ -222,48 +232,46 @@ impl Forwarder {
         }
     }
 
+    /// Delivers the frame `head` then `rest` (`len` bytes) to one
+    /// destination.
     #[inline]
-    fn deliver(&mut self, snap: &Snapshot, to: Slot, frame: &mut [u8], vnet: &mut VnetHdr) {
+    fn deliver(&mut self, snap: &Snapshot, to: Slot, head: &mut [u8], rest: &[&[u8]], len: usize, vnet: &mut VnetHdr) {
         match to {
             Slot::Iface(s) => {
                 let iface = &snap.ifaces[s as usize];
                 self.arriving(snap, s);
                 if (vnet.is_gso() || vnet.flags & F_NEEDS_CSUM != 0) && !iface.nic.takes_offloads() {
-                    self.finish_for_nic(snap, s, frame, vnet);
+                    self.finish_for_nic(snap, s, head, rest, vnet);
                     return;
                 }
-                if !vnet.is_gso() && frame.len() > iface.max_frame() {
+                if !vnet.is_gso() && len > iface.max_frame() {
                     self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
                     return;
                 }
-                let r = iface.nic.send(vnet, &[frame]);
-                self.account(&iface.stats, r.map(|_| frame.len()));
+                let r = with_pieces(head, rest, |p| iface.nic.send(vnet, p.parts()));
+                self.account(&iface.stats, r.map(|_| len));
             }
             Slot::Link(s) => {
                 let link = &snap.links[s as usize];
                 let t = &*link.transport;
-                if t.takes_offloads() {
-                    let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.st.offload };
-                    let sent = t.send(&mut self.tx, &cx, vnet, frame);
-                    self.count(link, sent);
-                    return;
-                }
-                // TCP that does not fit the link is cut to fit it (a guest
-                // with a big MTU sends big frames even without TSO).
-                if vnet.is_gso() || (frame.len() > link.max_frame && offload::tcp_payload_offset(frame).is_some()) {
-                    self.send_segmented(link, s, frame, vnet);
-                    return;
-                }
-                if vnet.flags & F_NEEDS_CSUM != 0 {
-                    if offload::complete_checksum(frame, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
-                        self.st.drop_at(Some(&link.stats), DropReason::Malformed);
+                if !t.takes_offloads() {
+                    // TCP that does not fit the link is cut to fit it (a guest
+                    // with a big MTU sends big frames even without TSO).
+                    if vnet.is_gso() || (len > link.max_frame && offload::tcp_payload_offset(head).is_some()) {
+                        self.send_segmented(link, s, head, rest, vnet);
                         return;
                     }
-                    self.st.offload.checksums.fetch_add(1, Relaxed);
-                    vnet.flags &= !F_NEEDS_CSUM;
+                    if vnet.flags & F_NEEDS_CSUM != 0 {
+                        if offload::complete_checksum_pieces(head, rest, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
+                            self.st.drop_at(Some(&link.stats), DropReason::Malformed);
+                            return;
+                        }
+                        self.st.offload.checksums.fetch_add(1, Relaxed);
+                        vnet.flags &= !F_NEEDS_CSUM;
+                    }
                 }
                 let cx = TxCtx { slot: s, max_frame: link.max_frame, gso: &link.gso, offload: &self.st.offload };
-                let sent = t.send(&mut self.tx, &cx, vnet, frame);
+                let sent = with_pieces(head, rest, |p| t.send(&mut self.tx, &cx, vnet, p));
                 self.count(link, sent);
             }
         }
@@ -305,46 +313,51 @@ impl Forwarder {
     /// Delivers an offloaded frame to a NIC whose guest did not negotiate
     /// offloads: a super-frame cut to segments of its size, a partial
     /// checksum finished.
-    fn finish_for_nic(&mut self, snap: &Snapshot, slot: u32, frame: &mut [u8], vnet: &mut VnetHdr) {
+    fn finish_for_nic(&mut self, snap: &Snapshot, slot: u32, head: &mut [u8], rest: &[&[u8]], vnet: &mut VnetHdr) {
         let iface = &snap.ifaces[slot as usize];
+        let plain = VnetHdr::default();
         if !vnet.is_gso() {
-            if offload::complete_checksum(frame, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
+            if offload::complete_checksum_pieces(head, rest, vnet.csum_start as usize, vnet.csum_offset as usize).is_err() {
                 self.st.drop_at(Some(&iface.stats), DropReason::Malformed);
                 return;
             }
             self.st.offload.checksums.fetch_add(1, Relaxed);
-            let plain = VnetHdr::default();
-            if frame.len() > iface.max_frame() {
-                self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
-                return;
-            }
-            let r = iface.nic.send(&plain, &[frame]);
-            self.account(&iface.stats, r.map(|_| frame.len()));
+            let r = with_pieces(head, rest, |p| {
+                if p.len() > iface.max_frame() {
+                    return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
+                }
+                iface.nic.send(&plain, p.parts())
+            });
+            self.account(&iface.stats, r);
             return;
         }
-        let (Some(hl), true) = (offload::tcp_payload_offset(frame), vnet.gso_size as usize >= offload::MIN_GSO_SIZE) else {
+        let (Some(hl), true) = (offload::tcp_payload_offset(head), vnet.gso_size as usize >= offload::MIN_GSO_SIZE) else {
             self.st.drop_at(Some(&iface.stats), DropReason::Malformed);
             return;
         };
         let mss = (vnet.gso_size as usize).min(iface.max_frame().saturating_sub(hl)).max(8);
-        if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
+        let (plan, st) = (&mut self.plan, &*self.st);
+        let planned: Result<(), offload::OffloadError> = with_pieces(head, rest, |frame| {
+            offload::plan_tcp_segments_in(&frame, mss, plan)?;
+            st.offload.segmented.fetch_add(1, Relaxed);
+            st.offload.segments.fetch_add(plan.len() as u64, Relaxed);
+            let segs = Segments { plan, frame, seg_size: hl + mss };
+            let mut parts = [&[][..]; SEG_PARTS];
+            for k in 0..segs.len() {
+                let n = segs.parts(k, &mut parts);
+                account(st, &iface.stats, iface.nic.send(&plain, &parts[..n]).map(|_| segs.plan.frame_len(k)));
+            }
+            Ok(())
+        });
+        if planned.is_err() {
             self.st.drop_at(Some(&iface.stats), DropReason::Malformed);
-            return;
-        }
-        self.st.offload.segmented.fetch_add(1, Relaxed);
-        self.st.offload.segments.fetch_add(self.plan.len() as u64, Relaxed);
-        let plain = VnetHdr::default();
-        for k in 0..self.plan.len() {
-            let payload = &frame[self.plan.payload[k].clone()];
-            let r = iface.nic.send(&plain, &[self.plan.header(k), payload]);
-            self.account(&iface.stats, r.map(|_| self.plan.frame_len(k)));
         }
     }
 
     /// Cuts a TCP super-frame to the link's frame size and hands the
     /// segments to the link.
-    fn send_segmented(&mut self, link: &Link, slot: u32, frame: &[u8], vnet: &VnetHdr) {
-        let Some(hl) = offload::tcp_payload_offset(frame) else {
+    fn send_segmented(&mut self, link: &Link, slot: u32, head: &[u8], rest: &[&[u8]], vnet: &VnetHdr) {
+        let Some(hl) = offload::tcp_payload_offset(head) else {
             self.st.drop_at(Some(&link.stats), DropReason::Malformed);
             return;
         };
@@ -354,16 +367,19 @@ impl Forwarder {
             return;
         }
         let mss = gso_size.min(link.max_frame.saturating_sub(hl)).max(8);
-        if offload::plan_tcp_segments(frame, mss, &mut self.plan).is_err() {
-            self.st.drop_at(Some(&link.stats), DropReason::Malformed);
-            return;
+        let (plan, tx, st) = (&mut self.plan, &mut self.tx, &self.st);
+        let sent = with_pieces(head, rest, |frame| {
+            offload::plan_tcp_segments_in(&frame, mss, plan).ok()?;
+            st.offload.segmented.fetch_add(1, Relaxed);
+            st.offload.segments.fetch_add(plan.len() as u64, Relaxed);
+            let segs = Segments { plan, frame, seg_size: hl + mss };
+            let cx = TxCtx { slot, max_frame: link.max_frame, gso: &link.gso, offload: &st.offload };
+            Some(link.transport.send_segments(tx, &cx, &segs))
+        });
+        match sent {
+            Some(sent) => self.count(link, sent),
+            None => self.st.drop_at(Some(&link.stats), DropReason::Malformed),
         }
-        self.st.offload.segmented.fetch_add(1, Relaxed);
-        self.st.offload.segments.fetch_add(self.plan.len() as u64, Relaxed);
-        let segs = Segments { plan: &self.plan, frame, seg_size: hl + mss };
-        let cx = TxCtx { slot, max_frame: link.max_frame, gso: &link.gso, offload: &self.st.offload };
-        let sent = link.transport.send_segments(&mut self.tx, &cx, &segs);
-        self.count(link, sent);
     }
 
     /// Counts what a link did with frames now (queued ones are counted when
@@ -383,19 +399,7 @@ impl Forwarder {
 
     #[inline]
     fn account(&self, stats: &Counters, r: io::Result<usize>) {
-        match r {
-            Ok(n) => {
-                stats.sent(n);
-                self.st.global.sent(n);
-            }
-            Err(e) => {
-                let why = crate::link::classify(&e);
-                if why == DropReason::TxError {
-                    tracing::debug!("send failed: {e}");
-                }
-                self.st.drop_at(Some(stats), why);
-            }
-        }
+        account(&self.st, stats, r)
     }
 
     /// Sends what this pass queued (one `sendmmsg` per UDP socket), writes
@@ -437,6 +441,38 @@ impl Forwarder {
         if self.tx.batches_sent > 0 {
             d.tx_batches.fetch_add(std::mem::take(&mut self.tx.batches_sent), Relaxed);
             d.tx_batched.fetch_add(std::mem::take(&mut self.tx.batched), Relaxed);
+        }
+    }
+}
+
+/// Calls `f` with the frame `head` then `rest` as one `Pieces`.
+#[inline]
+fn with_pieces<R>(head: &[u8], rest: &[&[u8]], f: impl FnOnce(Pieces) -> R) -> R {
+    if rest.is_empty() {
+        return f(Pieces::new(std::slice::from_ref(&head)));
+    }
+    let mut parts = [&[][..]; MAX_PIECES + 1];
+    parts[0] = head;
+    let n = rest.len().min(MAX_PIECES);
+    parts[1..=n].copy_from_slice(&rest[..n]);
+    f(Pieces::new(&parts[..=n]))
+}
+
+/// Counts a frame of `r` bytes sent, or dropped for the reason `r`'s error
+/// gives.
+#[inline]
+fn account(st: &ThreadStats, stats: &Counters, r: io::Result<usize>) {
+    match r {
+        Ok(n) => {
+            stats.sent(n);
+            st.global.sent(n);
+        }
+        Err(e) => {
+            let why = crate::link::classify(&e);
+            if why == DropReason::TxError {
+                tracing::debug!("send failed: {e}");
+            }
+            st.drop_at(Some(stats), why);
         }
     }
 }

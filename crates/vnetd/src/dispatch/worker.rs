@@ -406,7 +406,8 @@ impl Worker {
                 Ok(Frame::InPlace(mut f)) => {
                     n += 1;
                     let vnet = f.vnet;
-                    self.fwd.from_port(snap, Slot::Iface(slot), f.frame(), vnet);
+                    let (head, rest) = f.split(&mut self.buf);
+                    self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, rest.as_slice(), vnet);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {

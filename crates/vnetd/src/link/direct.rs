@@ -3,11 +3,11 @@
 //! administrator allowed (`--allow-direct`). The kernel segments super-frames
 //! and finishes checksums, so frames go as they are, offload metadata and all.
 
-use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue};
+use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::nic::{send_vnet, PacketPort};
 use crate::stats::DropReason;
 use std::os::fd::AsRawFd;
-use vnet_core::offload::VnetHdr;
+use vnet_core::offload::{Pieces, VnetHdr};
 
 pub struct DirectLink {
     port: PacketPort,
@@ -33,20 +33,21 @@ impl Transport for DirectLink {
         true
     }
 
-    fn send(&self, _q: &mut TxQueue, cx: &TxCtx, vnet: &VnetHdr, frame: &[u8]) -> Sent {
+    fn send(&self, _q: &mut TxQueue, cx: &TxCtx, vnet: &VnetHdr, frame: Pieces) -> Sent {
         if !vnet.is_gso() && frame.len() > cx.max_frame {
             return Sent::dropped(DropReason::Oversize, 1);
         }
-        sent_now(send_vnet(self.port.as_raw_fd(), vnet, &[frame]).map(|_| ()), 1, frame.len())
+        sent_now(send_vnet(self.port.as_raw_fd(), vnet, frame.parts()).map(|_| ()), 1, frame.len())
     }
 
     fn send_segments(&self, _q: &mut TxQueue, _cx: &TxCtx, segs: &Segments) -> Sent {
         // Not reached: a direct link takes super-frames whole. Should a
         // caller cut one anyway, send the segments as plain frames.
         let mut out = Sent::default();
+        let mut parts = [&[][..]; SEG_PARTS];
         for k in 0..segs.len() {
-            let parts = [segs.plan.header(k), &segs.frame[segs.plan.payload[k].clone()]];
-            let r = send_vnet(self.port.as_raw_fd(), &VnetHdr::default(), &parts).map(|_| ());
+            let n = segs.parts(k, &mut parts);
+            let r = send_vnet(self.port.as_raw_fd(), &VnetHdr::default(), &parts[..n]).map(|_| ());
             out.add(sent_now(r, 1, segs.plan.frame_len(k)));
         }
         out

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 pub use udp::UdpEndpoint;
 use udp::TxBatch;
-use vnet_core::offload::{SegmentPlan, VnetHdr};
+use vnet_core::offload::{Pieces, SegmentPlan, VnetHdr, MAX_PIECES};
 
 /// How a link's frames arrive.
 pub enum Rx<'a> {
@@ -86,21 +86,38 @@ pub struct TxCtx<'a> {
 }
 
 /// The segments cut from one super-frame: segment `k` is
-/// `plan.header(k)` then `frame[plan.payload[k]]`, each `seg_size` bytes but
-/// the last.
+/// `plan.header(k)` then the frame's bytes `plan.payload[k]`, each
+/// `seg_size` bytes but the last. The frame may lie in pieces (a guest's
+/// buffers, cut through), so a payload may be several slices.
 pub struct Segments<'a> {
     pub plan: &'a SegmentPlan,
-    pub frame: &'a [u8],
+    pub frame: Pieces<'a>,
     pub seg_size: usize,
 }
 
-impl Segments<'_> {
+/// Most slices `Segments::parts` gives for one segment: its header, and
+/// its payload in the frame's head and up to `MAX_PIECES` pieces.
+pub const SEG_PARTS: usize = MAX_PIECES + 2;
+
+impl<'a> Segments<'a> {
     pub fn len(&self) -> usize {
         self.plan.len()
     }
 
     pub fn bytes(&self, from: usize, to: usize) -> usize {
         (from..to).map(|k| self.plan.frame_len(k)).sum()
+    }
+
+    /// Segment `k` as slices, into `out`; how many.
+    #[inline]
+    pub fn parts(&self, k: usize, out: &mut [&'a [u8]; SEG_PARTS]) -> usize {
+        out[0] = self.plan.header(k);
+        let mut n = 1;
+        self.frame.each(self.plan.payload[k].clone(), |s| {
+            out[n] = s;
+            n += 1;
+        });
+        n
     }
 }
 
@@ -116,9 +133,9 @@ pub trait Transport: Send + Sync {
     fn takes_offloads(&self) -> bool {
         false
     }
-    /// Sends one frame: whole, its checksums complete unless
-    /// `takes_offloads`.
-    fn send(&self, q: &mut TxQueue, cx: &TxCtx, vnet: &VnetHdr, frame: &[u8]) -> Sent;
+    /// Sends one frame (perhaps in pieces): whole, its checksums complete
+    /// unless `takes_offloads`.
+    fn send(&self, q: &mut TxQueue, cx: &TxCtx, vnet: &VnetHdr, frame: Pieces) -> Sent;
     /// Sends the segments of one super-frame.
     fn send_segments(&self, q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent;
     /// Writes out what `send` buffered (it then marked the link in

@@ -41,10 +41,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue};
+use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::stats::DropReason;
 use vnet_core::linkauth::{self, Nonce};
-use vnet_core::offload::VnetHdr;
+use vnet_core::offload::{Pieces, VnetHdr};
 
 pub use vnet_core::wire::MAX_TCP_FRAME;
 /// Bytes (frames and their length prefixes) a link's send buffer holds at
@@ -575,11 +575,11 @@ impl Transport for TcpTransport {
         Rx::Stream(&self.0)
     }
 
-    fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: &[u8]) -> Sent {
+    fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: Pieces) -> Sent {
         if frame.len() > MAX_TCP_FRAME {
             return Sent::dropped(DropReason::Oversize, 1);
         }
-        if !self.0.enqueue(&[frame]) {
+        if !self.0.enqueue(frame.parts()) {
             return Sent::dropped(DropReason::QueueFull, 1);
         }
         q.buffered(cx.slot);
@@ -588,8 +588,10 @@ impl Transport for TcpTransport {
 
     fn send_segments(&self, q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent {
         let mut out = Sent::later();
+        let mut parts = [&[][..]; SEG_PARTS];
         for k in 0..segs.len() {
-            if !self.0.enqueue(&[segs.plan.header(k), &segs.frame[segs.plan.payload[k].clone()]]) {
+            let n = segs.parts(k, &mut parts);
+            if !self.0.enqueue(&parts[..n]) {
                 out.add(Sent::dropped(DropReason::QueueFull, 1));
             }
         }

@@ -16,10 +16,10 @@ use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue};
+use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::nic::packet::setsockopt_int;
 use crate::stats::DropReason;
-use vnet_core::offload::VnetHdr;
+use vnet_core::offload::{Pieces, VnetHdr, MAX_PIECES};
 use vnet_core::wire::{vxlan_header, VXLAN_HDR_LEN};
 
 /// Largest UDP payload over IPv4 (65535 - 20 IP - 8 UDP): the largest frame
@@ -251,6 +251,8 @@ pub struct UdpLink {
 /// Largest payload of one UDP GSO call we build (the kernel's limit is a
 /// 64 KiB datagram).
 const MAX_GSO_BYTES: usize = 65000;
+/// Slices in one UDP GSO call's iovec.
+const GSO_IOV: usize = 4 * MAX_GSO_SEGMENTS;
 
 impl UdpLink {
     pub fn new(ep: Arc<UdpEndpoint>, remote: SocketAddr, vni: Option<u32>) -> UdpLink {
@@ -266,9 +268,15 @@ impl UdpLink {
 
     /// Sends segments `from..to` one datagram each; how many went.
     fn send_each(&self, pre: &[u8], segs: &Segments, from: usize, to: usize) -> (usize, io::Result<()>) {
+        let mut parts = [&[][..]; SEG_PARTS];
         for k in from..to {
-            let iov = [IoSlice::new(pre), IoSlice::new(segs.plan.header(k)), IoSlice::new(&segs.frame[segs.plan.payload[k].clone()])];
-            if let Err(e) = self.ep.send_iov(&iov, self.remote, None) {
+            let n = segs.parts(k, &mut parts);
+            let mut iov = [IoSlice::new(&[]); SEG_PARTS + 1];
+            iov[0] = IoSlice::new(pre);
+            for (v, p) in iov[1..].iter_mut().zip(&parts[..n]) {
+                *v = IoSlice::new(p);
+            }
+            if let Err(e) = self.ep.send_iov(&iov[..n + 1], self.remote, None) {
                 return (k - from, Err(e));
             }
         }
@@ -289,7 +297,7 @@ impl Transport for UdpLink {
         Rx::Shared { vni: self.vni }
     }
 
-    fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: &[u8]) -> Sent {
+    fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: Pieces) -> Sent {
         let (pre, plen) = self.prefix();
         if frame.len() + plen > self.ep.max_payload() {
             return Sent::dropped(DropReason::Oversize, 1);
@@ -297,13 +305,19 @@ impl Transport for UdpLink {
         if frame.len() > cx.max_frame {
             cx.offload.fragmented.fetch_add(1, Relaxed);
         }
-        let parts: [&[u8]; 2] = [&pre[..plen], frame];
+        let n = frame.parts().len().min(MAX_PIECES + 1);
+        let mut parts = [&[][..]; MAX_PIECES + 2];
+        parts[0] = &pre[..plen];
+        parts[1..=n].copy_from_slice(&frame.parts()[..n]);
         if q.batching {
-            q.push(&self.ep, &parts, self.remote, cx.slot);
+            q.push(&self.ep, &parts[..=n], self.remote, cx.slot);
             return Sent::later();
         }
-        let iov = [IoSlice::new(parts[0]), IoSlice::new(parts[1])];
-        sent_now(self.ep.send_iov(&iov, self.remote, None).map(|_| ()), 1, frame.len())
+        let mut iov = [IoSlice::new(&[]); MAX_PIECES + 2];
+        for (v, p) in iov.iter_mut().zip(&parts[..=n]) {
+            *v = IoSlice::new(p);
+        }
+        sent_now(self.ep.send_iov(&iov[..=n], self.remote, None).map(|_| ()), 1, frame.len())
     }
 
     /// One UDP GSO call per up to 64 segments; segment by segment while the
@@ -317,20 +331,30 @@ impl Transport for UdpLink {
         let mut out = Sent::default();
         let mut i = 0;
         while i < n {
-            let end = (i + per_call).min(n);
+            let mut end = (i + per_call).min(n);
             let (went, r) = if end - i == 1 || !cx.gso.ok() {
                 self.send_each(pre, segs, i, end)
             } else {
-                let mut iov = [IoSlice::new(&[]); 3 * MAX_GSO_SEGMENTS];
+                // Each segment is its prefix, header and payload slices; a
+                // call ends early when the iovec is full (a frame in many
+                // pieces).
+                let mut iov = [IoSlice::new(&[]); GSO_IOV];
+                let mut parts = [&[][..]; SEG_PARTS];
                 let mut m = 0;
                 for k in i..end {
+                    if m + 1 + SEG_PARTS > GSO_IOV {
+                        end = k;
+                        break;
+                    }
                     if !pre.is_empty() {
                         iov[m] = IoSlice::new(pre);
                         m += 1;
                     }
-                    iov[m] = IoSlice::new(segs.plan.header(k));
-                    iov[m + 1] = IoSlice::new(&segs.frame[segs.plan.payload[k].clone()]);
-                    m += 2;
+                    let n = segs.parts(k, &mut parts);
+                    for p in &parts[..n] {
+                        iov[m] = IoSlice::new(p);
+                        m += 1;
+                    }
                 }
                 match self.ep.send_iov(&iov[..m], self.remote, Some(seg_size as u16)) {
                     Ok(_) => {

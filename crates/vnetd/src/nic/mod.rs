@@ -24,7 +24,7 @@ pub mod vhost_user;
 use anyhow::Result;
 use std::io::{self, IoSlice};
 use std::os::fd::{AsRawFd, RawFd};
-use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
+use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 
 pub use packet::PacketPort;
 
@@ -129,35 +129,83 @@ impl IrqPolicy {
 }
 
 /// A frame read from a NIC: copied into the caller's buffer, or left in
-/// the guest's memory.
+/// the guest's memory. (`InPlace` is half a KiB of piece pointers, moved
+/// once per frame; boxing it would allocate per frame instead.)
+#[allow(clippy::large_enum_variant)]
 pub enum Frame {
     Copied(Received),
     InPlace(InPlace),
 }
 
-/// A frame in the guest's memory, kept mapped while this lives. The
-/// descriptor it lies in is the device's until the NIC's next flush.
+/// A frame in the guest's memory, kept mapped while this lives: in one
+/// piece, or (gathered) its headers copied to the front of the
+/// dispatcher's buffer and the rest in up to `MAX_PIECES` pieces. The
+/// descriptors it lies in are the device's until the NIC's next flush.
 pub struct InPlace {
-    ptr: *mut u8,
-    len: usize,
+    /// Bytes at the front of the dispatcher's buffer (0: none, the frame
+    /// is `pieces[0]`).
+    head: usize,
+    pieces: [(*mut u8, usize); MAX_PIECES],
+    n: usize,
     pub vnet: VnetHdr,
     _mapping: std::sync::Arc<dyn Send + Sync>,
 }
 
 impl InPlace {
+    /// The frame `ptr..ptr+len`.
+    ///
     /// # Safety
     /// `ptr..ptr+len` lies inside the mapping `mapping` keeps alive.
     pub unsafe fn new(ptr: *mut u8, len: usize, vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) -> InPlace {
-        InPlace { ptr, len, vnet, _mapping: mapping }
+        let mut pieces = [(std::ptr::null_mut(), 0); MAX_PIECES];
+        pieces[0] = (ptr, len);
+        InPlace { head: 0, pieces, n: 1, vnet, _mapping: mapping }
     }
 
-    /// The frame's bytes. The guest may still write them (it should not,
-    /// and can only change its own frame): they are read as untrusted input
-    /// like every frame, and routed by the MACs read once.
-    pub fn frame(&mut self) -> &mut [u8] {
-        // SAFETY: the range is inside a live shared mapping (new's
-        // contract); u8 has no invalid values.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    /// The frame whose first `head` bytes are at the front of the
+    /// dispatcher's buffer and the rest at `pieces` (address, length).
+    ///
+    /// # Safety
+    /// Every piece lies inside the mapping `mapping` keeps alive; there are
+    /// at most `MAX_PIECES`.
+    pub unsafe fn gathered(head: usize, pieces: &[(usize, usize)], vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) -> InPlace {
+        let mut p = [(std::ptr::null_mut(), 0); MAX_PIECES];
+        for (d, &(a, l)) in p.iter_mut().zip(pieces) {
+            *d = (a as *mut u8, l);
+        }
+        InPlace { head, pieces: p, n: pieces.len().min(MAX_PIECES), vnet, _mapping: mapping }
+    }
+
+    /// The frame as a head that may be written (checksums are finished
+    /// there) and the pieces after it; `buf` is the dispatcher's buffer
+    /// the head was copied to. The guest may still write its buffers (it
+    /// should not, and can only change its own frame): they are read as
+    /// untrusted input like every frame, and routed by the MACs read once.
+    pub fn split<'a>(&'a mut self, buf: &'a mut [u8]) -> (&'a mut [u8], Rest<'a>) {
+        let mut rest = Rest { parts: [&[]; MAX_PIECES], n: 0 };
+        // SAFETY: every piece is inside a live shared mapping (the
+        // constructors' contract); u8 has no invalid values.
+        let piece = |(p, l): (*mut u8, usize)| unsafe { std::slice::from_raw_parts_mut(p, l) };
+        if self.head == 0 {
+            return (piece(self.pieces[0]), rest);
+        }
+        for (d, &p) in rest.parts.iter_mut().zip(&self.pieces[..self.n]) {
+            *d = piece(p);
+        }
+        rest.n = self.n;
+        (&mut buf[..self.head], rest)
+    }
+}
+
+/// The pieces of a gathered frame after its head.
+pub struct Rest<'a> {
+    parts: [&'a [u8]; MAX_PIECES],
+    n: usize,
+}
+
+impl<'a> Rest<'a> {
+    pub fn as_slice(&self) -> &[&'a [u8]] {
+        &self.parts[..self.n]
     }
 }
 

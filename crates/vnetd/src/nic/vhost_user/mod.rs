@@ -73,12 +73,22 @@ struct Counters {
     idle_interrupts: AtomicU64,
     /// Frames written into the guest's receive buffers.
     rx_frames: AtomicU64,
-    /// Cut-through: frames from the guest sent where they lay, and those
-    /// copied anyway because they were spread over several buffers.
+    /// Cut-through: frames from the guest sent from where they lay (bytes:
+    /// those not copied).
     tx_in_place_frames: AtomicU64,
     tx_in_place_bytes: AtomicU64,
-    tx_copied_frames: AtomicU64,
-    tx_copied_bytes: AtomicU64,
+    /// Of those in place, frames spread over several buffers (gathered),
+    /// and their header bytes copied.
+    tx_gathered_frames: AtomicU64,
+    tx_head_copied_bytes: AtomicU64,
+    /// Copied although cut-through was on: frames in several buffers but
+    /// no longer than `ring::MAX_HEAD` (an iovec would cost more), and
+    /// frames that could not be gathered (more than `MAX_PIECES` buffers,
+    /// a buffer across memory regions).
+    tx_copied_small_frames: AtomicU64,
+    tx_copied_small_bytes: AtomicU64,
+    tx_copied_scattered_frames: AtomicU64,
+    tx_copied_scattered_bytes: AtomicU64,
 }
 
 impl Shared {
@@ -340,9 +350,12 @@ impl VhostUserNic {
             }
             match tx.pop_frame(buf, hdr_len, in_place) {
                 Popped::Frame { len, vnet, copied } => {
-                    if copied {
-                        c.tx_copied_frames.fetch_add(1, Relaxed);
-                        c.tx_copied_bytes.fetch_add(len as u64, Relaxed);
+                    if copied && len <= ring::MAX_HEAD {
+                        c.tx_copied_small_frames.fetch_add(1, Relaxed);
+                        c.tx_copied_small_bytes.fetch_add(len as u64, Relaxed);
+                    } else if copied {
+                        c.tx_copied_scattered_frames.fetch_add(1, Relaxed);
+                        c.tx_copied_scattered_bytes.fetch_add(len as u64, Relaxed);
                     }
                     return Ok(Frame::Copied(Received { start: 0, end: len, vnet }));
                 }
@@ -352,6 +365,17 @@ impl VhostUserNic {
                     let mapping: Arc<dyn Send + Sync> = tx.mem.clone().expect("a running ring has memory");
                     // SAFETY: pop_frame found ptr..ptr+len inside this mapping.
                     return Ok(Frame::InPlace(unsafe { InPlace::new(ptr, len, vnet, mapping) }));
+                }
+                Popped::Gathered { head, vnet } => {
+                    let pieces = tx.gathered();
+                    c.tx_in_place_frames.fetch_add(1, Relaxed);
+                    c.tx_in_place_bytes.fetch_add(pieces.iter().map(|p| p.1 as u64).sum(), Relaxed);
+                    c.tx_gathered_frames.fetch_add(1, Relaxed);
+                    c.tx_head_copied_bytes.fetch_add(head as u64, Relaxed);
+                    let mapping: Arc<dyn Send + Sync> = tx.mem.clone().expect("a running ring has memory");
+                    // SAFETY: pop_frame found each piece inside this mapping,
+                    // at most MAX_PIECES of them.
+                    return Ok(Frame::InPlace(unsafe { InPlace::gathered(head, pieces, vnet, mapping) }));
                 }
                 Popped::Bad => {
                     c.bad_chains.fetch_add(1, Relaxed);
@@ -516,7 +540,8 @@ impl VirtualNic for VhostUserNic {
             " vhost_connects={} vhost_features={:#x} vhost_bad_chains={} vhost_rx_interrupts={} vhost_tx_interrupts={} \
              vhost_rx_interrupts_per_frame={per_frame:.3} evi_sent={} evi_suppressed={} eoc_not_needed={} eoc_masked={} \
              eoc_cold={} eoc_density={} eoc_hot={} eoc_pending={} idle_interrupts={} \
-             tx_in_place_frames={} tx_in_place_bytes={} tx_copied_multi_buffer_frames={} tx_copied_multi_buffer_bytes={}",
+             tx_in_place_frames={} tx_in_place_bytes={} tx_gathered_frames={} tx_head_copied_bytes={} \
+             tx_copied_small_frames={} tx_copied_small_bytes={} tx_copied_scattered_frames={} tx_copied_scattered_bytes={}",
             v(&c.connects),
             self.shared.acked.load(Relaxed),
             v(&c.bad_chains),
@@ -533,8 +558,12 @@ impl VirtualNic for VhostUserNic {
             v(&c.idle_interrupts),
             v(&c.tx_in_place_frames),
             v(&c.tx_in_place_bytes),
-            v(&c.tx_copied_frames),
-            v(&c.tx_copied_bytes),
+            v(&c.tx_gathered_frames),
+            v(&c.tx_head_copied_bytes),
+            v(&c.tx_copied_small_frames),
+            v(&c.tx_copied_small_bytes),
+            v(&c.tx_copied_scattered_frames),
+            v(&c.tx_copied_scattered_bytes),
         )
     }
 }

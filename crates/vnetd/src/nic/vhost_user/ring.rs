@@ -15,7 +15,7 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
-use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
+use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 
 pub type Memory = GuestMemoryMmap<()>;
 
@@ -24,6 +24,14 @@ pub const MAX_QUEUE_SIZE: u16 = 1024;
 /// Most receive buffers one frame may take (a 64 KiB super-frame in the
 /// guest's smallest mergeable buffers).
 const MAX_BUFFERS: usize = 64;
+/// A frame spread over several buffers is gathered (`Popped::Gathered`)
+/// with a copied head: its first buffer if that holds its TCP headers
+/// whole (as Linux sends), else at least `MIN_HEAD` bytes (room for any
+/// Ethernet, IP and TCP headers: 18 + 40 + 60), whole buffers up to
+/// `MAX_HEAD`. A frame no longer than `MAX_HEAD` is copied whole, cheaper
+/// than an iovec.
+pub const MIN_HEAD: usize = 128;
+pub const MAX_HEAD: usize = 256;
 const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
 const VRING_USED_F_NO_NOTIFY: u16 = 1;
 
@@ -35,6 +43,10 @@ pub enum Popped {
     Frame { len: usize, vnet: VnetHdr, copied: bool },
     /// `len` bytes of frame at `ptr`, in the guest's memory.
     InPlace { ptr: *mut u8, len: usize, vnet: VnetHdr },
+    /// A frame spread over several buffers: its first `head` bytes (every
+    /// header) copied to the caller's buffer, the rest left in the guest's
+    /// memory at `Ring::gathered`.
+    Gathered { head: usize, vnet: VnetHdr },
     /// Nothing waits.
     Empty,
     /// A chain that could not be read (an address outside the guest's
@@ -62,6 +74,9 @@ pub struct Ring {
     /// (head, capacity) one frame is written into.
     segs: Vec<(GuestAddress, usize)>,
     chains: Vec<(u16, usize)>,
+    /// The pieces (host address, length) of the last frame `pop_frame`
+    /// gathered, after its head.
+    gathered: Vec<(usize, usize)>,
     /// Optimistic interrupts' state (the receive queue's).
     pub irq: IrqState,
 }
@@ -90,6 +105,7 @@ impl Ring {
             signalled_used: 0,
             segs: Vec::with_capacity(MAX_BUFFERS * 4),
             chains: Vec::with_capacity(MAX_BUFFERS),
+            gathered: Vec::with_capacity(MAX_PIECES),
             irq: IrqState::default(),
         }
     }
@@ -142,7 +158,7 @@ impl Ring {
     /// with `in_place` and the frame in one buffer, where it lies (the
     /// virtio-net header, `hdr_len` bytes, is parsed, never copied).
     pub fn pop_frame(&mut self, out: &mut [u8], hdr_len: usize, in_place: bool) -> Popped {
-        let Ring { queue, mem, segs, .. } = self;
+        let Ring { queue, mem, segs, gathered, .. } = self;
         let Some(mem) = mem.as_deref() else { return Popped::Empty };
         let Some(chain) = queue.pop_descriptor_chain(mem) else { return Popped::Empty };
         let head = chain.head_index();
@@ -157,12 +173,18 @@ impl Ring {
                 segs.push((d.addr(), d.len() as usize));
             }
         }
-        let r = if bad { Popped::Bad } else { Self::read_frame(mem, segs, out, hdr_len, in_place) };
+        let r = if bad { Popped::Bad } else { Self::read_frame(mem, segs, out, hdr_len, in_place, gathered) };
         self.push_used(head, 0);
         r
     }
 
-    fn read_frame(mem: &Memory, segs: &[(GuestAddress, usize)], out: &mut [u8], hdr_len: usize, in_place: bool) -> Popped {
+    /// The pieces of the frame the last `pop_frame` gathered, after its
+    /// head: (host address, length), inside the ring's memory mapping.
+    pub fn gathered(&self) -> &[(usize, usize)] {
+        &self.gathered
+    }
+
+    fn read_frame(mem: &Memory, segs: &[(GuestAddress, usize)], out: &mut [u8], hdr_len: usize, in_place: bool, gathered: &mut Vec<(usize, usize)>) -> Popped {
         // The header, from the first buffer(s).
         let mut hdr = [0u8; 12];
         let mut got = 0;
@@ -191,6 +213,20 @@ impl Ring {
                 return Popped::InPlace { ptr: slice.ptr_guard_mut().as_ptr(), len: n, vnet };
             }
         }
+        // Cut-through of a frame in several buffers: headers copied, the
+        // rest left where it lies (unless it is small, or in too many
+        // pieces: then copied whole, below, and counted by the caller).
+        if in_place && rest.len() > 1 {
+            let total = rest.iter().map(|s| s.1).sum::<usize>() - skip;
+            if total > out.len() {
+                return Popped::TooBig;
+            }
+            if total > MAX_HEAD {
+                if let Some(head) = Self::gather(mem, rest, skip, out, gathered) {
+                    return Popped::Gathered { head, vnet };
+                }
+            }
+        }
         let mut len = 0;
         for &(addr, l) in rest {
             let (a, n) = (GuestAddress(addr.0.wrapping_add(skip as u64)), l - skip);
@@ -202,6 +238,45 @@ impl Ring {
             len += n;
         }
         Popped::Frame { len, vnet, copied: in_place }
+    }
+
+    /// Copies the head of the frame in `rest` (its first buffer starting
+    /// `skip` bytes in) to `out` and notes the rest's pieces in `gathered`;
+    /// the head's length, or `None` if the frame cannot be gathered (too
+    /// many pieces, a buffer across memory regions, an address outside).
+    fn gather(mem: &Memory, rest: &[(GuestAddress, usize)], mut skip: usize, out: &mut [u8], gathered: &mut Vec<(usize, usize)>) -> Option<usize> {
+        gathered.clear();
+        let (mut head, mut i) = (0, 0);
+        // Whole buffers while the head is short and the next fits it; then
+        // what the head still lacks from the next. A first buffer that
+        // holds the TCP headers is enough.
+        while head < MIN_HEAD && i < rest.len() {
+            if i == 1 && vnet_core::offload::tcp_payload_offset(&out[..head]).is_some() {
+                break;
+            }
+            let (addr, len) = rest[i];
+            let avail = len - skip;
+            let take = if head + avail <= MAX_HEAD { avail } else { MIN_HEAD - head };
+            mem.read_slice(out.get_mut(head..head + take)?, GuestAddress(addr.0.wrapping_add(skip as u64))).ok()?;
+            head += take;
+            if take == avail {
+                i += 1;
+                skip = 0;
+            } else {
+                skip += take;
+            }
+        }
+        for &(addr, len) in &rest[i..] {
+            let n = len - skip;
+            let a = GuestAddress(addr.0.wrapping_add(skip as u64));
+            skip = 0;
+            if gathered.len() == MAX_PIECES {
+                return None;
+            }
+            let slice = mem.get_slice(a, n).ok()?;
+            gathered.push((slice.ptr_guard_mut().as_ptr() as usize, n));
+        }
+        Some(head)
     }
 
     /// Writes one frame (`parts` after its header) into buffers the guest
@@ -404,7 +479,7 @@ mod tests {
     const DESC: u64 = 0x1000;
     const AVAIL: u64 = 0x2000;
     const USED: u64 = 0x3000;
-    const SIZE: u16 = 16;
+    const SIZE: u16 = 64;
     const BUFS: u64 = 0x10000;
 
     fn ring(event_idx: bool) -> (Ring, Arc<Memory>) {
@@ -527,6 +602,75 @@ mod tests {
     }
 
     #[test]
+    fn a_frame_in_several_buffers_is_gathered_with_its_headers_copied() {
+        let (mut r, mem) = ring(false);
+        for tcp in [true, false] {
+            let mut frame: Vec<u8> = (0..3066u32).map(|i| (i % 251) as u8).collect();
+            if tcp {
+                // Ethernet, IPv4 (20 bytes), TCP with options (32 bytes): 66.
+                frame[12..14].copy_from_slice(&[0x08, 0x00]);
+                frame[14] = 0x45;
+                frame[23] = 6;
+                frame[46] = 8 << 4;
+            }
+            // As Linux sends TSO: the virtio header and the 66 bytes of
+            // headers in one buffer, then the payload in pages.
+            let mut first = [0u8; 78];
+            VnetHdr { gso_type: 1, gso_size: 1448, ..VnetHdr::default() }.write(&mut first);
+            first[12..].copy_from_slice(&frame[..66]);
+            mem.write_slice(&first, GuestAddress(BUFS)).unwrap();
+            for (i, chunk) in frame[66..].chunks(1000).enumerate() {
+                mem.write_slice(chunk, GuestAddress(BUFS + 0x1000 * (i as u64 + 1))).unwrap();
+            }
+            desc(&mem, 0, BUFS, 78, 1, 1);
+            desc(&mem, 1, BUFS + 0x1000, 1000, 1, 2);
+            desc(&mem, 2, BUFS + 0x2000, 1000, 1, 3);
+            desc(&mem, 3, BUFS + 0x3000, 1000, 0, 0);
+            offer(&mem, &[0]);
+            let mut out = [0u8; 4096];
+            let Popped::Gathered { head, vnet } = r.pop_frame(&mut out, 12, true) else { panic!("not gathered") };
+            assert_eq!(vnet.gso_size, 1448);
+            let mut got = out[..head].to_vec();
+            for &(a, l) in r.gathered() {
+                // SAFETY: the ring's mapping lives as long as `mem` here.
+                got.extend_from_slice(unsafe { std::slice::from_raw_parts(a as *const u8, l) });
+            }
+            assert_eq!(got, frame);
+            assert_eq!(r.gathered().len(), 3);
+            let first_piece = |skip: u64| mem.get_slice(GuestAddress(BUFS + 0x1000 + skip), 1).unwrap().ptr_guard_mut().as_ptr() as usize;
+            if tcp {
+                // The first buffer holds the headers: it alone is copied.
+                assert_eq!(head, 66);
+                assert_eq!(r.gathered()[0], (first_piece(0), 1000));
+            } else {
+                // Headers unknown: the head takes MIN_HEAD bytes, its last
+                // 62 from the second buffer; the pieces start after them.
+                assert_eq!(head, MIN_HEAD);
+                assert_eq!(r.gathered()[0], (first_piece(62), 938));
+            }
+        }
+    }
+
+    #[test]
+    fn a_frame_in_more_pieces_than_an_iovec_takes_is_copied() {
+        let (mut r, mem) = ring(false);
+        let mut hdr = [0u8; 12];
+        VnetHdr::default().write(&mut hdr);
+        mem.write_slice(&hdr, GuestAddress(BUFS)).unwrap();
+        let n = MAX_PIECES as u16 + 3;
+        desc(&mem, 0, BUFS, 12, 1, 1);
+        for i in 1..=n {
+            mem.write_slice(&[i as u8; 100], GuestAddress(BUFS + 0x100 * u64::from(i))).unwrap();
+            desc(&mem, i, BUFS + 0x100 * u64::from(i), 100, if i < n { 1 } else { 0 }, i + 1);
+        }
+        offer(&mem, &[0]);
+        let mut out = vec![0u8; 8192];
+        let Popped::Frame { len, copied: true, .. } = r.pop_frame(&mut out, 12, true) else { panic!("not copied") };
+        assert_eq!(len, 100 * usize::from(n));
+        assert!(out[..len].chunks(100).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8 + 1)));
+    }
+
+    #[test]
     fn broken_chains_are_returned_unread() {
         let (mut r, mem) = ring(false);
         desc(&mem, 0, BUFS, 72, 2, 0); // write-only on the transmit queue
@@ -600,6 +744,7 @@ mod tests {
         mem.write_slice(&[0xa5u8; 0xc000], GuestAddress(0x4000)).unwrap();
         let mut out = vec![0u8; 65536];
         let payload = vec![0x5au8; 9000];
+        let mut gathered = 0;
         for round in 0..3000 {
             for i in 0..SIZE {
                 let (addr, len) = if rng.below(8) == 0 {
@@ -614,7 +759,17 @@ mod tests {
             let heads: Vec<u16> = (0..rng.below(20)).map(|_| rng.below(u64::from(SIZE) + 4) as u16).collect();
             offer(&mem, &heads);
             for _ in 0..heads.len() + 1 {
-                let _ = tx.pop_frame(&mut out, 12, round % 2 == 0);
+                if let Popped::Gathered { head, .. } = tx.pop_frame(&mut out, 12, round % 2 == 0) {
+                    // Gathered pieces lie inside the buffer area the
+                    // descriptors point into, past a head of whole headers.
+                    assert!(head <= MAX_HEAD);
+                    assert!(!tx.gathered().is_empty() && tx.gathered().len() <= MAX_PIECES);
+                    let area = mem.get_slice(GuestAddress(AREA.0), (AREA.1 - AREA.0) as usize).unwrap().ptr_guard_mut().as_ptr() as usize;
+                    for &(a, l) in tx.gathered() {
+                        assert!(l > 0 && a >= area && a + l <= area + (AREA.1 - AREA.0) as usize, "a piece outside the buffers");
+                    }
+                    gathered += 1;
+                }
             }
             let n = rng.below(9000) as usize;
             let vnet = VnetHdr::default();
@@ -622,6 +777,7 @@ mod tests {
             tx.publish();
             let _ = tx.guest_wants_interrupt();
         }
+        assert!(gathered > 50, "only {gathered} frames gathered: the test hardly tried");
         let mut after = vec![0u8; sentinel.len()];
         mem.read_slice(&mut after, GuestAddress(AREA.1)).unwrap();
         assert!(after == sentinel, "a write landed past the buffer area");
