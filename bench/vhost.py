@@ -20,7 +20,7 @@ namespace guest's TAP on host 2, whose received-frame count is the figure.
                through veth, a bridge and veth into host 2's socket, all in
                vnetd h1's system call), the same for every NIC kind
 
-    sudo python3 bench/vhost.py [--reps 3] [--seconds 5] [--sizes 64,1500] [--transports ...]
+    sudo python3 bench/vhost.py [--reps 3] [--seconds 5] [--sizes 64,1500,66+1434,tso] [--transports ...]
 
 Placement: host 1's vnetd, which takes the sender's frames, is pinned alone
 on CPU 0 (`--cpus 0`: the datapath on its own core); the sender polls on
@@ -29,8 +29,13 @@ preempts it when frames come for the receiver. Two busy-polling testpmds (a rece
 fit on this machine's two CPUs (a receiving testpmd sharing a CPU with a
 poller or a dispatcher is starved and its ring overflows), so the receive
 side is the kernel's TAP; frames into a vhost-user guest are exercised by
-tests/test_vhost_testpmd.py, not measured here. TSO super-frames: not
-measured (testpmd's txonly sends UDP only). Prints min/median/max per
+tests/test_vhost_testpmd.py, not measured here.
+
+Sizes: `64`, `1500` (one buffer each), `66+1434` (one frame in two buffers,
+headers then payload, as a Linux guest sends TCP: vnetd gathers it), `tso`
+(64 KB TCP super-frames in 17 buffers from bench/tools/tso_sender.py, a
+virtio driver in Python, since testpmd's txonly sends UDP only: vhost
+transports only). Prints min/median/max per
 transport, ratios to the TAP path and to the DPDK loop, and the load
 average before/after each point; writes bench/results/<date>-vhost.{json,md}.
 A benchmark, never a pass/fail test.
@@ -68,6 +73,23 @@ NOWHERE = "02:00:00:00:00:99"
 
 def loadavg() -> str:
     return Path("/proc/loadavg").read_text().split(" ")[0]
+
+
+class TsoSender:
+    """bench/tools/tso_sender.py in the background on the sender's CPU: a
+    virtio driver keeping vnetd's ring full of 64 KB TCP super-frames."""
+
+    def __init__(self, lab: Lab, sock: Path, dst: str, seconds: float):
+        cmd = ["taskset", "-c", str(CPU_PMD), sys.executable, str(BENCH / "tools" / "tso_sender.py"), str(sock), dst, MAC_A, str(seconds)]
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lab.other_procs.append(self.p)
+
+    def stop(self) -> str:
+        try:
+            return self.p.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            return self.p.communicate()[0]
 
 
 class Pmd:
@@ -121,7 +143,14 @@ class Bench:
 
     def measure(self, transport: str, size: int, seconds: float) -> float | None:
         lab = self.lab
-        tx_args = ["--forward-mode=txonly", f"--txpkts={size}", f"--eth-peer=0,{self.gb.mac}"]
+        # "66+1434": one frame in two buffers (headers, then payload), as a
+        # Linux guest sends TCP.
+        if size == "tso" and not transport.startswith("vhost"):
+            return None  # only a virtio driver (tso_sender.py) sends these here
+        segs = size.split("+")
+        tx_args = ["--forward-mode=txonly", f"--txpkts={','.join(segs)}", f"--eth-peer=0,{self.gb.mac}"]
+        if len(segs) > 1:
+            tx_args.append("--tx-offloads=0x8000")  # RTE_ETH_TX_OFFLOAD_MULTI_SEGS
         if transport == "dpdk-loop":  # testpmd's vhost backend receives what virtio-user sends
             sock = lab.tmp / "loop.sock"
             rx = Pmd(lab, None, "b", f"net_vhost0,iface={sock},queues=1", ["--forward-mode=rxonly"], 1 - CPU_PMD)
@@ -140,7 +169,11 @@ class Bench:
         if transport.startswith("vhost"):
             for d in (self.d1, self.d2):
                 d.ctl("SET", "cut-through", "off" if transport.startswith("vhost-copy") else "on")
-            tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
+            if size == "tso":
+                peer = NOWHERE if intake else self.gb.mac
+                tx = TsoSender(lab, self.sa, peer, seconds + 3)
+            else:
+                tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
         else:  # tap
             tx = Pmd(lab, self.ga.ns, "a", "net_af_packet0,iface=ta,blocksz=4096,framesz=2048,framecnt=512",
                      tx_args, CPU_PMD)
@@ -152,7 +185,13 @@ class Bench:
         return (n1 - n0) / (t1 - t0)
 
 
-def summarize(rows: list[dict], transports: list[str], sizes: list[int]) -> list[str]:
+def frame_len(size: str) -> int:
+    """Bytes in a frame of `size` ("1500", "66+1434"; "tso": a 64,054-byte
+    super-frame)."""
+    return 64_054 if size == "tso" else sum(int(x) for x in size.split("+"))
+
+
+def summarize(rows: list[dict], transports: list[str], sizes: list[str]) -> list[str]:
     out = ["| size | transport | Mpps min / median / max | Gbit/s (median) | / tap (or tap-intake) | / dpdk-loop | load before→after |",
            "|---|---|---|---|---|---|---|"]
     for size in sizes:
@@ -171,7 +210,7 @@ def summarize(rows: list[dict], transports: list[str], sizes: list[int]) -> list
             ratio = lambda ref: f"{m / med[ref]:.2f}" if med.get(ref) else "-"
             base = "tap-intake" if t.endswith("-intake") else "tap"
             out.append(f"| {size} | {t} | {min(v) / 1e6:.3f} / {m / 1e6:.3f} / {max(v) / 1e6:.3f} | "
-                       f"{m * size * 8 / 1e9:.2f} | {ratio(base)} | {ratio('dpdk-loop')} | {loads} |")
+                       f"{m * frame_len(size) * 8 / 1e9:.2f} | {ratio(base)} | {ratio('dpdk-loop')} | {loads} |")
     return out
 
 
@@ -184,7 +223,7 @@ def main():
     args = ap.parse_args()
     if shutil.which("dpdk-testpmd") is None:
         sys.exit("dpdk-testpmd not found: apt-get install dpdk-dev (scripts/setup does)")
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes.split(",")
     transports = args.transports.split(",")
     lab = Lab(tag="vh")
     rows = []
@@ -194,6 +233,8 @@ def main():
             for size in sizes:
                 order = transports if rep % 2 == 0 else transports[::-1]
                 for t in order:
+                    if size == "tso" and not t.startswith("vhost"):
+                        continue  # only a virtio driver (tso_sender.py) sends super-frames here
                     row = {"rep": rep, "size": size, "transport": t, "load_before": loadavg()}
                     row["pps"] = b.measure(t, size, args.seconds)
                     row["load_after"] = loadavg()
