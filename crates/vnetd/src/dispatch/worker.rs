@@ -29,9 +29,9 @@ use crate::link::udp::{RxBatch, UdpEndpoint};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
 use crate::link::Rx;
-use crate::nic::Frame;
+use crate::nic::{Frame, InPlace};
 use crate::topology::{IfaceDispatch, Slot, Snapshot};
-use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
+use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 use anyhow::{bail, Result};
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
@@ -223,6 +223,8 @@ struct Worker {
     sockets: [bool; 4],
     fwd: Forwarder,
     buf: Vec<u8>,
+    /// The frame a NIC left in its guest's memory (cut-through).
+    in_place: InPlace,
     rx: RxBatch,
     last_work: Instant,
     /// In the real-time class now; whether the kernel allows it.
@@ -249,6 +251,7 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         tcp: Vec::new(),
         sockets: [false; 4],
         buf: vec![0u8; BUF_LEN],
+        in_place: InPlace::default(),
         rx: RxBatch::default(),
         last_work: Instant::now(),
         realtime: false,
@@ -397,17 +400,23 @@ impl Worker {
         let quota = snap.dispatch.quota as usize;
         let mut n = 0;
         while n < quota {
-            let r = if snap.dispatch.cut_through { iface.nic.recv_in_place(&mut self.buf) } else { iface.nic.recv(&mut self.buf).map(Frame::Copied) };
+            let r = if snap.dispatch.cut_through {
+                iface.nic.recv_in_place(&mut self.buf, &mut self.in_place)
+            } else {
+                iface.nic.recv(&mut self.buf).map(Frame::Copied)
+            };
             match r {
                 Ok(Frame::Copied(rx)) => {
                     n += 1;
                     self.fwd.from_port(snap, Slot::Iface(slot), &mut self.buf[rx.start..rx.end], rx.vnet);
                 }
-                Ok(Frame::InPlace(mut f)) => {
+                Ok(Frame::InPlace) => {
                     n += 1;
-                    let vnet = f.vnet;
-                    let (head, rest) = f.split(&mut self.buf);
-                    self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, rest.as_slice(), vnet);
+                    let vnet = self.in_place.vnet;
+                    let mut rest = [&[][..]; MAX_PIECES];
+                    let (head, k) = self.in_place.split(&mut self.buf, &mut rest);
+                    self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, &rest[..k], vnet);
+                    self.in_place.release();
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {

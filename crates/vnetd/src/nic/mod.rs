@@ -43,10 +43,11 @@ pub trait VirtualNic: Send + Sync {
     /// metadata (every NIC kind here speaks virtio-net headers, so a guest's
     /// super-frames and partial checksums arrive labelled).
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received>;
-    /// As `recv`, but a NIC that shares the guest's memory may hand the
-    /// frame over where it lies, uncopied (cut-through); the dispatcher
-    /// finishes with it before its next flush.
-    fn recv_in_place(&self, buf: &mut [u8]) -> io::Result<Frame> {
+    /// As `recv`, but a NIC that shares the guest's memory may leave the
+    /// frame where it lies, uncopied (cut-through): it then describes it in
+    /// `at` (the dispatcher's, reused) and returns `Frame::InPlace`; the
+    /// dispatcher finishes with it before its next flush.
+    fn recv_in_place(&self, buf: &mut [u8], _at: &mut InPlace) -> io::Result<Frame> {
         self.recv(buf).map(Frame::Copied)
     }
     /// Sends one frame made of `parts`, with offload metadata `vnet` (all
@@ -129,26 +130,32 @@ impl IrqPolicy {
 }
 
 /// A frame read from a NIC: copied into the caller's buffer, or left in
-/// the guest's memory. (`InPlace` is half a KiB of piece pointers, moved
-/// once per frame; boxing it would allocate per frame instead.)
-#[allow(clippy::large_enum_variant)]
+/// the guest's memory as the `InPlace` passed says.
 pub enum Frame {
     Copied(Received),
-    InPlace(InPlace),
+    InPlace,
 }
 
-/// A frame in the guest's memory, kept mapped while this lives: in one
+/// A frame in the guest's memory, kept mapped while this holds it: in one
 /// piece, or (gathered) its headers copied to the front of the
 /// dispatcher's buffer and the rest in up to `MAX_PIECES` pieces. The
 /// descriptors it lies in are the device's until the NIC's next flush.
+/// Each dispatcher has one, filled by `recv_in_place` frame after frame
+/// (nothing allocated or moved per frame but the mapping's count).
 pub struct InPlace {
     /// Bytes at the front of the dispatcher's buffer (0: none, the frame
     /// is `pieces[0]`).
     head: usize,
-    pieces: [(*mut u8, usize); MAX_PIECES],
-    n: usize,
+    /// (address, length) of each piece.
+    pieces: Vec<(usize, usize)>,
     pub vnet: VnetHdr,
-    _mapping: std::sync::Arc<dyn Send + Sync>,
+    mapping: Option<std::sync::Arc<dyn Send + Sync>>,
+}
+
+impl Default for InPlace {
+    fn default() -> InPlace {
+        InPlace { head: 0, pieces: Vec::with_capacity(MAX_PIECES), vnet: VnetHdr::default(), mapping: None }
+    }
 }
 
 impl InPlace {
@@ -156,56 +163,50 @@ impl InPlace {
     ///
     /// # Safety
     /// `ptr..ptr+len` lies inside the mapping `mapping` keeps alive.
-    pub unsafe fn new(ptr: *mut u8, len: usize, vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) -> InPlace {
-        let mut pieces = [(std::ptr::null_mut(), 0); MAX_PIECES];
-        pieces[0] = (ptr, len);
-        InPlace { head: 0, pieces, n: 1, vnet, _mapping: mapping }
+    pub unsafe fn set(&mut self, ptr: *mut u8, len: usize, vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) {
+        self.head = 0;
+        self.pieces.clear();
+        self.pieces.push((ptr as usize, len));
+        self.vnet = vnet;
+        self.mapping = Some(mapping);
     }
 
     /// The frame whose first `head` bytes are at the front of the
     /// dispatcher's buffer and the rest at `pieces` (address, length).
     ///
     /// # Safety
-    /// Every piece lies inside the mapping `mapping` keeps alive; there are
-    /// at most `MAX_PIECES`.
-    pub unsafe fn gathered(head: usize, pieces: &[(usize, usize)], vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) -> InPlace {
-        let mut p = [(std::ptr::null_mut(), 0); MAX_PIECES];
-        for (d, &(a, l)) in p.iter_mut().zip(pieces) {
-            *d = (a as *mut u8, l);
-        }
-        InPlace { head, pieces: p, n: pieces.len().min(MAX_PIECES), vnet, _mapping: mapping }
+    /// Every piece lies inside the mapping `mapping` keeps alive.
+    pub unsafe fn set_gathered(&mut self, head: usize, pieces: &[(usize, usize)], vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) {
+        self.head = head;
+        self.pieces.clear();
+        self.pieces.extend_from_slice(&pieces[..pieces.len().min(MAX_PIECES)]);
+        self.vnet = vnet;
+        self.mapping = Some(mapping);
     }
 
     /// The frame as a head that may be written (checksums are finished
-    /// there) and the pieces after it; `buf` is the dispatcher's buffer
-    /// the head was copied to. The guest may still write its buffers (it
-    /// should not, and can only change its own frame): they are read as
-    /// untrusted input like every frame, and routed by the MACs read once.
-    pub fn split<'a>(&'a mut self, buf: &'a mut [u8]) -> (&'a mut [u8], Rest<'a>) {
-        let mut rest = Rest { parts: [&[]; MAX_PIECES], n: 0 };
-        // SAFETY: every piece is inside a live shared mapping (the
-        // constructors' contract); u8 has no invalid values.
-        let piece = |(p, l): (*mut u8, usize)| unsafe { std::slice::from_raw_parts_mut(p, l) };
+    /// there) and the pieces after it, in `rest` (how many: the second
+    /// value); `buf` is the dispatcher's buffer the head was copied to.
+    /// The guest may still write its buffers (it should not, and can only
+    /// change its own frame): they are read as untrusted input like every
+    /// frame, and routed by the MACs read once.
+    pub fn split<'a>(&'a mut self, buf: &'a mut [u8], rest: &mut [&'a [u8]; MAX_PIECES]) -> (&'a mut [u8], usize) {
+        assert!(self.mapping.is_some(), "no frame in place");
+        // SAFETY: every piece is inside the mapping held (the setters'
+        // contract); u8 has no invalid values.
+        let piece = |&(p, l): &(usize, usize)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) };
         if self.head == 0 {
-            return (piece(self.pieces[0]), rest);
+            return (piece(&self.pieces[0]), 0);
         }
-        for (d, &p) in rest.parts.iter_mut().zip(&self.pieces[..self.n]) {
+        for (d, p) in rest.iter_mut().zip(&self.pieces) {
             *d = piece(p);
         }
-        rest.n = self.n;
-        (&mut buf[..self.head], rest)
+        (&mut buf[..self.head], self.pieces.len())
     }
-}
 
-/// The pieces of a gathered frame after its head.
-pub struct Rest<'a> {
-    parts: [&'a [u8]; MAX_PIECES],
-    n: usize,
-}
-
-impl<'a> Rest<'a> {
-    pub fn as_slice(&self) -> &[&'a [u8]] {
-        &self.parts[..self.n]
+    /// Done with the frame: its mapping may go.
+    pub fn release(&mut self) {
+        self.mapping = None;
     }
 }
 

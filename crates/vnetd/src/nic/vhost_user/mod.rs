@@ -335,7 +335,7 @@ impl Drop for VhostUserNic {
 impl VhostUserNic {
     /// The next frame from the guest's transmit queue (`in_place`: left in
     /// its memory if it lies in one buffer).
-    fn take(&self, buf: &mut [u8], in_place: bool) -> io::Result<Frame> {
+    fn take(&self, buf: &mut [u8], in_place: Option<&mut InPlace>) -> io::Result<Frame> {
         let hdr_len = self.shared.hdr_len();
         let c = &self.shared.counters;
         let mut tx = self.shared.rings[TX].lock().unwrap();
@@ -348,7 +348,7 @@ impl VhostUserNic {
                 self.shared.clear_poke();
                 return Err(io::ErrorKind::WouldBlock.into());
             }
-            match tx.pop_frame(buf, hdr_len, in_place) {
+            match tx.pop_frame(buf, hdr_len, in_place.is_some()) {
                 Popped::Frame { len, vnet, copied } => {
                     if copied && len <= ring::MAX_HEAD {
                         c.tx_copied_small_frames.fetch_add(1, Relaxed);
@@ -363,8 +363,10 @@ impl VhostUserNic {
                     c.tx_in_place_frames.fetch_add(1, Relaxed);
                     c.tx_in_place_bytes.fetch_add(len as u64, Relaxed);
                     let mapping: Arc<dyn Send + Sync> = tx.mem.clone().expect("a running ring has memory");
+                    let at = in_place.expect("in place only when asked");
                     // SAFETY: pop_frame found ptr..ptr+len inside this mapping.
-                    return Ok(Frame::InPlace(unsafe { InPlace::new(ptr, len, vnet, mapping) }));
+                    unsafe { at.set(ptr, len, vnet, mapping) };
+                    return Ok(Frame::InPlace);
                 }
                 Popped::Gathered { head, vnet } => {
                     let pieces = tx.gathered();
@@ -373,9 +375,10 @@ impl VhostUserNic {
                     c.tx_gathered_frames.fetch_add(1, Relaxed);
                     c.tx_head_copied_bytes.fetch_add(head as u64, Relaxed);
                     let mapping: Arc<dyn Send + Sync> = tx.mem.clone().expect("a running ring has memory");
-                    // SAFETY: pop_frame found each piece inside this mapping,
-                    // at most MAX_PIECES of them.
-                    return Ok(Frame::InPlace(unsafe { InPlace::gathered(head, pieces, vnet, mapping) }));
+                    let at = in_place.expect("gathered only when asked");
+                    // SAFETY: pop_frame found each piece inside this mapping.
+                    unsafe { at.set_gathered(head, pieces, vnet, mapping) };
+                    return Ok(Frame::InPlace);
                 }
                 Popped::Bad => {
                     c.bad_chains.fetch_add(1, Relaxed);
@@ -397,14 +400,14 @@ impl VhostUserNic {
 
 impl VirtualNic for VhostUserNic {
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        match self.take(buf, false)? {
+        match self.take(buf, None)? {
             Frame::Copied(r) => Ok(r),
-            Frame::InPlace(_) => unreachable!("in place only when asked"),
+            Frame::InPlace => unreachable!("in place only when asked"),
         }
     }
 
-    fn recv_in_place(&self, buf: &mut [u8]) -> io::Result<Frame> {
-        self.take(buf, true)
+    fn recv_in_place(&self, buf: &mut [u8], at: &mut InPlace) -> io::Result<Frame> {
+        self.take(buf, Some(at))
     }
 
     fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
