@@ -159,24 +159,13 @@ impl Default for InPlace {
 }
 
 impl InPlace {
-    /// The frame `ptr..ptr+len`.
-    ///
-    /// # Safety
-    /// `ptr..ptr+len` lies inside the mapping `mapping` keeps alive.
-    pub unsafe fn set(&mut self, ptr: *mut u8, len: usize, vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) {
-        self.head = 0;
-        self.pieces.clear();
-        self.pieces.push((ptr as usize, len));
-        self.vnet = vnet;
-        self.mapping = Some(mapping);
-    }
-
     /// The frame whose first `head` bytes are at the front of the
-    /// dispatcher's buffer and the rest at `pieces` (address, length).
+    /// dispatcher's buffer and the rest at `pieces` (address, length); with
+    /// `head` 0, the whole frame is `pieces[0]`.
     ///
     /// # Safety
     /// Every piece lies inside the mapping `mapping` keeps alive.
-    pub unsafe fn set_gathered(&mut self, head: usize, pieces: &[(usize, usize)], vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) {
+    pub unsafe fn set(&mut self, head: usize, pieces: &[(usize, usize)], vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) {
         self.head = head;
         self.pieces.clear();
         self.pieces.extend_from_slice(&pieces[..pieces.len().min(MAX_PIECES)]);

@@ -359,25 +359,18 @@ impl VhostUserNic {
                     }
                     return Ok(Frame::Copied(Received { start: 0, end: len, vnet }));
                 }
-                Popped::InPlace { ptr, len, vnet } => {
-                    c.tx_in_place_frames.fetch_add(1, Relaxed);
-                    c.tx_in_place_bytes.fetch_add(len as u64, Relaxed);
-                    let mapping: Arc<dyn Send + Sync> = tx.mem.clone().expect("a running ring has memory");
-                    let at = in_place.expect("in place only when asked");
-                    // SAFETY: pop_frame found ptr..ptr+len inside this mapping.
-                    unsafe { at.set(ptr, len, vnet, mapping) };
-                    return Ok(Frame::InPlace);
-                }
-                Popped::Gathered { head, vnet } => {
+                Popped::InPlace { head, vnet } => {
                     let pieces = tx.gathered();
                     c.tx_in_place_frames.fetch_add(1, Relaxed);
                     c.tx_in_place_bytes.fetch_add(pieces.iter().map(|p| p.1 as u64).sum(), Relaxed);
-                    c.tx_gathered_frames.fetch_add(1, Relaxed);
-                    c.tx_head_copied_bytes.fetch_add(head as u64, Relaxed);
+                    if head > 0 {
+                        c.tx_gathered_frames.fetch_add(1, Relaxed);
+                        c.tx_head_copied_bytes.fetch_add(head as u64, Relaxed);
+                    }
                     let mapping: Arc<dyn Send + Sync> = tx.mem.clone().expect("a running ring has memory");
-                    let at = in_place.expect("gathered only when asked");
+                    let at = in_place.expect("in place only when asked");
                     // SAFETY: pop_frame found each piece inside this mapping.
-                    unsafe { at.set_gathered(head, pieces, vnet, mapping) };
+                    unsafe { at.set(head, pieces, vnet, mapping) };
                     return Ok(Frame::InPlace);
                 }
                 Popped::Bad => {

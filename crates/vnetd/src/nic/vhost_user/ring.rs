@@ -41,12 +41,11 @@ pub enum Popped {
     /// header; `copied`: although cut-through was asked for (the frame was
     /// spread over several buffers).
     Frame { len: usize, vnet: VnetHdr, copied: bool },
-    /// `len` bytes of frame at `ptr`, in the guest's memory.
-    InPlace { ptr: *mut u8, len: usize, vnet: VnetHdr },
-    /// A frame spread over several buffers: its first `head` bytes (every
-    /// header) copied to the caller's buffer, the rest left in the guest's
-    /// memory at `Ring::gathered`.
-    Gathered { head: usize, vnet: VnetHdr },
+    /// A frame left in the guest's memory, in the pieces at
+    /// `Ring::gathered`: the whole frame in one (`head` 0), or, spread over
+    /// several buffers, its first `head` bytes (every header) copied to the
+    /// caller's buffer and the rest after them.
+    InPlace { head: usize, vnet: VnetHdr },
     /// Nothing waits.
     Empty,
     /// A chain that could not be read (an address outside the guest's
@@ -178,8 +177,8 @@ impl Ring {
         r
     }
 
-    /// The pieces of the frame the last `pop_frame` gathered, after its
-    /// head: (host address, length), inside the ring's memory mapping.
+    /// The pieces of the frame the last `pop_frame` left in place, after
+    /// its head: (host address, length), inside the ring's memory mapping.
     pub fn gathered(&self) -> &[(usize, usize)] {
         &self.gathered
     }
@@ -210,7 +209,9 @@ impl Ring {
             let (addr, len) = rest[0];
             let (start, n) = (GuestAddress(addr.0.wrapping_add(skip as u64)), len - skip);
             if let Ok(slice) = mem.get_slice(start, n) {
-                return Popped::InPlace { ptr: slice.ptr_guard_mut().as_ptr(), len: n, vnet };
+                gathered.clear();
+                gathered.push((slice.ptr_guard_mut().as_ptr() as usize, n));
+                return Popped::InPlace { head: 0, vnet };
             }
         }
         // Cut-through of a frame in several buffers: headers copied, the
@@ -223,7 +224,7 @@ impl Ring {
             }
             if total > MAX_HEAD {
                 if let Some(head) = Self::gather(mem, rest, skip, out, gathered) {
-                    return Popped::Gathered { head, vnet };
+                    return Popped::InPlace { head, vnet };
                 }
             }
         }
@@ -585,10 +586,10 @@ mod tests {
         offer(&mem, &[0, 1]);
         let mut out = [0u8; 128];
         match r.pop_frame(&mut out, 12, true) {
-            Popped::InPlace { ptr, len, vnet } => {
-                assert_eq!((len, vnet.flags), (60, 1));
+            Popped::InPlace { head: 0, vnet } => {
+                assert_eq!(vnet.flags, 1);
                 let host = mem.get_slice(GuestAddress(BUFS + 12), 60).unwrap().ptr_guard_mut().as_ptr();
-                assert_eq!(ptr, host);
+                assert_eq!(r.gathered(), [(host as usize, 60)]);
             }
             _ => panic!("not in place"),
         }
@@ -628,7 +629,7 @@ mod tests {
             desc(&mem, 3, BUFS + 0x3000, 1000, 0, 0);
             offer(&mem, &[0]);
             let mut out = [0u8; 4096];
-            let Popped::Gathered { head, vnet } = r.pop_frame(&mut out, 12, true) else { panic!("not gathered") };
+            let Popped::InPlace { head, vnet } = r.pop_frame(&mut out, 12, true) else { panic!("not gathered") };
             assert_eq!(vnet.gso_size, 1448);
             let mut got = out[..head].to_vec();
             for &(a, l) in r.gathered() {
@@ -759,7 +760,7 @@ mod tests {
             let heads: Vec<u16> = (0..rng.below(20)).map(|_| rng.below(u64::from(SIZE) + 4) as u16).collect();
             offer(&mem, &heads);
             for _ in 0..heads.len() + 1 {
-                if let Popped::Gathered { head, .. } = tx.pop_frame(&mut out, 12, round % 2 == 0) {
+                if let Popped::InPlace { head, .. } = tx.pop_frame(&mut out, 12, round % 2 == 0) {
                     // Gathered pieces lie inside the buffer area the
                     // descriptors point into, past a head of whole headers.
                     assert!(head <= MAX_HEAD);
