@@ -413,9 +413,13 @@ impl Worker {
                 Ok(Frame::InPlace) => {
                     n += 1;
                     let vnet = self.in_place.vnet;
-                    let mut rest = [&[][..]; MAX_PIECES];
-                    let (head, k) = self.in_place.split(&mut self.buf, &mut rest);
-                    self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, &rest[..k], vnet);
+                    if let Some(frame) = self.in_place.whole() {
+                        self.fwd.from_port(snap, Slot::Iface(slot), frame, vnet);
+                    } else {
+                        let mut rest = [&[][..]; MAX_PIECES];
+                        let (head, k) = self.in_place.split(&mut self.buf, &mut rest);
+                        self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, &rest[..k], vnet);
+                    }
                     self.in_place.release();
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,

@@ -173,6 +173,17 @@ impl InPlace {
         self.mapping = Some(mapping);
     }
 
+    /// The frame, if it lies in one piece.
+    #[inline]
+    pub fn whole(&mut self) -> Option<&mut [u8]> {
+        match (self.head, &self.mapping, self.pieces.first()) {
+            // SAFETY: the piece is inside the mapping held (the setter's
+            // contract); u8 has no invalid values.
+            (0, Some(_), Some(&(p, l))) => Some(unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) }),
+            _ => None,
+        }
+    }
+
     /// The frame as a head that may be written (checksums are finished
     /// there) and the pieces after it, in `rest` (how many: the second
     /// value); `buf` is the dispatcher's buffer the head was copied to.
