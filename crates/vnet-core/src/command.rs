@@ -6,14 +6,14 @@
 //! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu | vhost-user <socket> [client]]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
-//! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>]
+//! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>] [vtoe <key-name>]
 //! LINK ADD direct <device> [name <name>] [mtu <bytes>]
 //! LINK DEL <link-idx | name>
 //! LINK LIST
 //! ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
 //! ROUTE DEL <route-idx | the rule as added>
 //! ROUTE LIST
-//! STATS [interfaces | links | routes | global]
+//! STATS [interfaces | links | routes | global | vtoe]
 //! SET <mode | yield | sleep-us | nowork-us | alpha-lower | alpha-upper | window-ms | quota | datapath
 //!      | interrupts | eoc-alpha | eoc-beta | cut-through> <value>
 //! INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
@@ -101,6 +101,8 @@ pub enum StatsScope {
     Links,
     Routes,
     Global,
+    /// VTOE: its counters and the offloaded connections.
+    Vtoe,
 }
 
 /// How a virtual NIC's frames are moved (VNET/P's dispatch modes).
@@ -341,7 +343,9 @@ pub enum Command {
     /// or adaptive thresholds; `default` follows the global setting again.
     IfaceSet(IfaceRef, IfaceSetting),
     Set(Setting),
-    LinkAdd { ip: Option<IpAddr>, port: Option<u16>, proto: LinkProto, name: Option<String>, mtu: Option<u32> },
+    /// `vtoe`: the key (a file in --link-key-dir) that authenticates VTOE
+    /// shadow connections with this link's peer.
+    LinkAdd { ip: Option<IpAddr>, port: Option<u16>, proto: LinkProto, name: Option<String>, mtu: Option<u32>, vtoe: Option<String> },
     LinkDel(LinkRef),
     LinkList,
     RouteAdd(RuleSpec),
@@ -380,7 +384,9 @@ INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
 LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <underlay-MTU>]
-                                                     a link to another vnetd (or VXLAN endpoint)
+         [vtoe <key-name>]                           a link to another vnetd (or VXLAN endpoint); vtoe: guests'
+                                                     TCP connections to its guests may be offloaded (VTOE),
+                                                     shadow connections authenticated by that key
 LINK ADD direct <device> [name <name>] [mtu <bytes>]  frames raw onto a host device's LAN
 LINK DEL <link-idx | name>
 LINK LIST
@@ -390,7 +396,7 @@ ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
     src-TYPE: any | interface [<guest-MAC>] | edge [<link-name>]
 ROUTE DEL <route-idx | the rule as added>
 ROUTE LIST
-STATS [interfaces | links | routes | global]
+STATS [interfaces | links | routes | global | vtoe]
 SET mode <guest-driven | vmm-driven | adaptive>      dispatch mode of every interface
 SET yield <immediate | timed | adaptive>             what an idle poll loop does
 SET sleep-us <T_sleep> | nowork-us <T_nowork>        yield timings, microseconds
@@ -494,7 +500,8 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
                     "links" | "link" => StatsScope::Links,
                     "routes" | "route" => StatsScope::Routes,
                     "global" => StatsScope::Global,
-                    _ => return Err(format!("'{s}' is not a stats scope (want interfaces, links, routes or global)")),
+                    "vtoe" => StatsScope::Vtoe,
+                    _ => return Err(format!("'{s}' is not a stats scope (want interfaces, links, routes, global or vtoe)")),
                 },
                 more => return Err(format!("unexpected '{}' after STATS", more.join(" "))),
             };
@@ -647,7 +654,7 @@ fn check_key_name(v: &str) -> Result<(), String> {
 
 fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     const USAGE: &str =
-        "LINK ADD needs <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>], or direct <device>";
+        "LINK ADD needs <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>] [vtoe <key-name>], or direct <device>";
     let Some((first, mut rest)) = args.split_first() else { return Err(USAGE.into()) };
     let mut ip = None;
     let mut proto = LinkProto::Udp;
@@ -672,9 +679,10 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     }
     let mut name = None;
     let mut mtu = None;
+    let mut vtoe = None;
     while let Some((kw, r)) = rest.split_first() {
         let kw = kw.to_ascii_lowercase();
-        let needs_value = matches!(kw.as_str(), "name" | "mtu" | "vni" | "key");
+        let needs_value = matches!(kw.as_str(), "name" | "mtu" | "vni" | "key" | "vtoe");
         let (val, r2) = if needs_value {
             match r.split_first() {
                 Some((v, r2)) => (Some(*v), r2),
@@ -704,6 +712,13 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
                 *vni = n;
             }
             ("name", Some(v)) => name = Some(canonical_link_name(v)?),
+            ("vtoe", _) if matches!(proto, LinkProto::Direct { .. }) => {
+                return Err("a direct link takes no vtoe: VTOE needs a peer vnetd".into());
+            }
+            ("vtoe", Some(v)) => {
+                check_key_name(v)?;
+                vtoe = Some(v.to_string());
+            }
             ("mtu", Some(v)) => {
                 let m: u32 = v.parse().map_err(|_| format!("'{v}' is not an MTU"))?;
                 if !(576..=65535).contains(&m) {
@@ -712,7 +727,9 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
                 mtu = Some(m);
             }
             (other, _) => {
-                return Err(format!("unexpected '{other}' (want a port, udp, tcp key <key-name>, vxlan vni <n>, name <name> or mtu <bytes>)"))
+                return Err(format!(
+                    "unexpected '{other}' (want a port, udp, tcp key <key-name>, vxlan vni <n>, name <name>, mtu <bytes> or vtoe <key-name>)"
+                ))
             }
         }
         rest = r2;
@@ -723,7 +740,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     if proto == (LinkProto::Tcp { key: String::new() }) {
         return Err("a tcp link needs key <key-name>: the name of a key file in vnetd's --link-key-dir".into());
     }
-    Ok(Command::LinkAdd { ip, port, proto, name, mtu })
+    Ok(Command::LinkAdd { ip, port, proto, name, mtu, vtoe })
 }
 
 #[cfg(test)]
@@ -787,15 +804,15 @@ mod tests {
         assert_eq!(one("Interface List"), Command::IfaceList);
         assert_eq!(
             one("LINK ADD 10.0.0.2 9000 udp"),
-            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: Some(9000), proto: LinkProto::Udp, name: None, mtu: None }
+            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: Some(9000), proto: LinkProto::Udp, name: None, mtu: None, vtoe: None }
         );
         assert_eq!(
             one("link add fd00::2 name peer-b"),
-            Command::LinkAdd { ip: Some("fd00::2".parse().unwrap()), port: None, proto: LinkProto::Udp, name: Some("peer-b".into()), mtu: None }
+            Command::LinkAdd { ip: Some("fd00::2".parse().unwrap()), port: None, proto: LinkProto::Udp, name: Some("peer-b".into()), mtu: None, vtoe: None }
         );
         assert_eq!(
             one("link add 10.0.0.2 mtu 9000"),
-            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: None, proto: LinkProto::Udp, name: None, mtu: Some(9000) }
+            Command::LinkAdd { ip: Some("10.0.0.2".parse().unwrap()), port: None, proto: LinkProto::Udp, name: None, mtu: Some(9000), vtoe: None }
         );
         assert_eq!(
             one("link add 10.0.0.2 tcp key peer-b.key"),
@@ -804,7 +821,8 @@ mod tests {
                 port: None,
                 proto: LinkProto::Tcp { key: "peer-b.key".into() },
                 name: None,
-                mtu: None
+                mtu: None,
+                vtoe: None
             }
         );
         assert_eq!(
@@ -814,12 +832,35 @@ mod tests {
                 port: Some(4789),
                 proto: LinkProto::Vxlan { vni: 42 },
                 name: Some("vx".into()),
-                mtu: None
+                mtu: None,
+                vtoe: None
             }
         );
         assert_eq!(
+            one("LINK ADD 198.18.0.2 vtoe h1-h2"),
+            Command::LinkAdd {
+                ip: Some("198.18.0.2".parse().unwrap()),
+                port: None,
+                proto: LinkProto::Udp,
+                name: None,
+                mtu: None,
+                vtoe: Some("h1-h2".into())
+            }
+        );
+        assert_eq!(parse_request("LINK ADD 198.18.0.2 vtoe").unwrap_err().to_string(), "line 1: vtoe needs a value: LINK ADD 198.18.0.2 vtoe");
+        assert!(parse_request("LINK ADD 198.18.0.2 vtoe ../etc").is_err());
+        assert!(parse_request("LINK ADD direct eth1 vtoe k").is_err());
+        assert_eq!(one("stats vtoe"), Command::Stats(StatsScope::Vtoe));
+        assert_eq!(
             one("link add direct eth1 name lan"),
-            Command::LinkAdd { ip: None, port: None, proto: LinkProto::Direct { device: "eth1".into() }, name: Some("lan".into()), mtu: None }
+            Command::LinkAdd {
+                ip: None,
+                port: None,
+                proto: LinkProto::Direct { device: "eth1".into() },
+                name: Some("lan".into()),
+                mtu: None,
+                vtoe: None
+            }
         );
         assert_eq!(one("LINK DEL 3"), Command::LinkDel(LinkRef::Index(3)));
         assert_eq!(one("LINK DEL 10.0.0.2"), Command::LinkDel(LinkRef::Name("10.0.0.2".into())));

@@ -7,7 +7,9 @@
 //! - [`cache`]: the per-thread route cache in front of the table.
 //! - [`command`]: the control language.
 //! - [`wire`]: VXLAN headers, TCP-link framing, GRO runs.
-//! - [`linkauth`]: the key handshake that opens a TCP link connection.
+//! - [`linkauth`]: the key handshake that opens a TCP link connection (and a
+//!   VTOE shadow connection).
+//! - [`vtoe`]: VTOE's shadow-connection handshake and runner messages.
 //! - [`offload`]: checksum completion and TCP segmentation for offloaded frames.
 
 pub mod cache;
@@ -17,6 +19,7 @@ pub mod mac;
 pub mod offload;
 pub mod rule;
 pub mod table;
+pub mod vtoe;
 pub mod wire;
 
 pub use cache::RouteCache;

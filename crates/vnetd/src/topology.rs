@@ -95,6 +95,9 @@ pub struct Link {
     /// The link as the kernel fast path knows it (a UDP link over IPv4
     /// while the fast path is loaded): its outer header and address.
     pub fast: Option<vnet_fastpath::LinkEntry>,
+    /// The key of VTOE shadow connections with the peer (`vtoe <key-name>`):
+    /// guests' TCP connections to the peer's guests may be offloaded.
+    pub vtoe: Option<(String, LinkKey)>,
 }
 
 /// Smallest frame a link is sized for: room for TCP headers and some data.
@@ -414,7 +417,9 @@ impl Topology {
                 self.retired.push(Retired::Iface(iface, *detach));
                 Ok(format!("{} interface {idx} {name}", if *detach { "detached" } else { "deleted" }))
             }
-            Command::LinkAdd { ip, port, proto, name, mtu } => self.add_link(*ip, *port, proto, name.clone(), *mtu, settings, env),
+            Command::LinkAdd { ip, port, proto, name, mtu, vtoe } => {
+                self.add_link(*ip, *port, proto, name.clone(), *mtu, vtoe.as_deref(), settings, env)
+            }
             Command::LinkDel(r) => {
                 let link = self.find_link(r)?;
                 let users = self.routes_using(|s| {
@@ -481,6 +486,7 @@ impl Topology {
         proto: &LinkProto,
         name: Option<String>,
         mtu: Option<u32>,
+        vtoe: Option<&str>,
         settings: &Settings,
         env: &dyn LinkEnv,
     ) -> Result<String, String> {
@@ -549,6 +555,16 @@ impl Topology {
                 return Err(format!("a TCP link to {} exists (the peer is told apart by its address)", r.ip()));
             }
         }
+        let vtoe = match (vtoe, remote) {
+            (None, _) => None,
+            (Some(_), None) => return Err("a link without a peer vnetd takes no vtoe key".into()),
+            (Some(k), Some(r)) => {
+                if let Some(l) = self.links.values().find(|l| l.vtoe.is_some() && l.remote.map(|x| x.ip()) == Some(r.ip())) {
+                    return Err(format!("link {} already carries VTOE with {} (the peer is told apart by its address)", l.name, r.ip()));
+                }
+                Some((k.to_string(), LinkKey::load(&settings.link_key_dir, k)?))
+            }
+        };
         let max_frame = ((mtu as i64 - overhead).max(ETH_MIN_FOR_TCP as i64)) as usize;
         let idx = self.next_link;
         let fast = match (proto, remote) {
@@ -557,6 +573,7 @@ impl Topology {
         };
         self.next_link += 1;
         let shown = remote.map_or(String::new(), |r| format!(" {r}"));
+        let shown_vtoe = if vtoe.is_some() { " vtoe" } else { "" };
         self.links.insert(
             idx,
             Arc::new(Link {
@@ -570,9 +587,10 @@ impl Topology {
                 stats: Counters::default(),
                 gso: GsoState::default(),
                 fast,
+                vtoe,
             }),
         );
-        Ok(format!("added link {idx} {name} {kind}{shown} mtu {mtu}"))
+        Ok(format!("added link {idx} {name} {kind}{shown} mtu {mtu}{shown_vtoe}"))
     }
 
     fn find_iface(&self, r: &IfaceRef) -> Result<&Arc<Interface>, String> {
@@ -840,6 +858,7 @@ mod tests {
             proto: LinkProto::Direct { device: "lo".into() },
             name: None,
             mtu: None,
+            vtoe: None,
         };
         let err = t.apply(&cmd, &settings(&["eth1"]), &NoEnv).expect_err("refused");
         assert_eq!(err, "device lo is not allowed for direct links (start vnetd with --allow-direct lo)");

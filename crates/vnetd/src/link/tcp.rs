@@ -43,7 +43,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::stats::DropReason;
-use vnet_core::linkauth::{self, Nonce};
+use vnet_core::linkauth::{self, Nonce, TCP_LINK};
 use vnet_core::offload::{Pieces, VnetHdr};
 
 pub use vnet_core::wire::MAX_TCP_FRAME;
@@ -480,11 +480,11 @@ impl TcpLink {
         stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
         let nonce_i = nonce()?;
         let mut s = &stream;
-        s.write_all(&linkauth::hello(&nonce_i)).context("handshake")?;
+        s.write_all(&linkauth::hello(&TCP_LINK, &nonce_i)).context("handshake")?;
         let mut ch = [0u8; linkauth::CHALLENGE_LEN];
         s.read_exact(&mut ch).context("handshake")?;
-        let proof = match linkauth::answer(self.key.bytes(), &nonce_i, &ch) {
-            Ok(p) => p,
+        let proof = match linkauth::answer(&TCP_LINK, self.key.bytes(), &nonce_i, &ch, &[]) {
+            Ok((_, p)) => p,
             Err(e) => {
                 self.auth_failures.fetch_add(1, Relaxed);
                 tracing::warn!(remote = %self.remote, "TCP link handshake refused: {e}");
@@ -506,12 +506,12 @@ impl TcpLink {
             let mut s = &stream;
             let mut hello = [0u8; linkauth::HELLO_LEN];
             s.read_exact(&mut hello).map_err(io)?;
-            let nonce_i = linkauth::read_hello(&hello).map_err(|e| e.to_string())?;
+            let nonce_i = linkauth::read_hello(&TCP_LINK, &hello).map_err(|e| e.to_string())?;
             let nonce_r = nonce().map_err(|e| e.to_string())?;
-            s.write_all(&linkauth::challenge(self.key.bytes(), &nonce_i, &nonce_r)).map_err(io)?;
+            s.write_all(&linkauth::challenge(&TCP_LINK, self.key.bytes(), &nonce_i, &nonce_r)).map_err(io)?;
             let mut proof = [0u8; linkauth::PROOF_LEN];
             s.read_exact(&mut proof).map_err(io)?;
-            linkauth::verify_proof(self.key.bytes(), &nonce_i, &nonce_r, &proof).map_err(|e| e.to_string())?;
+            linkauth::verify_proof(&TCP_LINK, self.key.bytes(), &nonce_i, &nonce_r, &proof, &[]).map_err(|e| e.to_string())?;
             stream.try_clone().map_err(io)
         };
         match go() {
@@ -742,7 +742,7 @@ mod tests {
         // A stranger connects and sends a HELLO, then a wrong proof.
         let (ours, mut stranger) = pair();
         let h = std::thread::spawn(move || {
-            stranger.write_all(&linkauth::hello(&[5u8; 32])).unwrap();
+            stranger.write_all(&linkauth::hello(&TCP_LINK, &[5u8; 32])).unwrap();
             let mut ch = [0u8; linkauth::CHALLENGE_LEN];
             stranger.read_exact(&mut ch).unwrap();
             stranger.write_all(&[0u8; linkauth::PROOF_LEN]).unwrap();
@@ -763,10 +763,10 @@ mod tests {
         let (ours, mut peer) = pair();
         let h = std::thread::spawn(move || {
             let ni = [5u8; 32];
-            peer.write_all(&linkauth::hello(&ni)).unwrap();
+            peer.write_all(&linkauth::hello(&TCP_LINK, &ni)).unwrap();
             let mut ch = [0u8; linkauth::CHALLENGE_LEN];
             peer.read_exact(&mut ch).unwrap();
-            let proof = linkauth::answer(key().bytes(), &ni, &ch).unwrap();
+            let (_, proof) = linkauth::answer(&TCP_LINK, key().bytes(), &ni, &ch, &[]).unwrap();
             peer.write_all(&proof).unwrap();
             peer
         });
