@@ -11,6 +11,8 @@
 //! them (drop, or vnetd exiting) detaches the programs, so a kernel fast
 //! path never outlives the vnetd that programs it.
 
+pub mod guard;
+
 use anyhow::{anyhow, bail, Context, Result};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, ObjectBuilder};
 use std::collections::HashMap;
