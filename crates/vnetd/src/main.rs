@@ -10,6 +10,7 @@ mod link;
 mod nic;
 mod stats;
 mod topology;
+mod vtoe;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -87,6 +88,14 @@ struct Args {
     /// (docs/datapath.md: the slow path under contention).
     #[arg(long, value_enum, default_value = "realtime")]
     dispatcher_sched: dispatch::worker::Sched,
+    /// Offer VTOE (virtual TCP offload, docs/vtoe.md): `vtoe` runners in
+    /// guest namespaces reach vnetd on this Unix socket. Off when not given.
+    #[arg(long, value_name = "PATH")]
+    vtoe_socket: Option<PathBuf>,
+    /// TCP port of VTOE's shadow connections between hosts (the same on
+    /// every host; bound on --udp-bind's address if given).
+    #[arg(long, default_value_t = 9002)]
+    vtoe_port: u16,
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
     #[arg(long, default_value = "info")]
     log_level: String,
@@ -194,12 +203,33 @@ fn run(args: Args) -> Result<()> {
     let dispatchers = dispatch::spawn(&dp, || {
         let _ = signal_hook::low_level::raise(SIGTERM);
     })?;
-    let ctl = Arc::new(Control::new(dp.clone(), settings));
+    // After the datapath's sockets exist: VTOE puts vnetd in a cgroup of
+    // its own, whose eBPF guard watches the sockets made from then on.
+    let vtoe = match &args.vtoe_socket {
+        Some(path) => {
+            let cfg = vtoe::Config { socket: path.clone(), port: args.vtoe_port, bind: args.udp_bind };
+            match vtoe::Vtoe::start(dp.clone(), cfg) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    dp.shutdown();
+                    if let Some(f) = &dp.fast {
+                        f.shutdown();
+                    }
+                    return Err(e.context("VTOE"));
+                }
+            }
+        }
+        None => None,
+    };
+    let ctl = Arc::new(Control::new(dp.clone(), settings, vtoe.clone()));
 
     let cleanup = |dp: &Datapath| {
         dp.shutdown();
         if let Some(f) = &dp.fast {
             f.shutdown();
+        }
+        if let Some(v) = &vtoe {
+            v.shutdown();
         }
         if let Some(p) = &control_unix {
             let _ = std::fs::remove_file(p);

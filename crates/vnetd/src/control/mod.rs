@@ -19,6 +19,8 @@ pub struct Control {
     state: Mutex<State>,
     dp: Arc<Datapath>,
     settings: Settings,
+    /// VTOE, when vnetd offers it (--vtoe-socket).
+    vtoe: Option<Arc<crate::vtoe::Vtoe>>,
 }
 
 /// The control plane's state, behind one lock.
@@ -32,10 +34,10 @@ struct State {
 }
 
 impl Control {
-    pub fn new(dp: Arc<Datapath>, settings: Settings) -> Control {
+    pub fn new(dp: Arc<Datapath>, settings: Settings, vtoe: Option<Arc<crate::vtoe::Vtoe>>) -> Control {
         let mut state = State::default();
         state.topo.kernel = dp.fast.as_ref().map(|f| f.kernel.clone());
-        Control { state: Mutex::new(state), dp, settings }
+        Control { state: Mutex::new(state), dp, settings, vtoe }
     }
 
     /// Tears down, here on the control thread, the retired objects no
@@ -176,6 +178,7 @@ impl Control {
                     .replace(' ', "_")
                 ));
                 out.push(format!("settings {}", t.dispatch.render()));
+                out.push(self.vtoe.as_ref().map_or_else(|| "vtoe off".to_string(), |v| v.describe()));
                 list_ifaces(t, out);
                 list_links(t, out);
                 list_routes(t, out);
@@ -224,6 +227,13 @@ impl Control {
             for l in t.links.values() {
                 let fast = self.dp.fast.as_ref().map(|f| f.port(l.id, true)).unwrap_or_default();
                 out.push(format!("link {} name={} {}", l.id, l.name, l.stats.render_plus(fast)));
+            }
+        }
+        if all || scope == StatsScope::Vtoe {
+            match &self.vtoe {
+                Some(v) => v.render(out),
+                None if scope == StatsScope::Vtoe => out.push("vtoe off".to_string()),
+                None => {}
             }
         }
         if all || scope == StatsScope::Routes {
@@ -293,8 +303,9 @@ fn list_links(t: &Topology, out: &mut Vec<String>) {
     for l in t.links.values() {
         let remote = l.remote.map_or(String::new(), |r| format!(" remote={r}"));
         let extra = l.transport.describe();
+        let vtoe = l.vtoe.as_ref().map_or(String::new(), |(name, _)| format!(" vtoe={name}"));
         out.push(format!(
-            "link {} name={} proto={}{remote} mtu={} max_frame={}{extra}",
+            "link {} name={} proto={}{remote} mtu={} max_frame={}{extra}{vtoe}",
             l.id,
             l.name,
             l.transport.kind(),

@@ -2,7 +2,9 @@
 //! netlink-packet-route crates: look a device up (is it a TAP or a veth?
 //! does it carry vnetd's mark?), mark a device as vnetd's, set its
 //! `gso_max_size`, bring it up, make a veth pair, delete it; and ask the
-//! kernel which device and source address reach an address.
+//! kernel which device and source address reach an address. `Rtnl` keeps
+//! one socket for the questions VTOE asks inside a guest's namespace (its
+//! route to an address, its neighbour entry, resolving one).
 //!
 //! vnetd's mark is the device's ifalias (IFLA_IFALIAS) set to [`MARK`]. It
 //! moves with the device across network namespaces and shows in `ip link`
@@ -16,7 +18,8 @@ use netlink_packet_core::{
 use netlink_packet_route::link::{
     InfoData, InfoKind, InfoVeth, LinkAttribute, LinkExtentMask, LinkFlags, LinkInfo, LinkLayerType, LinkMessage,
 };
-use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteMessage};
+use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourFlags, NeighbourMessage, NeighbourState};
+use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteMessage, RouteType};
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
 use std::io;
@@ -187,6 +190,128 @@ pub fn route_to(dst: Ipv4Addr) -> io::Result<(u32, Ipv4Addr)> {
     }
 }
 
+/// The kernel's route toward an address, as a guest's VTOE needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteTo {
+    /// Unicast, or Local (the address is the namespace's own), ...
+    pub kind: RouteType,
+    pub oif: Option<u32>,
+    pub gateway: Option<Ipv4Addr>,
+    pub src: Option<Ipv4Addr>,
+}
+
+/// A neighbour entry: its state and MAC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Neighbour {
+    pub state: NeighbourState,
+    pub mac: Option<[u8; 6]>,
+}
+
+impl Neighbour {
+    /// A MAC the kernel would send to now (the entry is usable).
+    pub fn usable(&self) -> Option<[u8; 6]> {
+        match self.state {
+            NeighbourState::Reachable
+            | NeighbourState::Stale
+            | NeighbourState::Delay
+            | NeighbourState::Probe
+            | NeighbourState::Permanent
+            | NeighbourState::Noarp => self.mac,
+            _ => None,
+        }
+    }
+}
+
+/// One rtnetlink socket, in the network namespace of the thread that opened
+/// it, for requests made from any thread (one at a time).
+pub struct Rtnl {
+    socket: std::sync::Mutex<(Socket, u32)>,
+}
+
+impl Rtnl {
+    pub fn open() -> io::Result<Rtnl> {
+        let socket = Socket::new(NETLINK_ROUTE)?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        Ok(Rtnl { socket: std::sync::Mutex::new((socket, 0)) })
+    }
+
+    fn transact(&self, msg: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
+        let mut g = self.socket.lock().unwrap_or_else(|p| p.into_inner());
+        g.1 = g.1.wrapping_add(1);
+        let seq = g.1;
+        transact_on(&g.0, &encode_flags(msg, seq, flags), seq)
+    }
+
+    /// RTM_GETROUTE toward `dst` (as `ip route get` asks).
+    pub fn route_get(&self, dst: Ipv4Addr) -> io::Result<RouteTo> {
+        let mut msg = RouteMessage::default();
+        msg.header.address_family = AddressFamily::Inet;
+        msg.header.destination_prefix_length = 32;
+        msg.attributes.push(RouteAttribute::Destination(RouteAddress::Inet(dst)));
+        for m in self.transact(RouteNetlinkMessage::GetRoute(msg), NLM_F_REQUEST)? {
+            if let RouteNetlinkMessage::NewRoute(r) = m {
+                let mut to = RouteTo { kind: r.header.kind, oif: None, gateway: None, src: None };
+                for a in r.attributes {
+                    match a {
+                        RouteAttribute::Oif(i) => to.oif = Some(i),
+                        RouteAttribute::Gateway(RouteAddress::Inet(g)) => to.gateway = Some(g),
+                        RouteAttribute::PrefSource(RouteAddress::Inet(a)) => to.src = Some(a),
+                        _ => {}
+                    }
+                }
+                return Ok(to);
+            }
+        }
+        Err(io::Error::other(format!("the kernel gave no route toward {dst}")))
+    }
+
+    /// The neighbour entry for `ip` on device `ifindex`, if there is one.
+    pub fn neighbour(&self, ifindex: u32, ip: Ipv4Addr) -> io::Result<Option<Neighbour>> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        msg.header.ifindex = ifindex;
+        msg.attributes.push(NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)));
+        let replies = match self.transact(RouteNetlinkMessage::GetNeighbour(msg), NLM_F_REQUEST) {
+            Ok(r) => r,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        for m in replies {
+            if let RouteNetlinkMessage::NewNeighbour(n) = m {
+                let mac = n.attributes.iter().find_map(|a| match a {
+                    NeighbourAttribute::LinkLayerAddress(b) if b.len() == 6 => Some(<[u8; 6]>::try_from(&b[..]).expect("6")),
+                    _ => None,
+                });
+                return Ok(Some(Neighbour { state: n.header.state, mac }));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Asks the kernel to resolve `ip` on `ifindex` now (NTF_USE: an ARP
+    /// request goes out as if a packet waited for it).
+    pub fn resolve(&self, ifindex: u32, ip: Ipv4Addr) -> io::Result<()> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        msg.header.ifindex = ifindex;
+        msg.header.flags = NeighbourFlags::Use;
+        msg.attributes.push(NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)));
+        self.transact(RouteNetlinkMessage::NewNeighbour(msg), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE).map(|_| ())
+    }
+
+    /// The index of device `name`.
+    pub fn index_of(&self, name: &str) -> io::Result<Option<u32>> {
+        match self.transact(get_link(Some(name), 0), NLM_F_REQUEST | NLM_F_ACK) {
+            Ok(replies) => Ok(replies.into_iter().find_map(|m| match m {
+                RouteNetlinkMessage::NewLink(l) => Some(l.header.index),
+                _ => None,
+            })),
+            Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 /// RTM_SETLINK of one attribute on the device with this index.
 fn set_link(index: u32, attr: LinkAttribute) -> RouteNetlinkMessage {
     let mut msg = LinkMessage::default();
@@ -273,7 +398,14 @@ fn transact(msg: RouteNetlinkMessage) -> io::Result<Vec<LinkMessage>> {
 fn transact_bytes(req: &[u8]) -> io::Result<Vec<RouteNetlinkMessage>> {
     let socket = Socket::new(NETLINK_ROUTE)?;
     socket.connect(&SocketAddr::new(0, 0))?;
-    const SEQ: u32 = 1;
+    transact_on(&socket, req, 1)
+}
+
+/// Sends an encoded request with sequence number `seq` and collects the
+/// messages that answer it: up to the acknowledgement, the end of a dump,
+/// or the one reply of a request that asked for neither.
+fn transact_on(socket: &Socket, req: &[u8], seq: u32) -> io::Result<Vec<RouteNetlinkMessage>> {
+    let wants_ack = req.len() >= 8 && u16::from_ne_bytes([req[6], req[7]]) & (NLM_F_ACK | libc::NLM_F_DUMP as u16) != 0;
     socket.send(req, 0)?;
     let mut replies = Vec::new();
     loop {
@@ -283,7 +415,7 @@ fn transact_bytes(req: &[u8]) -> io::Result<Vec<RouteNetlinkMessage>> {
             let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..])
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("rtnetlink reply: {e}")))?;
             let len = m.header.length as usize;
-            if m.header.sequence_number == SEQ {
+            if m.header.sequence_number == seq {
                 match m.payload {
                     NetlinkPayload::Error(e) => {
                         return match e.code {
@@ -292,7 +424,12 @@ fn transact_bytes(req: &[u8]) -> io::Result<Vec<RouteNetlinkMessage>> {
                         };
                     }
                     NetlinkPayload::Done(_) => return Ok(replies),
-                    NetlinkPayload::InnerMessage(m) => replies.push(m),
+                    NetlinkPayload::InnerMessage(m) => {
+                        replies.push(m);
+                        if !wants_ack {
+                            return Ok(replies);
+                        }
+                    }
                     _ => {}
                 }
             }
