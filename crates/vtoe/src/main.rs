@@ -32,7 +32,7 @@ struct Args {
     #[arg(long, env = "VNETD_SOCKET", default_value = "/run/vnetd-vtoe.sock")]
     socket: PathBuf,
     /// Say what happens to each connection, and sum up at the end (on stderr).
-    #[arg(short, long, env = "VTOE_VERBOSE")]
+    #[arg(short, long, env = "VTOE_VERBOSE", action = clap::ArgAction::SetTrue, value_parser = clap::builder::BoolishValueParser::new())]
     verbose: bool,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -119,6 +119,21 @@ fn run(args: &Args) -> Result<i32> {
                     if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 }
                 }
             }
+            Err(e) if already_filtered() => {
+                // Under another vtoe already (mpirun under vtoe starting a
+                // rank through vtoe, say): the kernel allows one listener
+                // per chain of filters, and the outer runner serves this
+                // program too, when it runs in the same namespace.
+                if args.verbose {
+                    eprintln!("vtoe: {e:#}: already under a vtoe runner, running as is");
+                }
+                drop(there);
+                // SAFETY: restore the mask the program should start with.
+                unsafe { libc::sigprocmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+                let e = exec(&argv);
+                eprintln!("vtoe: cannot run {}: {e}", args.program[0].to_string_lossy());
+                127
+            }
             Err(e) => {
                 eprintln!("vtoe: {e:#}");
                 127
@@ -172,6 +187,13 @@ fn run(args: &Args) -> Result<i32> {
         );
     }
     Ok(code)
+}
+
+/// Whether this process already runs under a seccomp filter.
+fn already_filtered() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| s.lines().any(|l| l.starts_with("Seccomp:") && l.split_whitespace().nth(1) == Some("2")))
+        .unwrap_or(false)
 }
 
 fn exit_code(st: i32) -> i32 {

@@ -95,6 +95,9 @@ pub struct Supervisor {
     epoll: OwnedFd,
     defaults: Defaults,
     own_netns: Option<u64>,
+    /// The runner's network namespace (device, inode): only calls of
+    /// processes in it are the guest's whom vnetd knows this runner by.
+    own_ns_file: Option<(u64, u64)>,
     next_id: u32,
     next_token: u64,
     connects: HashMap<u32, Pending>,
@@ -107,6 +110,12 @@ pub struct Supervisor {
     waking: HashMap<u64, u64>,
     verbose: bool,
     pub tally: Tally,
+}
+
+/// A process's network namespace, as the (device, inode) of its ns file.
+fn ns_file(pid: &str) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| (m.dev(), m.ino()))
 }
 
 fn errno() -> i32 {
@@ -129,6 +138,7 @@ impl Supervisor {
             epoll,
             defaults: Defaults::read(),
             own_netns,
+            own_ns_file: ns_file("self"),
             next_id: 1,
             next_token: T_FIRST,
             connects: HashMap::new(),
@@ -208,6 +218,11 @@ impl Supervisor {
                 return;
             }
         };
+        // A process that moved to another network namespace (ip netns exec
+        // under the program) is not the guest vnetd knows this runner as.
+        if self.own_ns_file.is_none() || ns_file(&n.tid.to_string()) != self.own_ns_file {
+            return notify::proceed(&self.notif, n.id);
+        }
         match n.call {
             Call::Connect => self.on_connect(n),
             Call::Listen => self.on_listen(n),
