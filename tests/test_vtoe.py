@@ -10,7 +10,9 @@ but h2 delivers g5's frames only from its own interfaces (its routes forbid
 what comes from h1).
 """
 
+import ctypes
 import json
+import os
 import re
 import signal
 import socket
@@ -61,6 +63,7 @@ class World:
         hosts = {h: lab.add_host(h) for h in GUESTS}
         ns = {g: lab.guest_ns(f"g{g}") for gs in GUESTS.values() for g in gs}
         self.sock = {h: lab.tmp / f"vtoe-h{h}.sock" for h in GUESTS}
+        lab.tmp.chmod(0o711)  # guests' unprivileged users reach the sockets
         self.vnetd = {h: lab.start_vnetd(hosts[h], host_config(h, ns), "--vtoe-socket", self.sock[h]) for h in GUESTS}
         self.guest = {g: lab.veth_guest(hosts[h], f"g{g}", g, ns[g]) for h, gs in GUESTS.items() for g in gs}
         self.host_of = {g: h for h, gs in GUESTS.items() for g in gs}
@@ -319,3 +322,164 @@ def test_routes_that_forbid_a_guest_forbid_it_with_vtoe_too(world):
     c2, _ = w.vtoe_stats(2)
     assert c1["fallback_no_route"] >= 1 and c1["fallback_peer_routes"] >= 1, c1
     assert c1["offloaded_out"] == 0 and c2["declined_peer_routes"] >= 1, (c1, c2)
+
+
+PEER = REPO / "tests" / "tools" / "vtoe_peer.py"
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+
+
+def host_listener(w: World, h: int, port: int) -> subprocess.Popen:
+    """A service on host h's own loopback, which no guest may reach: it
+    prints every connection it gets."""
+    code = (f"import socket\ns = socket.create_server(('127.0.0.1', {port}))\nprint('up', flush=True)\n"
+            f"while True:\n c, a = s.accept(); print('GOT', a, flush=True)\n")
+    p = w.lab.popen(w.vnetd[h].host, "python3", "-c", code, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+def host_listening_ports(w: World, h: int) -> set[int]:
+    out = w.lab.x(w.vnetd[h].host, "ss", "-Hltn").stdout
+    return {int(l.split()[3].rsplit(":", 1)[1]) for l in out.splitlines()}
+
+
+def unreachable_from_host(w: World, h: int, ports: set[int]) -> bool:
+    """No connection from host h's own namespace gets through to these ports."""
+    code = ("import socket, sys\nfor p in sys.argv[1:]:\n try:\n  socket.create_connection(('127.0.0.1', int(p)), timeout=2)\n"
+            "  print('reached', p)\n except OSError: pass\n")
+    return "reached" not in w.lab.x(w.vnetd[h].host, "python3", "-c", code, *map(str, ports), timeout=30).stdout
+
+
+def test_an_offloaded_socket_cannot_be_turned_to_the_host_by_whoever_holds_it(world):
+    w = world
+    target = host_listener(w, 1, 7999)
+    w.popen(2, "python3", PROBE, "serve", "7010", "2")
+    wait_listening(w.lab, w.ns(2), 7010)
+    for supervised in (True, False):
+        before = host_listening_ports(w, 1)
+        if supervised:
+            # The program itself, unprivileged, under vtoe.
+            p = w.lab.popen(w.ns(1), *NOBODY, *w.under(1, "python3", PROBE, "escape", w.ip(2), "7010", "7999"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            r = json.loads(p.stdout.readline())
+            holder = p
+        else:
+            # Handed to a root process of the guest that vtoe does not supervise.
+            holder = w.popen(1, "python3", PROBE, "attempts", w.lab.tmp / "pass.sock", "7999", vtoe=False, stdin=subprocess.PIPE)
+            assert json.loads(holder.stdout.readline())["ready"]
+            out = w.x(1, "python3", PROBE, "escape", w.ip(2), "7010", "7999", w.lab.tmp / "pass.sock", timeout=60).stdout
+            r = json.loads([l for l in out.splitlines() if l.startswith("{")][0])
+        # Whoever holds it, it reported the overlay's ends, not the host's.
+        assert r["before"]["peername"] == f"{w.ip(2)}:7010" and r["before"]["sockname"].startswith(w.ip(1) + ":"), r
+        # The guard: a disconnect goes through (no cgroup hook sees it), but
+        # then no connect, no bind, no device, and ...
+        assert r["connect_host"] == "EPERM" and r["bind"] == "EPERM" and r["bindtodevice"] == "EPERM", r
+        # ... a listen on the host port it holds reaches nobody.
+        assert r["listen"] == "OK", r
+        rogue = host_listening_ports(w, 1) - before
+        assert rogue and unreachable_from_host(w, 1, rogue), rogue
+        if supervised:
+            assert r["ifconf"] == "EPERM", r  # the runner: no interface ioctl on a host socket
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    target.kill()
+    assert "GOT" not in target.communicate()[0]
+    c1, _ = w.vtoe_stats(1)
+    assert c1["guard_denied_connect"] == 2 and c1["guard_denied_bind"] == 2 and c1["guard_denied_sockopt"] == 2, c1
+    assert c1["guard_dropped_in"] >= 2 and c1["runner_refused_ioctl"] == 1, c1
+
+
+def test_a_shadow_connection_needs_the_links_key_and_the_routes(world):
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7011", "1")
+    wait_listening(w.lab, w.ns(2), 7011)
+    key = w.lab.key_dir / "lab"
+    args = [guest_mac(1), guest_mac(2), f"{w.ip(1)}:40000", f"{w.ip(2)}:7011"]
+
+    def peer(h, key_file, *a, data="hello"):
+        r = w.lab.x(w.vnetd[h].host, "python3", PEER, "198.18.0.2", "9002", key_file, *a, data, timeout=30)
+        return json.loads(r.stdout)
+
+    # A stranger without the key (from h1's address): the challenge does not
+    # check out for it, and its request is refused.
+    r = peer(1, "-", *args)
+    assert r["challenge_ok"] is False and r["verdict"].startswith("none"), r
+    # From a host with no VTOE link (h3), even with the key: closed at once.
+    r = peer(3, key, *args)
+    assert r.get("verdict", r.get("challenge", "")).startswith("none"), r
+    # With the key, but for a guest h2's routes do not deliver from h1 (g5).
+    r = peer(1, key, guest_mac(1), guest_mac(5), f"{w.ip(1)}:40000", f"{w.ip(5)}:7011")
+    assert r["verdict_ok"] and r["verdict"] == "declined 12", r  # peer_routes
+    # With the key and a port nobody listens on under vtoe.
+    r = peer(1, key, guest_mac(1), guest_mac(2), f"{w.ip(1)}:40000", f"{w.ip(2)}:7099")
+    assert r["verdict_ok"] and r["verdict"] == "declined 11", r  # no_listener
+    # The program got none of these; a well-formed request from h1, written
+    # from the spec alone, is accepted and reaches it.
+    r = peer(1, key, *args, data="from the spec")
+    assert r["verdict_ok"] and r["verdict"] == "accepted", r
+    served = json.loads(finish(srv).splitlines()[-2])["served"]
+    assert len(served) == 1 and served[0]["accepted_from"] == f"{w.ip(1)}:40000", served
+    assert served[0]["bytes"] == len("from the spec") and r["reply"].startswith("13 "), (served, r)
+    c2, _ = w.vtoe_stats(2)
+    assert c2["declined_peer_auth"] == 2 and c2["declined_peer_routes"] == 1 and c2["declined_no_listener"] == 1, c2
+    assert c2["offloaded_in"] == 1
+
+
+RUNNER_HELLO = bytes([1, 1])
+CLONE_NEWNET = 0x40000000
+
+
+def runner_session(w: World, ns: str | None, h: int = 1) -> socket.socket:
+    """A raw session on host h's runner socket, opened in namespace `ns`
+    (None: the test's own, the host's)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if ns is None:
+        s.connect(str(w.sock[h]))
+        return s
+    # Make the socket inside the namespace: the kernel records it there.
+    cur = os.open("/proc/self/ns/net", os.O_RDONLY)
+    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        assert libc.setns(target, CLONE_NEWNET) == 0
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    finally:
+        assert libc.setns(cur, CLONE_NEWNET) == 0
+        os.close(cur)
+        os.close(target)
+    s.connect(str(w.sock[h]))
+    return s
+
+
+def test_the_runner_socket_serves_guests_only_and_refuses_bad_messages(world):
+    w = world
+    # From the host's own namespace: not a guest.
+    s = runner_session(w, None)
+    s.settimeout(5)
+    assert s.recv(64) == bytes([2])  # NotGuest
+    assert s.recv(64) == b""
+    # A guest's session: garbage ends it, counted.
+    for bad in [b"", b"\x02\x00", bytes([99]), RUNNER_HELLO + b"x"]:
+        s = runner_session(w, w.ns(1))
+        s.settimeout(5)
+        if bad:
+            s.send(bad)
+        else:
+            s.send(RUNNER_HELLO)
+            s.send(bytes(200))  # too long
+            assert s.recv(64) == bytes([1, 1])  # Welcome
+        assert s.recv(64) == b"", bad
+    # A guest that claims another guest's address as its source is refused:
+    # EADDRNOTAVAIL, reason source_not_local (16).
+    s = runner_session(w, w.ns(1))
+    s.settimeout(10)
+    s.send(RUNNER_HELLO)
+    assert s.recv(64) == bytes([1, 1])
+    def addr(ip, port):
+        return socket.inet_aton(ip) + port.to_bytes(2, "big")
+    s.send(bytes([2]) + (7).to_bytes(4, "big") + addr(w.ip(3), 40000) + addr(w.ip(2), 5201))
+    m = s.recv(64)
+    assert m[0] == 5 and int.from_bytes(m[1:5], "big") == 7 and int.from_bytes(m[5:9], "big") == 99 and m[9] == 16, m
+    s.close()
+    c1, _ = w.vtoe_stats(1)
+    assert c1["runners_not_guest"] == 1 and c1["bad_messages"] == 4 and c1["refused_source_not_local"] == 1, c1

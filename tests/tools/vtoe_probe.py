@@ -16,12 +16,13 @@ one JSON object.
                                     disconnect (AF_UNSPEC) and connect to
                                     127.0.0.1:TARGET_PORT, bind, listen,
                                     SO_BINDTODEVICE, list interfaces with
-                                    SIOCGIFCONF. With UNIX_PATH the socket is
+                                    SIOCGIFCONF; then hold the socket until
+                                    stdin closes. With UNIX_PATH the socket is
                                     first handed (SCM_RIGHTS) to `attempts`
                                     listening there, which tries instead
   vtoe_probe.py attempts UNIX_PATH TARGET_PORT
                                     wait for a socket on UNIX_PATH and try the
-                                    same on it
+                                    same on it (holding it until stdin closes)
 """
 import array
 import ctypes
@@ -67,10 +68,13 @@ def serve(port, n):
             c.setblocking(True)
             rec = {"accepted_from": "%s:%d" % addr, **names(c)}
             h, total = hashlib.sha256(), 0
-            while chunk := c.recv(1 << 16):
-                h.update(chunk)
-                total += len(chunk)
-            c.sendall(f"{total} {h.hexdigest()}".encode())
+            try:
+                while chunk := c.recv(1 << 16):
+                    h.update(chunk)
+                    total += len(chunk)
+                c.sendall(f"{total} {h.hexdigest()}".encode())
+            except OSError as e:
+                rec["error"] = errno.errorcode.get(e.errno, str(e.errno))
             c.close()
             rec.update(bytes=total, sha256=h.hexdigest())
             done.append(rec)
@@ -157,6 +161,7 @@ def escape(host, port, target_port, unix_path=None):
         print(u.recv(65536).decode(), flush=True)
         return
     print(json.dumps(attempt(s, target_port)), flush=True)
+    sys.stdin.read()
 
 
 def attempts(unix_path, target_port):
@@ -169,6 +174,7 @@ def attempts(unix_path, target_port):
     s = socket.socket(fileno=fds[0])
     c.sendall(json.dumps(attempt(s, target_port)).encode())
     c.close()
+    sys.stdin.read()
 
 
 def main():
