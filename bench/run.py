@@ -4,7 +4,8 @@
 Builds a two-host testbed in network namespaces (hosts h1, h2 joined directly
 by one veth pair, the "physical network"), and measures, interleaved (for each
 repeat: for each configuration), ping RTT by payload size, TCP throughput,
-UDP goodput and loss, TCP request/response latency and per-host CPU for:
+UDP goodput and loss, TCP request/response latency, TCP connection setup
+time and per-host CPU for:
 
   native         h1 <-> h2 over the veth
   vxlan          the kernel's VXLAN + Linux bridge, guests in namespaces
@@ -14,6 +15,10 @@ UDP goodput and loss, TCP request/response latency and per-host CPU for:
   vnet-poll      ... vmm-driven with immediate yield: the papers' evaluation setting
   vnet-tcp       ... over a TCP link; vnet-vxlan ... over a VXLAN link
   vnet-kernel    veth guests on the same vnetds, carried by the kernel fast path
+  vnet-vtoe      the same veth guests, their programs under `vtoe`: TCP carried
+                 whole by shadow connections between the hosts (VTOE); ping and
+                 UDP are not TCP, so only TCP throughput, request/response and
+                 connection setup are measured
 
 once per underlay MTU (default 1500 and 9000). Writes bench/results/
 <date>.md (tables), <date>.json (raw numbers), <date>-*.png (plots) and
@@ -50,7 +55,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
 
-DEFAULT_CONFIGS = ["native", "vxlan", "vnet-kernel", "vnet-guest", "vnet-vmm", "vnet-adaptive", "vnet-poll",
+DEFAULT_CONFIGS = ["native", "vxlan", "vnet-kernel", "vnet-vtoe", "vnet-guest", "vnet-vmm", "vnet-adaptive", "vnet-poll",
                    "vnet-tcp", "vnet-vxlan"]
 # "vnet" (opt-in, --configs): vnetd as started, no SET mode (its default dispatch).
 ALL_CONFIGS = DEFAULT_CONFIGS + ["vnet"]
@@ -70,6 +75,9 @@ VNET_SETTINGS = {
     # The kernel fast path (issue 10): its own veth guests (kg1, kg2) on the
     # same vnetds, always routed over the UDP link; vnetd's defaults.
     "vnet-kernel": [("datapath", "auto"), ("mode", "adaptive")],
+    # VTOE (issue 12): the fast path's guests again, their programs under
+    # vtoe; the link carries a VTOE key.
+    "vnet-vtoe": [("datapath", "auto"), ("mode", "adaptive")],
     "vnet": None,
 }
 # Which link carries guest traffic in each vnet configuration (link names).
@@ -82,6 +90,8 @@ VNET_OVERHEAD = 42    # outer IP 20 + UDP 8 + inner Ethernet 14 (VNET/P carries 
 
 IPERF_PORT = 5201
 SOCKPERF_PORT = 11111
+CONNECT_PORT = 7100
+CONNECTS = 300
 
 UNDERLAY = {1: "198.18.0.1", 2: "198.18.0.2"}
 OVERLAY = {1: "198.19.0.1", 2: "198.19.0.2"}
@@ -149,7 +159,7 @@ def snapshot_binaries(dest: Path, src: Path | None = None) -> dict:
     info = {}
     src = src or REPO / "target" / "release"
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("vnetd", "vnetctl"):
+    for name in ("vnetd", "vnetctl", "vtoe"):
         s = src / name
         if not s.exists():
             info[name] = None
@@ -243,10 +253,12 @@ def proc_cpu_ticks(pid: int) -> int | None:
 
 class Endpoint:
     """Where a configuration's traffic runs: client side (host 1) and server
-    side (host 2) namespaces, the server's address and the guest MTU."""
+    side (host 2) namespaces, the server's address and the guest MTU; what
+    the client and the server programs run under (vtoe, for vnet-vtoe)."""
 
-    def __init__(self, client_ns, server_ns, server_ip, mtu):
+    def __init__(self, client_ns, server_ns, server_ip, mtu, wrap_client=(), wrap_server=()):
         self.client_ns, self.server_ns, self.server_ip, self.mtu = client_ns, server_ns, server_ip, mtu
+        self.wrap_client, self.wrap_server = list(wrap_client), list(wrap_server)
 
 
 class Testbed:
@@ -351,6 +363,7 @@ class Testbed:
             conf.write_text(vnet_config(nl, i, guests, gmtu, self.k_guests[i]))
             cmd = ["ip", "netns", "exec", h, "taskset", "-c", str(self.cpus[i]), str(nl.VNETD),
                    "--control-unix", str(sock), "--control-tcp", "none", "--config", str(conf),
+                   "--vtoe-socket", str(self.vtoe_socket(i)),
                    "--link-key-dir", str(self.lab.key_dir),
                    # the kernel VXLAN configuration holds 4789 in the same host namespaces
                    "--vxlan-port", "4790"]
@@ -364,6 +377,9 @@ class Testbed:
             self.vn_guests[i] = self.lab.attach_guest(self.hosts[i], f"vg{i}", i, mtu=gmtu)
             self.x(self.k_guests[i], "ip", "addr", "add", f"{KOVERLAY[i]}/24", "dev", "kg")
             self.x(self.k_guests[i], "ip", "link", "set", "kg", "up")
+
+    def vtoe_socket(self, i: int) -> Path:
+        return self.lab.tmp / f"vtoe-h{i}.sock"
 
     def vnet_alive(self) -> bool:
         return len(self.vnetds) == 2 and all(d.proc.poll() is None for d in self.vnetds.values())
@@ -395,6 +411,10 @@ class Testbed:
             return Endpoint(self.vx_guests[1], self.vx_guests[2], OVERLAY[2], self.mtu - VXLAN_OVERHEAD)
         if cfg == "vnet-kernel":
             return Endpoint(self.k_guests[1], self.k_guests[2], KOVERLAY[2], self.mtu - VNET_OVERHEAD)
+        if cfg == "vnet-vtoe":
+            vtoe = self.netlab.BIN / "vtoe"
+            return Endpoint(self.k_guests[1], self.k_guests[2], KOVERLAY[2], self.mtu - VNET_OVERHEAD,
+                            [vtoe, "--socket", self.vtoe_socket(1)], [vtoe, "--socket", self.vtoe_socket(2)])
         # A VXLAN link's header takes 8 bytes more of each datagram.
         extra = 8 if VNET_LINK.get(cfg) == "vx" else 0
         return Endpoint(self.vn_guests[1].ns, self.vn_guests[2].ns, OVERLAY[2], self.mtu - VNET_OVERHEAD - extra)
@@ -470,12 +490,12 @@ def measure_ping(bed: Testbed, ep: Endpoint, size: int, count: int) -> dict:
 def iperf3(bed: Testbed, ep: Endpoint, duration: int, extra: list, cpu_pids: list[int]) -> tuple[dict, dict]:
     """One iperf3 test client (host 1) -> one-off server (host 2). Returns the
     client's JSON and the CPU usage seen during the client run."""
-    srv, srv_log = bed.spawn(ep.server_ns, "iperf3", "-s", "-1", "-p", IPERF_PORT, logname="iperf3-s")
+    srv, srv_log = bed.spawn(ep.server_ns, *ep.wrap_server, "iperf3", "-s", "-1", "-p", IPERF_PORT, logname="iperf3-s")
     try:
         wait_listening(bed, ep.server_ns, IPERF_PORT, srv)
         cpu0, t0 = cpu_times(), time.monotonic()
         ticks0 = {pid: proc_cpu_ticks(pid) for pid in cpu_pids}
-        p = sh(bed.pinned(ep.client_ns, "iperf3", "-c", ep.server_ip, "-p", IPERF_PORT, "-t", duration,
+        p = sh(bed.pinned(ep.client_ns, *ep.wrap_client, "iperf3", "-c", ep.server_ip, "-p", IPERF_PORT, "-t", duration,
                           "-J", "--connect-timeout", "3000", *extra), check=False, timeout=duration + 40)
         cpu1, t1 = cpu_times(), time.monotonic()
         ticks1 = {pid: proc_cpu_ticks(pid) for pid in cpu_pids}
@@ -525,11 +545,11 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def measure_rr(bed, ep, duration) -> dict:
-    srv, srv_log = bed.spawn(ep.server_ns, "sockperf", "sr", "--tcp", "-i", ep.server_ip, "-p", SOCKPERF_PORT,
-                             logname="sockperf-s")
+    srv, srv_log = bed.spawn(ep.server_ns, *ep.wrap_server, "sockperf", "sr", "--tcp", "-i", ep.server_ip,
+                             "-p", SOCKPERF_PORT, logname="sockperf-s")
     try:
         wait_listening(bed, ep.server_ns, SOCKPERF_PORT, srv)
-        p = sh(bed.pinned(ep.client_ns, "sockperf", "pp", "--tcp", "-i", ep.server_ip, "-p", SOCKPERF_PORT,
+        p = sh(bed.pinned(ep.client_ns, *ep.wrap_client, "sockperf", "pp", "--tcp", "-i", ep.server_ip, "-p", SOCKPERF_PORT,
                           "-t", duration), check=False, timeout=duration + 40)
     finally:
         end_proc(srv, sig=signal.SIGINT)
@@ -545,6 +565,36 @@ def measure_rr(bed, ep, duration) -> dict:
     mm = re.search(r"\[Valid Duration\].*?ReceivedMessages=(\d+)", out)
     res["messages"] = int(mm.group(1)) if mm else None
     return res
+
+
+def measure_connect(bed, ep) -> dict:
+    """CONNECTS blocking connects one after another (bench/tools/connect_time.py)."""
+    tool = BENCH / "tools" / "connect_time.py"
+    srv, srv_log = bed.spawn(ep.server_ns, *ep.wrap_server, sys.executable, tool, "serve", CONNECT_PORT, ep.server_ip,
+                             logname="connect-s")
+    try:
+        wait_listening(bed, ep.server_ns, CONNECT_PORT, srv)
+        p = sh(bed.pinned(ep.client_ns, *ep.wrap_client, sys.executable, tool, "measure", ep.server_ip, CONNECT_PORT,
+                          CONNECTS), check=False, timeout=120)
+    finally:
+        end_proc(srv)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("{")), None)
+    if line is None:
+        raise RuntimeError(f"connect_time: no result (rc {p.returncode}): {(p.stdout + p.stderr).strip()[-300:]}; "
+                           f"server: {tail(srv_log)}")
+    return json.loads(line)
+
+
+def vtoe_counters(bed: Testbed) -> dict:
+    """What VTOE did on each host (STATS vtoe's counters)."""
+    out = {}
+    for i in (1, 2):
+        try:
+            line = bed.vnetds[i].ctl("STATS", "vtoe").stdout.splitlines()[0]
+            out[f"h{i}"] = {k: int(v) for k, v in (w.split("=", 1) for w in line.split()[1:]) if v.isdigit()}
+        except Exception:  # noqa: BLE001
+            pass
+    return out
 
 
 def vnet_counters(bed: Testbed) -> dict:
@@ -613,7 +663,7 @@ def background_busy(bed: Testbed, wait_idle: float = 0, threshold: float = 20.0,
 def measure_config(bed: Testbed, cfg: str, args) -> dict:
     ep = bed.endpoint(cfg)
     rec = {"started": dt.datetime.now().isoformat(timespec="seconds"), "errors": [],
-           "ping": {}, "tcp": None, "udp": None, "rr": None,
+           "ping": {}, "tcp": None, "udp": None, "rr": None, "conn": None,
            "background_busy_pct": background_busy(bed, args.wait_idle), "loadavg": loadavg()}
     pids = [bed.vnetds[i].proc.pid for i in (1, 2)] if cfg in VNET_MODES else []
     before = vnet_counters(bed) if cfg in VNET_MODES else {}
@@ -621,16 +671,22 @@ def measure_config(bed: Testbed, cfg: str, args) -> dict:
     if not rec["connectivity"]:
         rec["errors"].append(f"no connectivity: {ep.client_ns} cannot ping {ep.server_ip}; measurements skipped")
         return rec
-    for size in PING_SIZES:
+    # VTOE carries TCP only: ping and UDP take vnet-kernel's path, measured there.
+    tcp_only = cfg == "vnet-vtoe"
+    for size in [] if tcp_only else PING_SIZES:
         try:
             rec["ping"][str(size)] = measure_ping(bed, ep, size, args.ping_count)
         except Interrupted:
             raise
         except Exception as e:  # noqa: BLE001
             rec["errors"].append(str(e))
+    vt0 = vtoe_counters(bed) if tcp_only else {}
     for key, fn in (("tcp", lambda: measure_tcp(bed, ep, args.duration, pids)),
-                    ("udp", lambda: measure_udp(bed, ep, args.duration, pids)),
-                    ("rr", lambda: measure_rr(bed, ep, args.duration))):
+                    ("udp", None if tcp_only else lambda: measure_udp(bed, ep, args.duration, pids)),
+                    ("rr", lambda: measure_rr(bed, ep, args.duration)),
+                    ("conn", lambda: measure_connect(bed, ep))):
+        if fn is None:
+            continue
         try:
             rec[key] = fn()
         except Interrupted:
@@ -640,6 +696,13 @@ def measure_config(bed: Testbed, cfg: str, args) -> dict:
         time.sleep(0.3)
     if cfg in VNET_MODES:
         rec["drops"] = counter_delta(before, vnet_counters(bed))
+    if tcp_only:
+        # Every connection of the run offloaded, or the numbers are not VTOE's.
+        rec["vtoe"] = counter_delta(vt0, vtoe_counters(bed))
+        offers = sum(v.get("offers", 0) for v in rec["vtoe"].values())
+        offloaded = sum(v.get("offloaded_out", 0) for v in rec["vtoe"].values())
+        if offers != offloaded:
+            rec["errors"].append(f"vtoe: {offloaded} of {offers} connections offloaded: {rec['vtoe']}")
     return rec
 
 
@@ -651,7 +714,7 @@ def vnet_config(nl, i: int, guests: dict, gmtu: int, kns: str) -> str:
     mac, peer_mac = guests[i][0][1], guests[peer][0][1]
     return (f"INTERFACE ADD {guests[i][0][0]} {mac} mtu {gmtu}\n"
             f"INTERFACE ADD kg {KMAC[i]} mtu {gmtu} netns {kns} veth\n"
-            f"LINK ADD {UNDERLAY[peer]} 9000 udp name udp\n"
+            f"LINK ADD {UNDERLAY[peer]} 9000 udp name udp vtoe lab\n"
             f"LINK ADD {UNDERLAY[peer]} 9000 tcp key lab name tcp\n"
             f"LINK ADD {UNDERLAY[peer]} 4790 vxlan vni 42 name vx\n"
             f"ROUTE ADD any {KMAC[i]} interface {KMAC[i]} any\n"
@@ -857,6 +920,8 @@ def one_line(rec: dict) -> str:
         parts.append(f"udp {rec['udp']['gbps']:.2f} Gbit/s loss {rec['udp']['loss_pct']}%")
     if rec.get("rr"):
         parts.append(f"rr {rec['rr']['avg_us']:.1f} us")
+    if rec.get("conn"):
+        parts.append(f"connect {rec['conn']['median_us']:.0f} us")
     p = rec.get("ping", {})
     if p:
         parts.append("ping " + " ".join(f"{s}:{v['avg_us']:.0f}" for s, v in p.items()) + " us")
@@ -881,6 +946,8 @@ METRICS = [
     ("udp", "UDP goodput (iperf3 -u -b 0, receiver)", "Gbit/s", "higher", ("udp", "gbps"), 2),
     ("udp_loss", "UDP loss (iperf3 -u -b 0)", "%", "lower", ("udp", "loss_pct"), 2),
     ("rr", "TCP request/response latency (sockperf pp --tcp, avg one-way = RTT/2)", "µs", "lower", ("rr", "avg_us"), 1),
+    ("conn", f"TCP connection setup (blocking connect(), median of {CONNECTS} in a row)", "µs", "lower",
+     ("conn", "median_us"), 1),
     ("cpu_h1", "CPU busy on host 1 (cpu0) during the TCP throughput run", "%", "lower", ("tcp", "cpu", "h1_busy_pct"), 1),
     ("cpu_h2", "CPU busy on host 2 (cpu1) during the TCP throughput run", "%", "lower", ("tcp", "cpu", "h2_busy_pct"), 1),
     ("vnetd_h1", "vnetd CPU on host 1 during the TCP throughput run (% of one CPU)", "%", "lower",
@@ -943,6 +1010,7 @@ def metric_table(ph, summ, key, dec) -> list[str]:
 
 OVERVIEW = [("tcp", "TCP Gbit/s ↑", 2), ("udp", "UDP Gbit/s ↑", 2), ("udp_loss", "UDP loss % ↓", 2),
             ("ping64", "RTT 64 B µs ↓", 1), ("ping8192", "RTT 8192 B µs ↓", 1), ("rr", "TCP RR µs ↓", 1),
+            ("conn", "connect µs ↓", 1),
             ("cpu_h1", "CPU h1 % ↓", 1), ("cpu_h2", "CPU h2 % ↓", 1), ("bg_h1", "idle-time load h1/h2 %", 1)]
 
 

@@ -3,7 +3,7 @@
 
 use std::io;
 use std::mem::{size_of, zeroed};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 fn getsockopt_raw(fd: RawFd, level: i32, name: i32, buf: &mut [u8]) -> io::Result<usize> {
@@ -141,11 +141,23 @@ pub fn source_toward(dst: SocketAddrV4) -> io::Result<Ipv4Addr> {
 }
 
 /// A TCP port of `ip` held for a connection the guest's kernel does not
-/// carry, so it gives the port to nobody else meanwhile.
+/// carry, so it gives the port to nobody else meanwhile: a socket bound to
+/// it, neither listening nor connected.
 pub fn reserve_port(ip: Ipv4Addr) -> io::Result<(OwnedFd, u16)> {
-    let l = TcpListener::bind(SocketAddrV4::new(ip, 0))?;
-    let port = l.local_addr()?.port();
-    Ok((OwnedFd::from(l), port))
+    // SAFETY: a plain socket(2), owned at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is ours.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let sa = sockaddr_bytes(SocketAddrV4::new(ip, 0));
+    // SAFETY: bind with a sockaddr_in of 16 bytes.
+    if unsafe { libc::bind(fd.as_raw_fd(), sa.as_ptr().cast(), 16) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let port = local_addr(fd.as_raw_fd())?.port();
+    Ok((fd, port))
 }
 
 pub fn nonblocking(fd: RawFd) -> bool {

@@ -25,6 +25,7 @@ pub mod diag;
 pub mod netns;
 mod runners;
 pub mod shadow;
+mod workers;
 
 use crate::dispatch::Datapath;
 use crate::topology::{Interface, Link, Slot, Snapshot};
@@ -35,7 +36,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 use vnet_core::vtoe::{FromVnetd, Reason, Request};
@@ -48,6 +49,8 @@ pub const MAX_CONNS_PER_GUEST: usize = 16384;
 pub const MAX_LISTENERS_PER_RUNNER: usize = 1024;
 /// Handshakes of incoming shadow connections in progress at once.
 const MAX_HANDSHAKES: usize = 64;
+/// Guests' connects being decided at once, over all runners.
+const MAX_OFFERS: usize = 256;
 
 /// How vnetd offers VTOE (vnetd's options).
 pub struct Config {
@@ -116,7 +119,9 @@ pub struct Vtoe {
     /// Where the runner socket and the VTOE port are.
     socket: PathBuf,
     local: SocketAddr,
-    handshakes: AtomicUsize,
+    /// Threads for incoming handshakes and for guests' connects.
+    handshakes: workers::Workers,
+    offers: workers::Workers,
     /// The cgroup vnetd made for its shadow sockets (removed at exit).
     made_cgroup: Option<(PathBuf, PathBuf)>,
 }
@@ -145,7 +150,8 @@ impl Vtoe {
             counters: Counters::default(),
             socket: cfg.socket,
             local: acceptor.local_addr()?,
-            handshakes: AtomicUsize::new(0),
+            handshakes: workers::Workers::new("vtoe-handshake", MAX_HANDSHAKES),
+            offers: workers::Workers::new("vtoe-connect", MAX_OFFERS),
             made_cgroup,
         });
         let me = v.clone();
@@ -259,12 +265,9 @@ impl Vtoe {
     /// The interface of the runner's guest that the guest's kernel sends by
     /// (device `oif` in the guest's namespace).
     fn guest_iface(&self, snap: &Snapshot, runner: &Runner, oif: Option<u32>) -> Option<Arc<Interface>> {
-        let oif = oif?;
-        snap.ifaces
-            .iter()
-            .filter(|i| i.netns.as_deref() == Some(runner.ns.name.as_str()))
-            .find(|i| runner.ns.index_of(&i.name).ok().flatten() == Some(oif))
-            .cloned()
+        let mine = snap.ifaces.iter().filter(|i| i.netns.as_deref() == Some(runner.ns.name.as_str()));
+        let name = runner.ns.device_with_index(mine.clone().map(|i| i.name.as_str()), oif?)?;
+        mine.into_iter().find(|i| i.name == name).cloned()
     }
 
     // ---- the listening guest's side ----
@@ -272,18 +275,9 @@ impl Vtoe {
     fn accept_loop(self: Arc<Self>, l: TcpListener) {
         for s in l.incoming() {
             let Ok(stream) = s else { continue };
-            if self.handshakes.fetch_add(1, Relaxed) >= MAX_HANDSHAKES {
-                self.handshakes.fetch_sub(1, Relaxed);
-                self.counters.declined[Reason::Limit.index()].fetch_add(1, Relaxed);
-                continue;
-            }
             let me = self.clone();
-            let spawned = std::thread::Builder::new().name("vtoe-handshake".into()).spawn(move || {
-                me.serve_incoming(stream);
-                me.handshakes.fetch_sub(1, Relaxed);
-            });
-            if spawned.is_err() {
-                self.handshakes.fetch_sub(1, Relaxed);
+            if !self.handshakes.run(move || me.serve_incoming(stream)) {
+                self.counters.declined[Reason::Limit.index()].fetch_add(1, Relaxed);
             }
         }
     }

@@ -38,6 +38,9 @@ pub struct GuestNs {
     rtnl: Rtnl,
     /// The namespace file's identity, to notice it being replaced.
     file: (u64, u64),
+    /// Devices' indices by name, as last looked up (a device made again
+    /// gets a new index: a miss looks again).
+    indices: Mutex<HashMap<String, u32>>,
 }
 
 /// How long the guest's kernel may take to resolve a neighbour: its ARP
@@ -71,7 +74,7 @@ impl GuestNs {
             .join()
             .map_err(|_| anyhow!("namespace thread panicked"))?
         })?;
-        Ok(GuestNs { name: name.to_string(), cookie, rtnl, file: (meta.dev(), meta.ino()) })
+        Ok(GuestNs { name: name.to_string(), cookie, rtnl, file: (meta.dev(), meta.ino()), indices: Mutex::default() })
     }
 
     /// The guest kernel's route toward `dst`.
@@ -84,9 +87,20 @@ impl GuestNs {
         matches!(self.rtnl.route_get(ip), Ok(r) if r.kind == RouteType::Local)
     }
 
-    /// The index of device `name` in the guest's namespace.
-    pub fn index_of(&self, name: &str) -> std::io::Result<Option<u32>> {
-        self.rtnl.index_of(name)
+    /// Which of the devices `names` has index `oif` in the guest's
+    /// namespace: from the indices last seen, else looked up again.
+    pub fn device_with_index<'a>(&self, names: impl Iterator<Item = &'a str> + Clone, oif: u32) -> Option<&'a str> {
+        let mut known = self.indices.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = names.clone().find(|n| known.get(*n) == Some(&oif)) {
+            return Some(n);
+        }
+        for n in names.clone() {
+            match self.rtnl.index_of(n) {
+                Ok(Some(i)) => known.insert(n.to_string(), i),
+                _ => known.remove(n),
+            };
+        }
+        names.into_iter().find(|n| known.get(*n) == Some(&oif))
     }
 
     /// The MAC of `ip` on device `ifindex`, as the guest's kernel resolves it

@@ -11,8 +11,9 @@
 //! closed.
 //!
 //! Messages are parsed as hostile input; a malformed one ends the runner's
-//! session (counted). Each Connect is answered on a thread of its own
-//! (resolving a neighbour may take seconds), at most `MAX_IN_FLIGHT` at once.
+//! session (counted). Each Connect is answered on a worker thread of its
+//! own (resolving a neighbour may take seconds), at most `MAX_IN_FLIGHT` at
+//! once for one runner.
 
 use super::netns::{netns_cookie, GuestNs};
 use super::Vtoe;
@@ -164,15 +165,17 @@ fn session(vtoe: Arc<Vtoe>, sock: Socket) {
                     continue;
                 }
                 let (v, r) = (vtoe.clone(), runner.clone());
-                let spawned = std::thread::Builder::new().name("vtoe-connect".into()).spawn(move || {
+                let taken = vtoe.offers.run(move || {
                     let (reply, fd) = v.offer(&r, id, src, dst);
                     if let Err(e) = r.send(&reply, fd.as_ref().map(|f| std::os::fd::AsFd::as_fd(f))) {
                         tracing::info!(ns = %r.ns.name, "VTOE: cannot answer the runner: {e}");
                     }
                     r.in_flight.fetch_sub(1, Relaxed);
                 });
-                if spawned.is_err() {
+                if !taken {
                     runner.in_flight.fetch_sub(1, Relaxed);
+                    vtoe.counters.offers.fetch_add(1, Relaxed);
+                    vtoe.counters.fallback[Reason::Limit.index()].fetch_add(1, Relaxed);
                     let _ = runner.send(&FromVnetd::Fallback { id, reason: Reason::Limit }, None);
                 }
             }
