@@ -122,6 +122,11 @@ def result(out: str) -> list[str]:
     return [l for l in out.splitlines() if not l.startswith("vtoe: ")][-1].split()
 
 
+def served(out: str) -> list[dict]:
+    """What `vtoe_probe.py serve` reported."""
+    return next(json.loads(l) for l in out.splitlines() if l.startswith('{"served"'))["served"]
+
+
 def finish(p: subprocess.Popen, timeout=60) -> str:
     try:
         out, _ = p.communicate(timeout=timeout)
@@ -256,15 +261,15 @@ def test_socket_semantics_nonblocking_connect_epoll_fork_dup_half_close(world):
     srv = w.popen(2, "python3", PROBE, "serve", "7002", "1")
     wait_listening(w.lab, w.ns(2), 7002)
     r = json.loads(w.x(1, "python3", PROBE, "client", w.ip(2), "7002", "3000000", timeout=60).stdout.splitlines()[0])
-    served = json.loads(finish(srv).splitlines()[-2])["served"][0]
+    sv = served(finish(srv))[0]
     # Non-blocking connect: in progress, then writable with no error.
     assert r["connect"] in ("EINPROGRESS", "OK") and r["writable"] and r["so_error"] == 0, r
     # Options set before connect are the connection's.
     assert r["nodelay"] == 1 and r["sndbuf"] == 2 << 20, r
     # Both ends see the overlay's addresses, accept's included.
     assert r["sockname"].startswith(w.ip(1) + ":") and r["peername"] == f"{w.ip(2)}:7002", r
-    assert served["accepted_from"] == r["sockname"] == served["peername"], (r, served)
-    assert served["sockname"] == f"{w.ip(2)}:7002"
+    assert sv["accepted_from"] == r["sockname"] == sv["peername"], (r, sv)
+    assert sv["sockname"] == f"{w.ip(2)}:7002"
     # A forked child and a dup wrote into one stream; after the half-close
     # the server read it all to EOF and still answered.
     assert r["child_status"] == 0 and r["answer"] == r["expect"], r
@@ -417,9 +422,9 @@ def test_a_shadow_connection_needs_the_links_key_and_the_routes(world):
     # from the spec alone, is accepted and reaches it.
     r = peer(1, key, *args, data="from the spec")
     assert r["verdict_ok"] and r["verdict"] == "accepted", r
-    served = json.loads(finish(srv).splitlines()[-2])["served"]
-    assert len(served) == 1 and served[0]["accepted_from"] == f"{w.ip(1)}:40000", served
-    assert served[0]["bytes"] == len("from the spec") and r["reply"].startswith("13 "), (served, r)
+    got = served(finish(srv))
+    assert len(got) == 1 and got[0]["accepted_from"] == f"{w.ip(1)}:40000", got
+    assert got[0]["bytes"] == len("from the spec") and r["reply"].startswith("13 "), (got, r)
     c2, _ = w.vtoe_stats(2)
     assert c2["declined_peer_auth"] == 2 and c2["declined_peer_routes"] == 1 and c2["declined_no_listener"] == 1, c2
     assert c2["offloaded_in"] == 1

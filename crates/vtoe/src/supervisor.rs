@@ -430,7 +430,9 @@ impl Supervisor {
     /// are reset, as a closed listener's queue is, and vnetd forgets it.
     fn listener_gone(&mut self, inode: u64, why: &str) {
         let Some(l) = self.listeners.remove(&inode) else { return };
-        self.say(|| format!("listener {} gone ({why}): {} waiting connection(s) reset", l.addr, l.ready.len()));
+        if !l.ready.is_empty() {
+            self.say(|| format!("listener {} gone ({why}): {} waiting connection(s) reset", l.addr, l.ready.len()));
+        }
         for r in &l.ready {
             let lg = libc::linger { l_onoff: 1, l_linger: 0 };
             // SAFETY: SO_LINGER with a linger struct: close sends a reset.
