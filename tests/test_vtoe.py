@@ -488,3 +488,29 @@ def test_the_runner_socket_serves_guests_only_and_refuses_bad_messages(world):
     s.close()
     c1, _ = w.vtoe_stats(1)
     assert c1["runners_not_guest"] == 1 and c1["bad_messages"] == 4 and c1["refused_source_not_local"] == 1, c1
+
+
+def test_a_route_deleted_aborts_the_offloaded_connections_it_carried(world):
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7012", "2")
+    wait_listening(w.lab, w.ns(2), 7012)
+    code = ("import socket, sys, errno\ns = socket.create_connection((sys.argv[1], 7012))\ns.sendall(b'x')\n"
+            "print('connected', flush=True)\nsys.stdin.readline()\n"
+            "try:\n print('read', s.recv(10))\nexcept OSError as e:\n print(errno.errorcode[e.errno], flush=True)\n")
+    cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert cli.stdout.readline().strip() == "connected"
+    assert w.vtoe_stats(1)[0]["open"] == 1
+    # The route that carried it goes: by the reply, the connection is gone too.
+    route = f"any {guest_mac(2)} edge 198.18.0.2 any"
+    w.vnetd[1].ctl("ROUTE", "DEL", *route.split())
+    c1, conns = w.vtoe_stats(1)
+    assert c1["revoked"] == 1 and not conns, (c1, conns)
+    cli.stdin.write("\n")
+    cli.stdin.flush()
+    assert cli.communicate(timeout=10)[0].strip() == "ECONNABORTED"
+    # Back again: connections are offloaded again.
+    w.vnetd[1].ctl("ROUTE", "ADD", *route.split())
+    sent = w.x(1, "python3", PROBE, "client", w.ip(2), "7012", "1000", timeout=60)
+    assert "connect to" in sent.stderr and "offloaded" in sent.stderr, sent.stderr
+    got = served(finish(srv))
+    assert got[0].get("error") == "ECONNRESET" and "error" not in got[1], got

@@ -96,6 +96,8 @@ fn run(args: &Args) -> Result<i32> {
     // SAFETY: both descriptors are ours.
     let (here, there) = unsafe { (OwnedFd::from_raw_fd(pair[0]), OwnedFd::from_raw_fd(pair[1])) };
 
+    // SAFETY: getpid cannot fail.
+    let runner = unsafe { libc::getpid() };
     // SAFETY: the runner has no other thread; the child only installs the
     // filter, passes its descriptor and execs.
     let child = unsafe { libc::fork() };
@@ -103,6 +105,15 @@ fn run(args: &Args) -> Result<i32> {
         bail!("fork: {}", std::io::Error::last_os_error());
     }
     if child == 0 {
+        // Without its runner the program's stopped calls would fail
+        // (ENOSYS): it goes when the runner goes, however that ends.
+        // SAFETY: prctl and getppid on ourselves.
+        unsafe {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            if libc::getppid() != runner {
+                libc::_exit(127);
+            }
+        }
         drop(here);
         let code = match notify::install() {
             Ok(notif) => {

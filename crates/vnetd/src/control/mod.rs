@@ -141,6 +141,10 @@ impl Control {
                     fast.forget_route(*r);
                 }
             }
+            // Offloaded connections the change no longer carries end now.
+            if let Some(v) = &self.vtoe {
+                v.revalidate(&self.dp.snapshot());
+            }
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
                 if let Rx::Stream(t) = l.transport.rx() {

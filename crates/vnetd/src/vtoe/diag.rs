@@ -10,6 +10,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 const NETLINK_SOCK_DIAG: i32 = 4;
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
+const SOCK_DESTROY: u16 = 21;
 const INET_DIAG_INFO: u16 = 2;
 /// Multicast group of TCP sockets' destruction (1 << (SKNLGRP_INET_TCP_DESTROY - 1)).
 const GROUP_TCP_DESTROY: u32 = 1;
@@ -98,24 +99,61 @@ fn parse_diag(msg: &[u8]) -> Option<(u64, TcpDiag)> {
     Some((lo | hi << 32, d))
 }
 
-/// Every IPv4 TCP socket of this network namespace, by cookie.
-pub fn tcp_sockets() -> io::Result<HashMap<u64, TcpDiag>> {
-    let fd = diag_socket(0)?;
-    // nlmsghdr + inet_diag_req_v2 (family, protocol, ext, pad, states, sockid).
+/// A sock_diag request: nlmsghdr + inet_diag_req_v2 (family, protocol,
+/// ext, pad, states, sockid) for IPv4 TCP sockets in every state.
+fn request(kind: u16, flags: u16) -> Vec<u8> {
     let mut req = vec![0u8; NLMSG_HDR + 56];
     let len = req.len() as u32;
     req[0..4].copy_from_slice(&len.to_ne_bytes());
-    req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-    req[6..8].copy_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16).to_ne_bytes());
+    req[4..6].copy_from_slice(&kind.to_ne_bytes());
+    req[6..8].copy_from_slice(&flags.to_ne_bytes());
     req[8..12].copy_from_slice(&1u32.to_ne_bytes());
     req[16] = libc::AF_INET as u8;
     req[17] = libc::IPPROTO_TCP as u8;
-    req[18] = 1 << (INET_DIAG_INFO - 1);
     req[20..24].copy_from_slice(&u32::MAX.to_ne_bytes());
+    req
+}
+
+fn send(fd: &OwnedFd, req: &[u8]) -> io::Result<()> {
     // SAFETY: send from a buffer we own.
     if unsafe { libc::send(fd.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) } < 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(())
+}
+
+/// Aborts the TCP socket with these ends and this cookie, whoever holds it
+/// (SOCK_DESTROY, as `ss -K` does): its program gets ECONNABORTED, its
+/// peer a reset.
+pub fn destroy(cookie: u64, local: std::net::SocketAddrV4, peer: std::net::SocketAddrV4) -> io::Result<()> {
+    let fd = diag_socket(0)?;
+    let mut req = request(SOCK_DESTROY, (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16);
+    let id = NLMSG_HDR + 8;
+    req[id..id + 2].copy_from_slice(&local.port().to_be_bytes());
+    req[id + 2..id + 4].copy_from_slice(&peer.port().to_be_bytes());
+    req[id + 4..id + 8].copy_from_slice(&local.ip().octets());
+    req[id + 20..id + 24].copy_from_slice(&peer.ip().octets());
+    req[id + 40..id + 44].copy_from_slice(&(cookie as u32).to_ne_bytes());
+    req[id + 44..id + 48].copy_from_slice(&((cookie >> 32) as u32).to_ne_bytes());
+    send(&fd, &req)?;
+    let mut buf = [0u8; 512];
+    // SAFETY: recv into a buffer we own.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n < (NLMSG_HDR + 4) as isize {
+        return Err(io::Error::last_os_error());
+    }
+    match i32::from_ne_bytes(buf[16..20].try_into().expect("4")) {
+        0 => Ok(()),
+        code => Err(io::Error::from_raw_os_error(-code)),
+    }
+}
+
+/// Every IPv4 TCP socket of this network namespace, by cookie.
+pub fn tcp_sockets() -> io::Result<HashMap<u64, TcpDiag>> {
+    let fd = diag_socket(0)?;
+    let mut req = request(SOCK_DIAG_BY_FAMILY, (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16);
+    req[18] = 1 << (INET_DIAG_INFO - 1);
+    send(&fd, &req)?;
     let mut out = HashMap::new();
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -208,6 +246,25 @@ pub fn socket_cookie(fd: std::os::fd::RawFd) -> io::Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_destroyed_socket_is_aborted_and_its_peer_reset() {
+        use std::io::Read;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        let v4 = |a: std::net::SocketAddr| match a {
+            std::net::SocketAddr::V4(a) => a,
+            _ => unreachable!(),
+        };
+        let cookie = socket_cookie(c.as_raw_fd()).unwrap();
+        // A wrong cookie destroys nothing.
+        assert!(destroy(cookie ^ 1, v4(c.local_addr().unwrap()), v4(c.peer_addr().unwrap())).is_err());
+        destroy(cookie, v4(c.local_addr().unwrap()), v4(c.peer_addr().unwrap())).unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!((&c).read(&mut b).unwrap_err().raw_os_error(), Some(libc::ECONNABORTED));
+        assert!(matches!(s.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset));
+    }
 
     #[test]
     fn a_connected_socket_is_found_by_its_cookie_with_its_bytes() {

@@ -84,6 +84,9 @@ pub struct Counters {
     pub bad_messages: AtomicU64,
     /// Interface ioctls the runners refused on offloaded sockets.
     pub runner_refused_ioctl: AtomicU64,
+    /// Offloaded connections aborted because a change made their decision
+    /// untrue (the routes, the interface or the link's key went).
+    pub revoked: AtomicU64,
 }
 
 /// An offloaded connection vnetd handed over.
@@ -91,6 +94,10 @@ pub struct Conn {
     pub iface: String,
     pub outgoing: bool,
     pub ends: Ends,
+    /// What it was offloaded by: frames from `origin` with these MACs go to
+    /// `dest` alone (the guest's interface and the link, one way or the
+    /// other), over a link with a VTOE key. It stays while that holds.
+    decision: Decision,
     /// The guest namespace (cookie) it counts against.
     netns: u64,
     /// The runner to tell when it is gone.
@@ -193,9 +200,9 @@ impl Vtoe {
     fn offer(&self, runner: &Arc<Runner>, id: u32, src: SocketAddrV4, dst: SocketAddrV4) -> (FromVnetd, Option<OwnedFd>) {
         self.counters.offers.fetch_add(1, Relaxed);
         match self.try_offer(runner, src, dst) {
-            Ok(Offloaded { shadow, ends, iface }) => {
+            Ok(Offloaded { shadow, ends, iface, decision }) => {
                 let fd: OwnedFd = shadow.stream.into();
-                let cookie = self.record(&fd, ends, iface, true, runner);
+                let cookie = self.record(&fd, ends, iface, true, runner, runner.ns.cookie, decision);
                 self.counters.offloaded_out.fetch_add(1, Relaxed);
                 (FromVnetd::Connected { id, cookie, local: ends.overlay_local, peer: ends.overlay_peer }, Some(fd))
             }
@@ -259,7 +266,8 @@ impl Vtoe {
             tracing::error!("VTOE: cannot seal a shadow socket: {e:#}");
             Fallback(Reason::Protocol)
         })?;
-        Ok(Offloaded { shadow, ends, iface: iface.name.clone() })
+        let decision = Decision { origin: Port::Interface(iface.id), src: iface.mac, dst: mac, dest: Port::Link(link.id) };
+        Ok(Offloaded { shadow, ends, iface: iface.name.clone(), decision })
     }
 
     /// The interface of the runner's guest that the guest's kernel sends by
@@ -306,7 +314,7 @@ impl Vtoe {
         };
         let req = incoming.req;
         let verdict = self.admit(&snap, &link, &req);
-        let (runner, listener, iface, netns) = match verdict {
+        let (runner, listener, iface, netns, iface_id) = match verdict {
             Ok(v) => v,
             Err(r) => {
                 declined(r);
@@ -329,7 +337,8 @@ impl Vtoe {
             return declined(Reason::Protocol);
         }
         let fd: OwnedFd = shadow.stream.into();
-        let cookie = self.record_in(&fd, ends, iface, false, &runner, netns);
+        let decision = Decision { origin: Port::Link(link.id), src: req.src_mac, dst: req.dst_mac, dest: Port::Interface(iface_id) };
+        let cookie = self.record(&fd, ends, iface, false, &runner, netns, decision);
         self.counters.offloaded_in.fetch_add(1, Relaxed);
         let msg = FromVnetd::Incoming { listener, cookie, local: ends.overlay_local, peer: ends.overlay_peer };
         if let Err(e) = runner.send(&msg, Some(fd.as_fd())) {
@@ -343,7 +352,8 @@ impl Vtoe {
     /// must go to exactly one interface, a namespace guest of ours, where a
     /// program under `vtoe` listens on the destination, which must be one
     /// of that guest's addresses.
-    fn admit(&self, snap: &Snapshot, link: &Link, req: &Request) -> Result<(Arc<Runner>, SocketAddrV4, String, u64), Reason> {
+    #[allow(clippy::type_complexity)]
+    fn admit(&self, snap: &Snapshot, link: &Link, req: &Request) -> Result<(Arc<Runner>, SocketAddrV4, String, u64, u32), Reason> {
         let iface = match route_one(snap, Port::Link(link.id), req.src_mac, req.dst_mac) {
             Ok(Port::Interface(id)) => snap.iface_slot(id).map(|s| snap.ifaces[s as usize].clone()).ok_or(Reason::PeerRoutes)?,
             _ => return Err(Reason::PeerRoutes),
@@ -364,22 +374,39 @@ impl Vtoe {
         if !ns.is_local(*req.dst.ip()) {
             return Err(Reason::NotLocal);
         }
-        Ok((runner, listener, iface.name.clone(), ns.cookie))
+        Ok((runner, listener, iface.name.clone(), ns.cookie, iface.id))
     }
 
     // ---- the registry ----
 
-    fn record(&self, fd: &OwnedFd, ends: Ends, iface: String, outgoing: bool, runner: &Arc<Runner>) -> u64 {
-        self.record_in(fd, ends, iface, outgoing, runner, runner.ns.cookie)
-    }
-
-    fn record_in(&self, fd: &OwnedFd, ends: Ends, iface: String, outgoing: bool, owner: &Arc<Runner>, netns: u64) -> u64 {
+    #[allow(clippy::too_many_arguments)]
+    fn record(&self, fd: &OwnedFd, ends: Ends, iface: String, outgoing: bool, owner: &Arc<Runner>, netns: u64, decision: Decision) -> u64 {
         let cookie = diag::socket_cookie(fd.as_raw_fd()).unwrap_or(0);
         let mut reg = self.lock();
         *reg.per_guest.entry(netns).or_default() += 1;
-        let conn = Conn { iface, outgoing, ends, netns, owner: Arc::downgrade(owner), since: Instant::now() };
+        let conn = Conn { iface, outgoing, ends, decision, netns, owner: Arc::downgrade(owner), since: Instant::now() };
         reg.conns.insert(cookie, conn);
         cookie
+    }
+
+    /// After a change is in force (every dispatcher runs `snap`): aborts the
+    /// offloaded connections whose decision it made untrue, as the fast path
+    /// takes back its changed entries, before the change's reply. Their
+    /// programs get ECONNABORTED and their peers a reset: a route deleted
+    /// stops an offloaded connection as it stops frames.
+    pub fn revalidate(&self, snap: &Snapshot) {
+        let stale: Vec<(u64, Ends)> =
+            self.lock().conns.iter().filter(|(_, c)| !c.decision.holds(snap)).map(|(k, c)| (*k, c.ends)).collect();
+        for (cookie, e) in stale {
+            match diag::destroy(cookie, e.host_local, e.host_peer) {
+                Ok(()) => {
+                    self.counters.revoked.fetch_add(1, Relaxed);
+                    tracing::info!("VTOE: connection {}->{} aborted: the change no longer carries it", e.overlay_local, e.overlay_peer);
+                }
+                Err(e) => tracing::warn!("VTOE: cannot abort connection {cookie}: {e}"),
+            }
+            self.gone(cookie);
+        }
     }
 
     /// The shadow socket with this cookie is destroyed.
@@ -440,11 +467,12 @@ impl Vtoe {
         let c = &self.counters;
         let reg = self.lock();
         let mut line = format!(
-            "vtoe offers={} offloaded_out={} offloaded_in={} open={} listeners={} runners={} runners_not_guest={} bad_messages={} runner_refused_ioctl={}",
+            "vtoe offers={} offloaded_out={} offloaded_in={} open={} revoked={} listeners={} runners={} runners_not_guest={} bad_messages={} runner_refused_ioctl={}",
             c.offers.load(Relaxed),
             c.offloaded_out.load(Relaxed),
             c.offloaded_in.load(Relaxed),
             reg.conns.len(),
+            c.revoked.load(Relaxed),
             reg.listeners.values().filter(|w| w.strong_count() > 0).count(),
             c.runners.load(Relaxed),
             c.runners_not_guest.load(Relaxed),
@@ -495,6 +523,27 @@ struct Offloaded {
     shadow: shadow::Shadow,
     ends: Ends,
     iface: String,
+    decision: Decision,
+}
+
+#[derive(Clone, Copy)]
+struct Decision {
+    origin: Port,
+    src: Mac,
+    dst: Mac,
+    dest: Port,
+}
+
+impl Decision {
+    /// Whether the rule table (and the link's key) still say the same.
+    fn holds(&self, snap: &Snapshot) -> bool {
+        let link = match (self.origin, self.dest) {
+            (Port::Link(l), _) | (_, Port::Link(l)) => l,
+            _ => return false,
+        };
+        let has_key = matches!(snap.slot_of(Port::Link(link)), Some(Slot::Link(s)) if snap.links[s as usize].vtoe.is_some());
+        has_key && matches!(route_one(snap, self.origin, self.src, self.dst), Ok(p) if p == self.dest)
+    }
 }
 
 enum Outcome {
