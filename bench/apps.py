@@ -7,6 +7,9 @@ on two hosts:
   native       the two host namespaces, over their veth
   vxlan        the kernel's VXLAN + bridge, guests in namespaces
   vnet-kernel  veth guests, VNET's kernel fast path
+  vnet-vtoe    the same veth guests, the ranks under `vtoe`: their TCP
+               connections carried whole by shadow connections (VTOE); its
+               pings are vnet-kernel's (ICMP is not TCP), so none are taken
   vnet-user    TAP guests, vnetd's user-level datapath, its default settings
 
     sudo python3 bench/apps.py [--repeats 3] [--max-bytes 1048576] [--pings 3000]
@@ -34,7 +37,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "tests"))
-from netlab import Lab, guest_mac, mesh_config, overlay_ip, underlay_ip  # noqa: E402
+from netlab import BIN, Lab, guest_mac, mesh_config, overlay_ip, underlay_ip  # noqa: E402
 
 VXLAN_OVERHEAD = 50
 VNET_OVERHEAD = 42
@@ -47,11 +50,24 @@ def agent_script(tmp: Path) -> Path:
     return p
 
 
-def netpipe(lab: Lab, agent: Path, a: str, b: str, subnet: str, max_bytes: int, out: Path) -> dict:
-    cmd = ["mpirun", "--allow-run-as-root", "-H", f"{a},{b}", "-np", "2", "--bind-to", "none",
+def vtoe_agent_script(tmp: Path, sockets: dict[str, Path]) -> Path:
+    """The agent for ranks under vtoe: each host's ranks find their vnetd by
+    VNETD_SOCKET."""
+    p = tmp / "mpi-agent-vtoe"
+    cases = "\n".join(f"  {ns}) s={sock} ;;" for ns, sock in sockets.items())
+    p.write_text(f'#!/bin/sh\nh="$1"; shift\ncase "$h" in\n{cases}\nesac\n'
+                 f'exec ip netns exec "$h" env VNETD_SOCKET="$s" sh -c "$*"\n')
+    p.chmod(0o755)
+    return p
+
+
+def netpipe(lab: Lab, agent: Path, a: str, b: str, subnet: str, max_bytes: int, out: Path,
+            wrap: list[str] = (), env: list[str] = ()) -> dict:
+    cmd = [*(["env", *env] if env else []), "mpirun", "--allow-run-as-root", "-H", f"{a},{b}", "-np", "2",
+           "--bind-to", "none",
            "--mca", "plm_rsh_agent", str(agent), "--mca", "oob_tcp_if_include", subnet,
            "--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet,
-           "NPopenmpi", "-u", str(max_bytes), "-o", str(out)]
+           *wrap, "NPopenmpi", "-u", str(max_bytes), "-o", str(out)]
     r = lab.x(a, *cmd, check=False, timeout=600)
     if r.returncode != 0 or not out.exists():
         return {"error": (r.stdout + r.stderr)[-800:]}
@@ -73,7 +89,7 @@ def main():
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/mpi.py: run as root")
-    results: dict[str, list[dict]] = {t: [] for t in ("native", "vxlan", "vnet-kernel", "vnet-user")}
+    results: dict[str, list[dict]] = {t: [] for t in ("native", "vxlan", "vnet-kernel", "vnet-vtoe", "vnet-user")}
     pings: dict[str, dict] = {}
     with Lab("mpi") as lab:
         h = {i: lab.add_host(i) for i in (1, 2)}
@@ -101,14 +117,16 @@ def main():
         gm = 1500 - VNET_OVERHEAD
         by_host = {i: [(f"g{i}", guest_mac(i)), (f"k{i}", guest_mac(10 + i))] for i in (1, 2)}
         attach = {f"k{i}": f"netns {k[i]} veth" for i in (1, 2)}
-        for i in (1, 2):
-            lab.start_vnetd(h[i], mesh_config(i, by_host, mtu=gm, attach=attach))
+        vtoe_sock = {i: lab.tmp / f"vtoe-h{i}.sock" for i in (1, 2)}
+        daemons = {i: lab.start_vnetd(h[i], mesh_config(i, by_host, mtu=gm, attach=attach, link="9000 udp vtoe lab"),
+                                      "--vtoe-socket", vtoe_sock[i]) for i in (1, 2)}
         g = {i: lab.attach_guest(h[i], f"g{i}", i, mtu=gm) for i in (1, 2)}
         kg = {i: lab.veth_guest(h[i], f"k{i}", 10 + i, k[i]) for i in (1, 2)}
         pairs = {
             "native": (h[1], h[2], "198.18.0.0/24"),
             "vxlan": (x[1], x[2], "198.19.1.0/24"),
             "vnet-kernel": (k[1], k[2], "198.19.0.0/24"),
+            "vnet-vtoe": (k[1], k[2], "198.19.0.0/24"),
             "vnet-user": (g[1].ns, g[2].ns, "198.19.0.0/24"),
         }
         server_ip = {"native": underlay_ip(2), "vxlan": "198.19.1.2", "vnet-kernel": overlay_ip(12),
@@ -116,10 +134,16 @@ def main():
         # Each pair must see only its own partner on the subnet: the TAP and
         # veth guests share 198.19.0.0/24, which is fine (one NIC each).
         agent = agent_script(lab.tmp)
+        vtoe_agent = vtoe_agent_script(lab.tmp, {k[i]: vtoe_sock[i] for i in (1, 2)})
+        vtoe = [str(BIN / "vtoe")]
         for r in range(args.repeats):
             for t, (a, b, subnet) in pairs.items():
                 out = lab.tmp / f"np-{t}-{r}.out"
-                res = netpipe(lab, agent, a, b, subnet, args.max_bytes, out)
+                if t == "vnet-vtoe":
+                    res = netpipe(lab, vtoe_agent, a, b, subnet, args.max_bytes, out, wrap=vtoe,
+                                  env=[f"VNETD_SOCKET={vtoe_sock[1]}"])
+                else:
+                    res = netpipe(lab, agent, a, b, subnet, args.max_bytes, out)
                 res["repeat"] = r
                 results[t].append(res)
                 if "error" in res:
@@ -127,8 +151,17 @@ def main():
                 else:
                     print(f"[{r + 1}/{args.repeats}] {t:12s} latency {res['lat_bytes']} B {res['lat8_us']:8.1f} us"
                           f"   bandwidth {res['bw_bytes']} B {res['bw_mbps']:8.1f} Mbit/s", flush=True)
+        # What VTOE did: every rank connection offloaded, or vnet-vtoe's numbers are not VTOE's.
+        vtoe_counts = {}
+        for i in (1, 2):
+            line = daemons[i].ctl("STATS", "vtoe").stdout.splitlines()[0]
+            vtoe_counts[f"h{i}"] = {k: v for k, v in (w.split("=", 1) for w in line.split()[1:])
+                                   if k in ("offers", "offloaded_out", "offloaded_in") or k.startswith("fallback_")}
+        print(f"vtoe: {vtoe_counts}", flush=True)
         # Steadiness: many small pings, one transport after another.
         for t, (a, _, _) in pairs.items():
+            if t == "vnet-vtoe":
+                continue
             out = lab.x(a, "ping", "-n", "-c", str(args.pings), "-i", "0.003", "-W", "1", server_ip[t],
                         check=False, timeout=args.pings * 0.01 + 60).stdout
             rtts = sorted(float(v) * 1000 for v in re.findall(r"time=([\d.]+) ms", out))
@@ -162,12 +195,14 @@ def main():
     print("\n" + table)
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     res_dir = BENCH / "results"
-    (res_dir / f"{stamp}-apps.json").write_text(json.dumps({"args": vars(args), "results": results, "pings": pings}, indent=1))
+    (res_dir / f"{stamp}-apps.json").write_text(json.dumps({"args": vars(args), "results": results, "pings": pings,
+                                                           "vtoe": vtoe_counts}, indent=1))
     (res_dir / f"{stamp}-apps.md").write_text(
         f"# Applications over each transport, {stamp}\n\nCommand: `sudo python3 bench/apps.py "
         f"--repeats {args.repeats} --max-bytes {args.max_bytes} --pings {args.pings}`\n\n"
         f"OpenMPI ping-pong (NetPIPE NPopenmpi, TCP BTL, --bind-to none, no pinning: ranks and vnetd share "
-        f"the 2 CPUs). One-way latency at the smallest size ≥ 8 B; bandwidth at the largest size.\n\n{table}\n")
+        f"the 2 CPUs). One-way latency at the smallest size ≥ 8 B; bandwidth at the largest size. vnet-vtoe: "
+        f"the ranks under vtoe; what VTOE did over the run (STATS vtoe): {vtoe_counts}\n\n{table}\n")
     print(f"\nresults: bench/results/{stamp}-apps.md")
 
 
