@@ -128,11 +128,11 @@ class Lab:
         self.other_procs: list[subprocess.Popen] = []
         self.switch: str | None = None
         self.hosts: dict[str, int] = {}
-        # TCP links' keys (vnetd --link-key-dir): "lab" for the tests' own
-        # configs, "h1-h2" for the shipped examples.
+        # Link keys (vnetd --link-key-dir): "lab" for the tests' own
+        # configs, "h1-h2" and "demo" for the shipped examples.
         self.key_dir = self.tmp / "link-keys"
         self.key_dir.mkdir(mode=0o700)
-        for name in ("lab", "h1-h2"):
+        for name in ("lab", "h1-h2", "demo"):
             self.link_key(name)
 
     def link_key(self, name: str, secret: bytes | None = None) -> bytes:
