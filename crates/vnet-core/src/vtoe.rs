@@ -292,7 +292,8 @@ pub enum FromVnetd {
     Fallback { id: u32, reason: Reason },
     /// Request `id` fails with `errno`, as the kernel's connect would.
     Failed { id: u32, errno: i32, reason: Reason },
-    /// A Listen is in force.
+    /// The answer to a Listen (always sent; over vnetd's limit the listener
+    /// takes plain connections only).
     Listening { addr: SocketAddrV4 },
     /// An offloaded connection for the listener on `listener`; the socket
     /// comes with this message.

@@ -182,7 +182,13 @@ impl Control {
                     .replace(' ', "_")
                 ));
                 out.push(format!("settings {}", t.dispatch.render()));
-                out.push(self.vtoe.as_ref().map_or_else(|| "vtoe off".to_string(), |v| v.describe()));
+                match &self.vtoe {
+                    Some(v) => {
+                        out.push(v.describe());
+                        v.render_conns(out);
+                    }
+                    None => out.push("vtoe off".to_string()),
+                }
                 list_ifaces(t, out);
                 list_links(t, out);
                 list_routes(t, out);

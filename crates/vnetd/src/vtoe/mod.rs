@@ -460,8 +460,7 @@ impl Vtoe {
 
     // ---- reporting ----
 
-    /// `STATS vtoe`: the counters, then one line per offloaded connection
-    /// with what the kernel says of it now.
+    /// `STATS vtoe`: the counters, then the offloaded connections.
     pub fn render(&self, out: &mut Vec<String>) {
         let live = self.sweep();
         let c = &self.counters;
@@ -491,6 +490,19 @@ impl Vtoe {
             }
         }
         out.push(line);
+        drop(reg);
+        self.conn_lines(&live, out);
+    }
+
+    /// One line per offloaded connection, with what the kernel says of it now
+    /// (SHOW's).
+    pub fn render_conns(&self, out: &mut Vec<String>) {
+        let live = self.sweep();
+        self.conn_lines(&live, out);
+    }
+
+    fn conn_lines(&self, live: &HashMap<u64, diag::TcpDiag>, out: &mut Vec<String>) {
+        let reg = self.lock();
         let mut conns: Vec<(&u64, &Conn)> = reg.conns.iter().collect();
         conns.sort_by_key(|(_, c)| c.since);
         for (cookie, c) in conns {

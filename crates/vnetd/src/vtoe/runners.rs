@@ -16,7 +16,7 @@
 //! once for one runner.
 
 use super::netns::{netns_cookie, GuestNs};
-use super::Vtoe;
+use super::{Vtoe, MAX_LISTENERS_PER_RUNNER};
 use anyhow::{Context, Result};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use socket2::{Domain, SockAddr, Socket, Type};
@@ -180,9 +180,12 @@ fn session(vtoe: Arc<Vtoe>, sock: Socket) {
                 }
             }
             ToVnetd::Listen { addr } => {
-                if vtoe.listen(&runner, addr) {
-                    let _ = runner.send(&FromVnetd::Listening { addr }, None);
+                // The program's listen waits for this answer: it always
+                // comes, registered or not (over the limit: plain only).
+                if !vtoe.listen(&runner, addr) {
+                    tracing::info!(ns = %runner.ns.name, "VTOE: listener {addr} not registered: {MAX_LISTENERS_PER_RUNNER} already");
                 }
+                let _ = runner.send(&FromVnetd::Listening { addr }, None);
             }
             ToVnetd::Unlisten { addr } => vtoe.unlisten(&runner, addr),
             ToVnetd::RefusedIoctl => {
