@@ -140,17 +140,22 @@ pub fn source_toward(dst: SocketAddrV4) -> io::Result<Ipv4Addr> {
     }
 }
 
-/// A TCP port of `ip` held for a connection the guest's kernel does not
-/// carry, so it gives the port to nobody else meanwhile: a socket bound to
-/// it, neither listening nor connected.
-pub fn reserve_port(ip: Ipv4Addr) -> io::Result<(OwnedFd, u16)> {
+/// A new IPv4 TCP socket of this namespace (close-on-exec, and `flags`).
+fn tcp4_socket(flags: i32) -> io::Result<OwnedFd> {
     // SAFETY: a plain socket(2), owned at once.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | flags, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: fd is ours.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A TCP port of `ip` held for a connection the guest's kernel does not
+/// carry, so it gives the port to nobody else meanwhile: a socket bound to
+/// it, neither listening nor connected.
+pub fn reserve_port(ip: Ipv4Addr) -> io::Result<(OwnedFd, u16)> {
+    let fd = tcp4_socket(0)?;
     let sa = sockaddr_bytes(SocketAddrV4::new(ip, 0));
     // SAFETY: bind with a sockaddr_in of 16 bytes.
     if unsafe { libc::bind(fd.as_raw_fd(), sa.as_ptr().cast(), 16) } < 0 {
@@ -224,13 +229,7 @@ pub struct Defaults(Vec<Option<Vec<u8>>>);
 
 impl Defaults {
     pub fn read() -> Defaults {
-        // SAFETY: a plain socket(2), owned at once.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Defaults(vec![None; OPTIONS.len()]);
-        }
-        // SAFETY: fd is ours.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let Ok(fd) = tcp4_socket(0) else { return Defaults(vec![None; OPTIONS.len()]) };
         Defaults(OPTIONS.iter().map(|&(l, n, size)| read(fd.as_raw_fd(), l, n, size)).collect())
     }
 
@@ -266,13 +265,7 @@ fn read(fd: RawFd, level: i32, name: i32, size: usize) -> Option<Vec<u8>> {
 /// listener (see the supervisor); returns it and its local port.
 pub fn wake(to: SocketAddrV4) -> io::Result<(OwnedFd, u16)> {
     let to = if to.ip().is_unspecified() { SocketAddrV4::new(Ipv4Addr::LOCALHOST, to.port()) } else { to };
-    // SAFETY: a plain socket(2), owned at once.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd is ours.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let fd = tcp4_socket(libc::SOCK_NONBLOCK)?;
     let sa = sockaddr_bytes(to);
     // SAFETY: connect with a sockaddr_in of 16 bytes.
     let r = unsafe { libc::connect(fd.as_raw_fd(), sa.as_ptr().cast(), 16) };

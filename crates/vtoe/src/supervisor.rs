@@ -495,7 +495,7 @@ impl Supervisor {
         let Some(v) = &self.vnetd else { return };
         let got = v.recv();
         match got {
-            Ok(Some((m, fd))) => self.from_vnetd(m, fd),
+            Ok(Some((m, fd))) => self.on_message(m, fd),
             Ok(None) | Err(_) => {
                 if let Err(e) = &got {
                     eprintln!("vtoe: {e:#}");
@@ -516,7 +516,7 @@ impl Supervisor {
         }
     }
 
-    fn from_vnetd(&mut self, m: FromVnetd, fd: Option<OwnedFd>) {
+    fn on_message(&mut self, m: FromVnetd, fd: Option<OwnedFd>) {
         match m {
             FromVnetd::Connected { id, cookie, .. } => self.on_connected(id, cookie, fd),
             FromVnetd::Fallback { id, reason } => {

@@ -28,10 +28,8 @@ impl Workers {
     /// Runs `job` on an idle thread, or a new one; false when all `max`
     /// are busy (the job is not run).
     pub fn run(&self, job: impl FnOnce() + Send + 'static) -> bool {
-        if self.idle.load(Relaxed) == 0 {
-            if self.threads.load(Relaxed) >= self.max || !self.spawn() {
-                return false;
-            }
+        if self.idle.load(Relaxed) == 0 && (self.threads.load(Relaxed) >= self.max || !self.spawn()) {
+            return false;
         }
         self.tx.lock().unwrap_or_else(|p| p.into_inner()).send(Box::new(job)).is_ok()
     }
