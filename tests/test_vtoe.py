@@ -62,11 +62,15 @@ class World:
         self.lab = lab
         hosts = {h: lab.add_host(h) for h in GUESTS}
         ns = {g: lab.guest_ns(f"g{g}") for gs in GUESTS.values() for g in gs}
+        self.hosts, self.guest_namespaces = hosts, ns
         self.sock = {h: lab.tmp / f"vtoe-h{h}.sock" for h in GUESTS}
         lab.tmp.chmod(0o711)  # guests' unprivileged users reach the sockets
-        self.vnetd = {h: lab.start_vnetd(hosts[h], host_config(h, ns), "--vtoe-socket", self.sock[h]) for h in GUESTS}
+        self.vnetd = {h: self.start(h) for h in GUESTS}
         self.guest = {g: lab.veth_guest(hosts[h], f"g{g}", g, ns[g]) for h, gs in GUESTS.items() for g in gs}
         self.host_of = {g: h for h, gs in GUESTS.items() for g in gs}
+
+    def start(self, h: int):
+        return self.lab.start_vnetd(self.hosts[h], host_config(h, self.guest_namespaces), "--vtoe-socket", self.sock[h])
 
     def ns(self, g: int) -> str:
         return self.guest[g].ns
@@ -514,3 +518,38 @@ def test_a_route_deleted_aborts_the_offloaded_connections_it_carried(world):
     assert "connect to" in sent.stderr and "offloaded" in sent.stderr, sent.stderr
     got = served(finish(srv))
     assert got[0].get("error") == "ECONNRESET" and "error" not in got[1], got
+
+
+def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(world):
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7013", "2")
+    wait_listening(w.lab, w.ns(2), 7013)
+    code = ("import socket, sys, errno, struct, ctypes\ns = socket.create_connection((sys.argv[1], 7013))\n"
+            "print('connected', flush=True)\nsys.stdin.readline()\n"
+            "s.sendall(b'after'); s.shutdown(socket.SHUT_WR)\nprint(s.recv(200).decode(), flush=True)\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\nu = struct.pack('HH12x', 0, 0)\nlibc.connect(s.fileno(), u, 16)\n"
+            "try:\n s.connect(('127.0.0.1', 7999)); print('REACHED')\nexcept OSError as e:\n print(errno.errorcode[e.errno])\n")
+    cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert cli.stdout.readline().strip() == "connected"
+    # Both vnetds die at once, as hard as can be.
+    for h in (1, 2):
+        w.vnetd[h].stop(signal.SIGKILL)
+    target = host_listener(w, 1, 7999)
+    cli.stdin.write("\n")
+    cli.stdin.flush()
+    answer, after = cli.communicate(timeout=20)[0].split("\n")[:2]
+    # The connection went on without them, and the guard with it.
+    assert answer.startswith("5 "), answer
+    assert after == "EPERM", after
+    target.kill()
+    assert "GOT" not in target.communicate()[0]
+    # vnetd again: the server's runner registers its listener anew by itself,
+    # and connections are offloaded again.
+    for h in (1, 2):
+        w.vnetd[h] = w.start(h)
+    assert wait_until(lambda: w.vtoe_stats(2)[0].get("listeners") == 1, timeout=10), w.vtoe_stats(2)
+    sent = w.x(1, "python3", PROBE, "client", w.ip(2), "7013", "1000", timeout=60)
+    assert "offloaded" in sent.stderr, sent.stderr
+    got = served(finish(srv))
+    assert got[0]["bytes"] == 5 and got[1]["bytes"] == 1000, got
+    assert w.vtoe_stats(1)[0]["offloaded_out"] == 1 and w.vtoe_stats(2)[0]["offloaded_in"] == 1

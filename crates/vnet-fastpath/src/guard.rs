@@ -10,13 +10,16 @@
 //!
 //! The programs are attached to one cgroup (v2) and act on sockets created
 //! in it: the shadow sockets' creator must be in it when it makes them
-//! (`cgroup_of_self`). Links are file descriptors: the programs go when the
-//! `Guard` is dropped or its process exits.
+//! (`cgroup_of_self`). They are attached the classic way (BPF_PROG_ATTACH,
+//! multi), not by links that die with their process: a socket sealed by a
+//! vnetd that is killed stays guarded. Each socket holds its cgroup and so
+//! the programs; removing the cgroup once its vnetd is gone frees them after
+//! the last of its sockets.
 
 use anyhow::{anyhow, Context, Result};
-use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, ObjectBuilder};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, ObjectBuilder};
 use std::net::SocketAddrV4;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/vtoe_guard.bpf.o"));
@@ -61,7 +64,6 @@ pub struct Ends {
 pub struct Guard {
     sealed: MapHandle,
     counters: MapHandle,
-    _links: Vec<Link>,
     cgroup: PathBuf,
 }
 
@@ -76,12 +78,17 @@ impl Guard {
             MapHandle::try_from(&m).with_context(|| format!("map {name}"))
         };
         let dir = std::fs::File::open(cgroup).with_context(|| format!("cannot open cgroup {}", cgroup.display()))?;
-        let mut links = Vec::new();
-        for p in obj.progs_mut() {
+        for p in obj.progs() {
             let name = p.name().to_string_lossy().into_owned();
-            links.push(p.attach_cgroup(dir.as_raw_fd()).with_context(|| format!("cannot attach {name} to {}", cgroup.display()))?);
+            // SAFETY: bpf_prog_attach with two descriptors we hold.
+            let r = unsafe {
+                libbpf_sys::bpf_prog_attach(p.as_fd().as_raw_fd(), dir.as_raw_fd(), p.attach_type() as u32, libbpf_sys::BPF_F_ALLOW_MULTI)
+            };
+            if r < 0 {
+                return Err(std::io::Error::from_raw_os_error(-r)).with_context(|| format!("cannot attach {name} to {}", cgroup.display()));
+            }
         }
-        Ok(Guard { sealed: map("sealed")?, counters: map("counters")?, _links: links, cgroup: cgroup.to_path_buf() })
+        Ok(Guard { sealed: map("sealed")?, counters: map("counters")?, cgroup: cgroup.to_path_buf() })
     }
 
     /// The cgroup the address programs watch.

@@ -165,7 +165,7 @@ fn run(args: &Args) -> Result<i32> {
     }
     // SAFETY: sfd is ours.
     let sfd = unsafe { OwnedFd::from_raw_fd(sfd) };
-    let mut sup = supervisor::Supervisor::new(notif, session, sfd.as_raw_fd(), args.verbose)?;
+    let mut sup = supervisor::Supervisor::new(notif, session, &args.socket, sfd.as_raw_fd(), args.verbose)?;
     let mut status = None;
     sup.run(|| {
         // SAFETY: reading signalfd_siginfo records from our signalfd.

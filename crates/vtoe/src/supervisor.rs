@@ -91,7 +91,11 @@ pub struct Tally {
 
 pub struct Supervisor {
     notif: OwnedFd,
+    /// The session with vnetd; after it ends, tried again at most once a
+    /// second, on the next call that needs it (listeners registered again).
     vnetd: Option<Vnetd>,
+    socket: std::path::PathBuf,
+    retry_at: std::time::Instant,
     epoll: OwnedFd,
     defaults: Defaults,
     own_netns: Option<u64>,
@@ -123,7 +127,7 @@ fn errno() -> i32 {
 }
 
 impl Supervisor {
-    pub fn new(notif: OwnedFd, vnetd: Vnetd, signals: RawFd, verbose: bool) -> std::io::Result<Supervisor> {
+    pub fn new(notif: OwnedFd, vnetd: Vnetd, socket: &std::path::Path, signals: RawFd, verbose: bool) -> std::io::Result<Supervisor> {
         // SAFETY: epoll_create1 returns a new descriptor or -1.
         let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if ep < 0 {
@@ -135,6 +139,8 @@ impl Supervisor {
         let s = Supervisor {
             notif,
             vnetd: Some(vnetd),
+            socket: socket.to_path_buf(),
+            retry_at: std::time::Instant::now(),
             epoll,
             defaults: Defaults::read(),
             own_netns,
@@ -182,8 +188,15 @@ impl Supervisor {
     pub fn run(&mut self, mut on_signal: impl FnMut()) {
         let mut events = [libc::epoll_event { events: 0, u64: 0 }; 32];
         loop {
+            // Without vnetd, look for it again every second (its listeners
+            // registered again as soon as it is back).
+            let timeout = if self.vnetd.is_none() { 1000 } else { -1 };
             // SAFETY: epoll_wait into an array we own.
-            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, -1) };
+            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            if n == 0 {
+                self.session();
+                continue;
+            }
             if n < 0 {
                 if errno() == libc::EINTR {
                     continue;
@@ -233,8 +246,27 @@ impl Supervisor {
 
     // ---- connect ----
 
+    /// The session with vnetd, made again if it ended (vnetd restarted).
+    fn session(&mut self) -> Option<&Vnetd> {
+        if self.vnetd.is_none() && std::time::Instant::now() >= self.retry_at {
+            self.retry_at = std::time::Instant::now() + std::time::Duration::from_secs(1);
+            if let Ok(v) = Vnetd::connect(&self.socket) {
+                if self.watch(v.fd(), T_VNETD, libc::EPOLLIN as u32).is_ok() {
+                    for addr in self.by_addr.keys() {
+                        let _ = v.send(&ToVnetd::Listen { addr: *addr });
+                    }
+                    eprintln!("vtoe: vnetd is back: connections are offloaded again");
+                    self.vnetd = Some(v);
+                }
+            }
+        }
+        self.vnetd.as_ref()
+    }
+
     fn on_connect(&mut self, n: Notif) {
-        let Some(v) = &self.vnetd else { return notify::proceed(&self.notif, n.id) };
+        if self.session().is_none() {
+            return notify::proceed(&self.notif, n.id);
+        }
         let (fd, addr, len) = (n.args[0] as RawFd, n.args[1], n.args[2]);
         let dst = (16..=128)
             .contains(&len)
@@ -266,6 +298,7 @@ impl Supervisor {
         };
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1).max(1);
+        let Some(v) = &self.vnetd else { return notify::proceed(&self.notif, n.id) };
         if v.send(&ToVnetd::Connect { id, src, dst }).is_err() {
             return notify::proceed(&self.notif, n.id);
         }
@@ -293,7 +326,9 @@ impl Supervisor {
     // ---- listen ----
 
     fn on_listen(&mut self, n: Notif) {
-        let Some(v) = &self.vnetd else { return notify::proceed(&self.notif, n.id) };
+        if self.session().is_none() {
+            return notify::proceed(&self.notif, n.id);
+        }
         let Some(dup) = notify::take_fd(&self.notif, &n, n.args[0] as RawFd) else { return notify::proceed(&self.notif, n.id) };
         let d = dup.as_raw_fd();
         let Some(v6) = sock::tcp_takes_v4(d) else { return notify::proceed(&self.notif, n.id) };
@@ -310,6 +345,7 @@ impl Supervisor {
         let l = self.listeners.entry(inode).or_insert_with(|| Listener { addr, v6, ready: VecDeque::new(), wakes: HashMap::new() });
         l.addr = addr;
         self.by_addr.insert(addr, inode);
+        let Some(v) = &self.vnetd else { return notify::proceed(&self.notif, n.id) };
         if v.send(&ToVnetd::Listen { addr }).is_err() {
             notify::reply(&self.notif, n.id, Ok(0));
             return;
@@ -500,7 +536,7 @@ impl Supervisor {
                 if let Err(e) = &got {
                     eprintln!("vtoe: {e:#}");
                 }
-                eprintln!("vtoe: vnetd closed the session: connections from now on are not offloaded");
+                eprintln!("vtoe: vnetd closed the session: connections are not offloaded until it is back");
                 let fd = v.fd();
                 self.unwatch(fd);
                 self.vnetd = None;

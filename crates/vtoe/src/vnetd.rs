@@ -38,7 +38,7 @@ impl Vnetd {
         if r < 0 {
             return Err(io::Error::last_os_error()).with_context(|| format!("cannot reach vnetd's VTOE socket {}", path.display()));
         }
-        let tv = libc::timeval { tv_sec: 5, tv_usec: 0 };
+        let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
         // SAFETY: SO_RCVTIMEO with a timeval.
         unsafe {
             libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as u32)

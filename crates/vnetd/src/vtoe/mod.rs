@@ -178,8 +178,8 @@ impl Vtoe {
         Ok(v)
     }
 
-    /// At exit: the runner socket goes; vnetd leaves the cgroup it made
-    /// (removed if no other vnetd is in it).
+    /// At exit: the runner socket goes; vnetd leaves its cgroup and removes
+    /// it (the guard stays with the offloaded sockets still open).
     pub fn shutdown(&self) {
         let _ = std::fs::remove_file(&self.socket);
         if let Some((root, made)) = &self.made_cgroup {
@@ -584,15 +584,22 @@ fn vtoe_peer(link: &Link) -> Result<(Ipv4Addr, &[u8]), Outcome> {
     }
 }
 
-/// Puts vnetd in the cgroup (v2) its shadow sockets are made in: its own,
-/// unless that is the root (then `vnet-vtoe`, made if needed, shared by the
-/// host's vnetds). Returns it, and (root, it) when vnetd joined one.
+/// Puts vnetd in a cgroup (v2) of its own, `vnet-vtoe-<pid>` under the one
+/// it was in, where its shadow sockets are made and the guard is attached.
+/// Such cgroups left by vnetds that are gone (no process in them) are
+/// removed first; their programs stay with their sockets (see the guard).
+/// Returns it, and (where vnetd was, it) for `shutdown`.
 fn join_cgroup() -> Result<(PathBuf, Option<(PathBuf, PathBuf)>)> {
-    let (mount, own) = guard::cgroup_of_self(Path::new("/run/vnetd/cgroup2")).context("VTOE needs cgroup v2")?;
-    if own != mount {
-        return Ok((own, None));
+    let (_, own) = guard::cgroup_of_self(Path::new("/run/vnetd/cgroup2")).context("VTOE needs cgroup v2")?;
+    if let Ok(entries) = std::fs::read_dir(&own) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with("vnet-vtoe-") {
+                // Fails (EBUSY) while its vnetd lives.
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
     }
-    let dir = mount.join("vnet-vtoe");
+    let dir = own.join(format!("vnet-vtoe-{}", std::process::id()));
     match std::fs::create_dir(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -600,5 +607,5 @@ fn join_cgroup() -> Result<(PathBuf, Option<(PathBuf, PathBuf)>)> {
     }
     std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
         .with_context(|| format!("cannot join cgroup {}", dir.display()))?;
-    Ok((dir.clone(), Some((mount, dir))))
+    Ok((dir.clone(), Some((own, dir))))
 }
