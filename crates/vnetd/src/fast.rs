@@ -192,7 +192,7 @@ impl FastPath {
         if !Self::is_fast_origin(snap, origin) {
             return None;
         }
-        let route = snap.routes.get(hit.rule as usize)?.id;
+        let route = snap.routes.get(&hit.rule)?.id;
         let mut max_len = 0;
         let action = match (snap.slot_of(hit.dst)?, origin) {
             (crate::topology::Slot::Iface(s), _) => {

@@ -236,8 +236,14 @@ fn run(args: Args) -> Result<()> {
         }
     };
     if let (Some(text), Some(path)) = (&config, &args.config) {
+        let t0 = std::time::Instant::now();
         match ctl.execute(text, &Caller::config(path)) {
-            Ok(lines) => tracing::info!("config {}: {} changes applied", path.display(), lines.len()),
+            Ok(lines) => tracing::info!(
+                "config {}: {} changes applied in {:.3} s",
+                path.display(),
+                lines.len(),
+                t0.elapsed().as_secs_f64()
+            ),
             Err(e) => {
                 cleanup(&dp);
                 bail!("config {}: {e}", path.display());

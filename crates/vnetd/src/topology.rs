@@ -29,6 +29,7 @@ use crate::link::udp::UdpLink;
 use crate::link::{GsoState, Rx, Transport, UdpEndpoint};
 use crate::nic::{rtnl, tap, QemuNic, Tap, VethNic, VhostUserNic, VirtualNic};
 use crate::stats::Counters;
+use imbl::OrdMap;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::net::{IpAddr, SocketAddr};
@@ -274,9 +275,21 @@ pub struct Topology {
     pub iface_settings: BTreeMap<u32, IfaceOverrides>,
     pub ifaces: BTreeMap<u32, Arc<Interface>>,
     pub links: BTreeMap<u32, Arc<Link>>,
-    pub routes: BTreeMap<u32, Arc<Route>>,
+    /// Routes by id. This, the index below and the rule table are
+    /// persistent maps: the copy a request works on shares them with the
+    /// topology in force, and a route added or deleted copies only what it
+    /// touches, so a change costs the same in a table of any size.
+    pub routes: OrdMap<u32, Arc<Route>>,
     /// Routes by rule, to refuse a second copy without a scan.
-    route_by_spec: HashMap<RuleSpec, u32>,
+    route_by_spec: imbl::HashMap<RuleSpec, u32>,
+    /// The routes resolved to ports: what snapshots route by.
+    table: RouteTable,
+    /// How many routes name each port (as destination or source), so that
+    /// deleting an unused interface or link needs no scan of the routes.
+    port_uses: HashMap<Port, u32>,
+    /// Routes the request being applied deleted (the fast path forgets
+    /// their counters when it commits).
+    pub removed_routes: Vec<u32>,
     /// What the request being applied took out (a deleted interface's TAP
     /// has its fate settled when the request commits).
     pub retired: Vec<Retired>,
@@ -405,7 +418,7 @@ impl Topology {
             }
             Command::IfaceDel(r, detach) => {
                 let iface = self.find_iface(r)?;
-                let users = self.routes_using(|s| {
+                let users = self.routes_using(Port::Interface(iface.id), |s| {
                     s.dst == DstSpec::Interface(iface.mac) || s.src == SrcSpec::Interface(Some(iface.mac))
                 });
                 if !users.is_empty() {
@@ -422,7 +435,7 @@ impl Topology {
             }
             Command::LinkDel(r) => {
                 let link = self.find_link(r)?;
-                let users = self.routes_using(|s| {
+                let users = self.routes_using(Port::Link(link.id), |s| {
                     s.dst == DstSpec::Edge(link.name.clone()) || s.src == SrcSpec::Edge(Some(link.name.clone()))
                 });
                 if !users.is_empty() {
@@ -434,7 +447,7 @@ impl Topology {
                 Ok(format!("deleted link {idx} {name}"))
             }
             Command::RouteAdd(spec) => {
-                self.resolve(spec)?;
+                let rule = self.resolve(spec)?;
                 if let Some(r) = self.route_by_spec.get(spec) {
                     return Err(format!("the same rule is already route {r}"));
                 }
@@ -442,6 +455,10 @@ impl Topology {
                 self.next_route += 1;
                 self.routes.insert(idx, Arc::new(Route { id: idx, spec: spec.clone(), stats: Counters::default() }));
                 self.route_by_spec.insert(spec.clone(), idx);
+                self.table.insert(idx, rule);
+                for p in ports_named(&rule) {
+                    *self.port_uses.entry(p).or_default() += 1;
+                }
                 Ok(format!("added route {idx} {spec}"))
             }
             Command::RouteDel(r) => {
@@ -451,6 +468,16 @@ impl Topology {
                 };
                 let route = self.routes.remove(&idx).expect("found above");
                 self.route_by_spec.remove(&route.spec);
+                let rule = self.table.remove(idx).expect("every route is in the table");
+                for p in ports_named(&rule) {
+                    match self.port_uses.get_mut(&p) {
+                        Some(n) if *n > 1 => *n -= 1,
+                        _ => {
+                            self.port_uses.remove(&p);
+                        }
+                    }
+                }
+                self.removed_routes.push(idx);
                 Ok(format!("deleted route {idx} {}", route.spec))
             }
             _ => Err("not a state-changing command".into()),
@@ -613,25 +640,36 @@ impl Topology {
         }
     }
 
-    fn routes_using(&self, uses: impl Fn(&RuleSpec) -> bool) -> String {
+    /// The routes that name `port`, listed; empty without a scan when none does.
+    fn routes_using(&self, port: Port, uses: impl Fn(&RuleSpec) -> bool) -> String {
+        if !self.port_uses.contains_key(&port) {
+            return String::new();
+        }
         let v: Vec<String> = self.routes.values().filter(|r| uses(&r.spec)).map(|r| r.id.to_string()).collect();
         v.join(", ")
     }
 
-    /// Checks that a rule's endpoints exist.
-    fn resolve(&self, spec: &RuleSpec) -> Result<(), String> {
-        let has_iface = |m: &Mac| self.ifaces.values().any(|i| &i.mac == m);
-        let has_link = |n: &String| self.links.values().any(|l| &l.name == n);
-        match &spec.dst {
-            DstSpec::Interface(m) if !has_iface(m) => return Err(format!("no interface has MAC {m}")),
-            DstSpec::Edge(n) if !has_link(n) => return Err(format!("no link named {n}")),
-            _ => {}
-        }
-        match &spec.src {
-            SrcSpec::Interface(Some(m)) if !has_iface(m) => Err(format!("no interface has MAC {m} (source)")),
-            SrcSpec::Edge(Some(n)) if !has_link(n) => Err(format!("no link named {n} (source)")),
-            _ => Ok(()),
-        }
+    /// The rule a route's spec comes to: its endpoints' names resolved to
+    /// ports, or why they cannot be.
+    fn resolve(&self, spec: &RuleSpec) -> Result<Rule, String> {
+        let iface = |m: &Mac, what: &str| {
+            self.ifaces.values().find(|i| &i.mac == m).map(|i| i.id).ok_or_else(|| format!("no interface has MAC {m}{what}"))
+        };
+        let link = |n: &String, what: &str| {
+            self.links.values().find(|l| &l.name == n).map(|l| l.id).ok_or_else(|| format!("no link named {n}{what}"))
+        };
+        let dst = match &spec.dst {
+            DstSpec::Interface(m) => Port::Interface(iface(m, "")?),
+            DstSpec::Edge(n) => Port::Link(link(n, "")?),
+        };
+        let src = match &spec.src {
+            SrcSpec::Any => SrcMatch::Any,
+            SrcSpec::Interface(None) => SrcMatch::AnyInterface,
+            SrcSpec::Edge(None) => SrcMatch::AnyLink,
+            SrcSpec::Interface(Some(m)) => SrcMatch::Exactly(Port::Interface(iface(m, " (source)")?)),
+            SrcSpec::Edge(Some(n)) => SrcMatch::Exactly(Port::Link(link(n, " (source)")?)),
+        };
+        Ok(Rule { src_mac: spec.src_mac, dst_mac: spec.dst_mac, src, dst })
     }
 
     /// The datapath's view of this topology, to publish: the request that
@@ -649,27 +687,6 @@ impl Topology {
         }
         let ifaces: Vec<Arc<Interface>> = self.ifaces.values().cloned().collect();
         let links: Vec<Arc<Link>> = self.links.values().cloned().collect();
-        let routes: Vec<Arc<Route>> = self.routes.values().cloned().collect();
-        let iface_id: HashMap<Mac, u32> = ifaces.iter().map(|i| (i.mac, i.id)).collect();
-        let link_id: HashMap<&str, u32> = links.iter().map(|l| (l.name.as_str(), l.id)).collect();
-        let rules = routes
-            .iter()
-            .map(|r| {
-                let s = &r.spec;
-                let dst = match &s.dst {
-                    DstSpec::Interface(m) => Port::Interface(iface_id[m]),
-                    DstSpec::Edge(n) => Port::Link(link_id[n.as_str()]),
-                };
-                let src = match &s.src {
-                    SrcSpec::Any => SrcMatch::Any,
-                    SrcSpec::Interface(None) => SrcMatch::AnyInterface,
-                    SrcSpec::Edge(None) => SrcMatch::AnyLink,
-                    SrcSpec::Interface(Some(m)) => SrcMatch::Exactly(Port::Interface(iface_id[m])),
-                    SrcSpec::Edge(Some(n)) => SrcMatch::Exactly(Port::Link(link_id[n.as_str()])),
-                };
-                Rule { src_mac: s.src_mac, dst_mac: s.dst_mac, src, dst }
-            })
-            .collect();
         let mut by_addr = HashMap::new();
         let mut by_ip: HashMap<IpAddr, Option<u32>> = HashMap::new();
         let mut vxlan = HashMap::new();
@@ -700,8 +717,12 @@ impl Topology {
             link_slot: links.iter().enumerate().map(|(s, l)| (l.id, s as u32)).collect(),
             ifaces,
             links,
-            routes,
-            table: RouteTable::new(rules, generation),
+            routes: self.routes.clone(),
+            table: {
+                let mut t = self.table.clone();
+                t.set_generation(generation);
+                t
+            },
             by_addr,
             by_ip,
             vxlan,
@@ -711,6 +732,15 @@ impl Topology {
             fast_on: self.kernel.is_some() && self.dispatch.datapath != Datapath::User,
         }
     }
+}
+
+/// The ports a rule names: its destination, and its source if exact.
+fn ports_named(r: &Rule) -> impl Iterator<Item = Port> {
+    let src = match r.src {
+        SrcMatch::Exactly(p) if p != r.dst => Some(p),
+        _ => None,
+    };
+    std::iter::once(r.dst).chain(src)
 }
 
 /// Direct links put frames raw onto a host device: only onto the devices the
@@ -731,8 +761,8 @@ pub struct Snapshot {
     pub generation: u64,
     pub ifaces: Vec<Arc<Interface>>,
     pub links: Vec<Arc<Link>>,
-    /// `routes[i]` is rule `i` of `table`.
-    pub routes: Vec<Arc<Route>>,
+    /// The routes by id: rule `i` of `table` is `routes[&i]`.
+    pub routes: OrdMap<u32, Arc<Route>>,
     pub table: RouteTable,
     pub dispatch: DispatchSettings,
     /// What each interface's dispatch runs by (by slot).

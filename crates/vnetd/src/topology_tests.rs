@@ -542,7 +542,7 @@ fn the_snapshot_routes_by_id_after_deletes_renumber_the_slots() {
         assert_eq!(snap.table.generation(), v.generation);
 
         // Rules name ports by id.
-        let rules: Vec<(Port, SrcMatch)> = snap.table.rules().iter().map(|r| (r.dst, r.src)).collect();
+        let rules: Vec<(Port, SrcMatch)> = snap.table.rules().map(|(_, r)| (r.dst, r.src)).collect();
         assert_eq!(
             rules,
             [
@@ -553,9 +553,11 @@ fn the_snapshot_routes_by_id_after_deletes_renumber_the_slots() {
                 (Port::Interface(2), SrcMatch::AnyLink),
             ]
         );
-        // `routes[i]` is rule `i`.
-        let ids: Vec<u32> = snap.routes.iter().map(|r| r.id).collect();
+        // Rules have their routes' ids, and `routes[&i]` is rule `i`.
+        let ids: Vec<u32> = snap.table.rules().map(|(id, _)| id).collect();
         assert_eq!(ids, [1, 2, 3, 4, 5]);
+        assert!(snap.routes.iter().all(|(&i, r)| r.id == i));
+        assert_eq!(snap.routes.keys().copied().collect::<Vec<_>>(), ids);
 
         // Ids to this snapshot's slots; deleted ids have none.
         assert_eq!(snap.slot_of(Port::Link(1)), Some(Slot::Link(0)));
@@ -580,17 +582,17 @@ fn the_snapshot_routes_by_id_after_deletes_renumber_the_slots() {
             hits
         };
         let hits = route(Port::Interface(2), M3, M9);
-        assert_eq!(hits, [Hit { dst: Port::Link(1), rule: 0 }]);
+        assert_eq!(hits, [Hit { dst: Port::Link(1), rule: 1 }]);
         assert_eq!(snap.slot_of(hits[0].dst), Some(Slot::Link(0)));
         // From link b to g2.
-        assert_eq!(route(Port::Link(1), M9, M2), [Hit { dst: Port::Interface(1), rule: 1 }]);
+        assert_eq!(route(Port::Link(1), M9, M2), [Hit { dst: Port::Interface(1), rule: 2 }]);
         // The deleted link's id is not link b, though b has its old slot.
         assert_eq!(route(Port::Link(0), M9, M2), []);
         // g3's default route: through b.
-        assert_eq!(route(Port::Interface(2), M3, "02:00:00:00:00:42"), [Hit { dst: Port::Link(1), rule: 3 }]);
+        assert_eq!(route(Port::Interface(2), M3, "02:00:00:00:00:42"), [Hit { dst: Port::Link(1), rule: 4 }]);
         // Split horizon by id: g2's broadcast does not go back to g2.
         assert_eq!(route(Port::Interface(1), M2, "ff:ff:ff:ff:ff:ff"), []);
-        assert_eq!(route(Port::Link(1), M9, "ff:ff:ff:ff:ff:ff"), [Hit { dst: Port::Interface(1), rule: 2 }]);
+        assert_eq!(route(Port::Link(1), M9, "ff:ff:ff:ff:ff:ff"), [Hit { dst: Port::Interface(1), rule: 3 }]);
     });
 }
 

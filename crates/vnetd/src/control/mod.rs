@@ -137,7 +137,7 @@ impl Control {
                 } else {
                     fast.kernel.clear_flows();
                 }
-                for r in state.topo.routes.keys().filter(|r| !work.routes.contains_key(r)) {
+                for r in &work.removed_routes {
                     fast.forget_route(*r);
                 }
             }
@@ -151,6 +151,7 @@ impl Control {
                     t.start();
                 }
             }
+            work.removed_routes.clear();
             state.retiring.extend(std::mem::take(&mut work.retired).into_iter().map(|r| (generation, r)));
             state.topo = work;
             self.tear_down_retired(&mut state.retiring);

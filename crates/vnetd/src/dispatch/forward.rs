@@ -18,7 +18,7 @@ use crate::fast::{FastPath, InstallBudget};
 use crate::link::{Segments, Sent, TxCtx, TxQueue, SEG_PARTS};
 use crate::nic::{IrqPolicy, MAX_PARTS};
 use crate::stats::{Counters, DropReason, ThreadStats};
-use crate::topology::{Link, Slot, Snapshot};
+use crate::topology::{Link, Route, Slot, Snapshot};
 use std::io;
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
@@ -32,10 +32,10 @@ pub struct Forwarder {
     /// This thread's daemon-wide counters.
     st: Arc<ThreadStats>,
     cache: RouteCache,
-    /// The destinations of the last frame routed (rule index and the
-    /// destination's slot), and for which table generation, origin and MACs:
+    /// The destinations of the last frame routed (the route that chose
+    /// each, and the destination's slot), and for which table generation, origin and MACs:
     /// runs of frames of one flow skip even the cache's hash.
-    hits: Vec<(u32, Slot)>,
+    hits: Vec<(Arc<Route>, Slot)>,
     last: Option<(u64, Port, Mac, Mac)>,
     plan: SegmentPlan,
     coalescer: TcpCoalescer,
@@ -98,7 +98,7 @@ impl Forwarder {
             let hits = self.cache.route(&snap.table, port, src, dst);
             self.hits.clear();
             // Every port a rule names is in the snapshot the table came from.
-            self.hits.extend(hits.iter().filter_map(|h: &Hit| Some((h.rule, snap.slot_of(h.dst)?))));
+            self.hits.extend(hits.iter().filter_map(|h: &Hit| Some((snap.routes.get(&h.rule)?.clone(), snap.slot_of(h.dst)?))));
             self.last = key;
             if self.cache.misses != misses {
                 if let (true, Some(fast)) = (snap.fast_on, &self.fast) {
@@ -112,8 +112,8 @@ impl Forwarder {
             self.st.drop_at(Some(origin_stats), DropReason::NoRoute);
             return false;
         }
-        for &(rule, _) in &self.hits {
-            snap.routes[rule as usize].stats.sent(len);
+        for (route, _) in &self.hits {
+            route.stats.sent(len);
         }
         if self.hits.len() > 1 {
             self.st.dispatch.fanout_copies.fetch_add(self.hits.len() as u64 - 1, Relaxed);
