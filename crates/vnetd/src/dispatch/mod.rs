@@ -47,6 +47,9 @@ pub struct Datapath {
     tcp_acceptor: OnceLock<TcpAcceptor>,
     tcp_port: u16,
     workers: Vec<WorkerLink>,
+    /// The control thread waiting in `publish` for the dispatchers to run
+    /// its snapshot: each dispatcher unparks it once it does.
+    publisher: std::sync::Mutex<Option<std::thread::Thread>>,
     stop: AtomicBool,
     /// The kernel fast path, if it loaded.
     pub fast: Option<Arc<crate::fast::FastPath>>,
@@ -99,6 +102,7 @@ impl Datapath {
             tcp_acceptor: OnceLock::new(),
             tcp_port,
             workers,
+            publisher: std::sync::Mutex::new(None),
             stop: AtomicBool::new(false),
             fast: None,
             sched: worker::Sched::Realtime,
@@ -130,13 +134,28 @@ impl Datapath {
     /// in force.
     pub fn publish(&self, snap: Snapshot) {
         let generation = snap.generation;
+        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::thread::current());
         self.snapshot.store(Arc::new(snap));
         for w in &self.workers {
             let _ = w.wake.write(1);
         }
         let deadline = Instant::now() + Duration::from_secs(2);
-        while self.workers.iter().any(|w| w.running.load(Ordering::Acquire) < generation) && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_micros(100));
+        while self.workers.iter().any(|w| w.running.load(Ordering::Acquire) < generation) {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            std::thread::park_timeout(deadline - now);
+        }
+        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// A dispatcher runs a new snapshot: the control thread waiting for it
+    /// in `publish`, if any, looks again.
+    pub(crate) fn ran(&self, worker: usize, generation: u64) {
+        self.workers[worker].running.store(generation, Ordering::Release);
+        if let Some(t) = self.publisher.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            t.unpark();
         }
     }
 

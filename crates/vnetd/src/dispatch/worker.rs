@@ -35,7 +35,7 @@ use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 use anyhow::{bail, Result};
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::atomic::Ordering::{Acquire, Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vnet_core::command::{Mode, YieldStrategy};
@@ -750,7 +750,7 @@ impl Worker {
             }
         }
         self.snap = next;
-        self.dp.workers[self.index].running.store(self.snap.generation, Release);
+        self.dp.ran(self.index, self.snap.generation);
     }
 
     /// Adaptive mode: at the end of each interface's window ω, switch it if
