@@ -90,3 +90,28 @@ def test_a_full_udp_send_buffer_counts_queue_full(lab):
     qdisc = lab.x(hosts[1], "tc", "-s", "qdisc", "show", "dev", "eth0").stdout
     assert "dropped 0," in qdisc, qdisc  # the kernel dropped nothing below vnetd
     assert lab.x(g[1].ns, "cat", f"/sys/class/net/{g[1].tap}/statistics/tx_dropped").stdout.strip() == "0" 
+
+
+def test_frames_a_guest_sent_while_vnetd_was_behind_are_counted_where_its_tap_dropped_them(lab):
+    # vnetd stopped (as if busy): the guest's TAP queue fills and the
+    # kernel drops the rest. STATS says how many, equal to the device's own
+    # count, wherever the guest keeps the device (it renames it here).
+    import signal
+    _, d, g = build_mesh(lab, {1: [1], 2: [2]})
+    lab.x(g[1].ns, "ip", "link", "set", "g1", "down")
+    lab.x(g[1].ns, "ip", "link", "set", "g1", "name", "eth7")
+    lab.x(g[1].ns, "ip", "link", "set", "eth7", "up")
+    lab.x(g[1].ns, "ip", "neigh", "replace", g[2].ip, "lladdr", g[2].mac, "dev", "eth7", "nud", "permanent")
+    kernel = lambda: int(lab.x(g[1].ns, "cat", "/sys/class/net/eth7/statistics/tx_dropped").stdout)
+    k0, before = kernel(), d[1].stats()["interface g1"]["drop_upcall_full"]
+    d[1].proc.send_signal(signal.SIGSTOP)
+    try:
+        blast(lab, g[1], g[2].ip, 3000)
+    finally:
+        d[1].proc.send_signal(signal.SIGCONT)
+    lost = kernel() - k0
+    assert lost > 1000, f"the TAP's queue should have overflowed, the kernel counted {lost}"
+    after = d[1].stats()
+    assert after["interface g1"]["drop_upcall_full"] - before == lost
+    # The frames it held were forwarded once vnetd ran again.
+    wait_until(lambda: d[2].stats()["interface g2"]["out_frames"] >= 3000 - lost, timeout=5)

@@ -250,6 +250,11 @@ impl VirtualNic for Tap {
             self.remove_on_close();
         }
     }
+
+    /// The TAP's own queue: frames the guest sent while vnetd was behind.
+    fn upcall_dropped(&self) -> u64 {
+        self.queue_dropped().unwrap_or(0)
+    }
 }
 
 /// QEMU holds the TAP's file side (`-netdev tap,ifname=..`); vnetd meets

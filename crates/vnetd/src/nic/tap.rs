@@ -395,6 +395,41 @@ impl Drop for QemuTap {
     }
 }
 
+impl Tap {
+    /// Frames the guest sent that the TAP's queue had no room for (vnetd
+    /// was behind): the device's `tx_dropped`, read wherever the device is
+    /// now (the guest may have moved or renamed it), on a thread of our own
+    /// that enters its namespace. For `STATS`; never on the frame path.
+    pub fn queue_dropped(&self) -> io::Result<u64> {
+        // SAFETY: TUNGETDEVNETNS takes no argument and returns a new fd.
+        let ns = unsafe { libc::ioctl(self.file.as_raw_fd(), libc::TUNGETDEVNETNS as libc::c_ulong) };
+        if ns < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the ioctl returned a descriptor we own.
+        let ns = unsafe { OwnedFd::from_raw_fd(ns) };
+        let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+        // SAFETY: TUNGETIFF fills an ifreq.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), libc::TUNGETIFF as libc::c_ulong, &mut ifr) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let name: Vec<u8> = ifr.ifr_name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        let name = String::from_utf8_lossy(&name).into_owned();
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    // SAFETY: setns on the namespace the kernel gave us, in this thread only.
+                    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    rtnl::tx_dropped(ifindex(&name)?)
+                })
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("thread panicked")))
+        })
+    }
+}
+
 /// The refusal for an existing device that vnetd may not take over.
 pub fn not_vnetds(name: &str) -> String {
     format!("a device named {name} exists and was not made by vnetd")
