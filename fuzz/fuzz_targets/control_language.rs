@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(cmds) = parse_request(text) else { return };
     for (_, cmd) in cmds {
         let rule = match cmd {
-            Command::RouteAdd(r) | Command::RouteDel(RouteRef::Rule(r)) => r,
+            Command::RouteAdd(r, _) | Command::RouteDel(RouteRef::Rule(r)) => r,
             _ => continue,
         };
         let printed = rule.to_string();

@@ -4,13 +4,14 @@
 //!
 //! ```text
 //! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu | vhost-user <socket> [client]]
+//!               [network <name>]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
 //! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>] [vtoe <key-name>]
 //! LINK ADD direct <device> [name <name>] [mtu <bytes>]
 //! LINK DEL <link-idx | name>
 //! LINK LIST
-//! ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
+//! ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>] [owner <tag>]
 //! ROUTE DEL <route-idx | the rule as added>
 //! ROUTE LIST
 //! STATS [interfaces | links | routes | global | vtoe]
@@ -335,7 +336,9 @@ impl Setting {
 pub enum Command {
     /// `netns`: create the TAP persistent, inside this named network
     /// namespace (the guest's), so it survives vnetd restarts.
-    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach, netns: Option<String>, socket: Option<String> },
+    /// `network`: the overlay network the guest belongs to (`default` when
+    /// not given): what vnet-agent publishes it under.
+    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach, netns: Option<String>, socket: Option<String>, network: String },
     /// `detach`: let go of the TAP but leave the device (for migration).
     IfaceDel(IfaceRef, bool),
     IfaceList,
@@ -348,7 +351,9 @@ pub enum Command {
     LinkAdd { ip: Option<IpAddr>, port: Option<u16>, proto: LinkProto, name: Option<String>, mtu: Option<u32>, vtoe: Option<String> },
     LinkDel(LinkRef),
     LinkList,
-    RouteAdd(RuleSpec),
+    /// `owner <tag>` after the rule: who manages the route (vnet-agent
+    /// marks its own `agent`), shown by `ROUTE LIST`; no effect on routing.
+    RouteAdd(RuleSpec, Option<String>),
     RouteDel(RouteRef),
     RouteList,
     Stats(StatsScope),
@@ -368,7 +373,7 @@ impl Command {
                 | Command::Set(_)
                 | Command::LinkAdd { .. }
                 | Command::LinkDel(_)
-                | Command::RouteAdd(_)
+                | Command::RouteAdd(..)
                 | Command::RouteDel(_)
         )
     }
@@ -376,10 +381,12 @@ impl Command {
 
 pub const HELP: &str = "\
 INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu | vhost-user <socket> [client]]
-                                                     create a guest's NIC: a TAP (netns: persistent, in
+              [network <name>]                       create a guest's NIC: a TAP (netns: persistent, in
                                                      that namespace; veth: a veth pair there; qemu: a TAP
                                                      for QEMU to open) or a vhost-user virtio-net device
-                                                     on a Unix socket (client: connect to the VMM's)
+                                                     on a Unix socket (client: connect to the VMM's);
+                                                     network: the overlay network it is in (default:
+                                                     default), which vnet-agent publishes
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
@@ -390,7 +397,8 @@ LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <
 LINK ADD direct <device> [name <name>] [mtu <bytes>]  frames raw onto a host device's LAN
 LINK DEL <link-idx | name>
 LINK LIST
-ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>]
+ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>] [owner <tag>]
+    owner: who manages the route (vnet-agent: agent), shown by ROUTE LIST
     MAC: an address, any, none (dst only: default route) or not-<MAC>
     dst-TYPE: interface <guest-MAC> | edge <link-name>
     src-TYPE: any | interface [<guest-MAC>] | edge [<link-name>]
@@ -480,7 +488,16 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
             _ => Err(bad_verb("LINK", toks.get(1))),
         },
         "route" => match verb.as_deref() {
-            Some("add") => Ok(Some(Command::RouteAdd(RuleSpec::parse(args)?))),
+            Some("add") => {
+                let (rule, owner) = match args {
+                    [rule @ .., kw, tag] if kw.eq_ignore_ascii_case("owner") => {
+                        check_plain_name(tag, 32, "route owner")?;
+                        (rule, Some(tag.to_string()))
+                    }
+                    _ => (args, None),
+                };
+                Ok(Some(Command::RouteAdd(RuleSpec::parse(rule)?, owner)))
+            }
             Some("del") | Some("delete") => match args {
                 [] => Err("ROUTE DEL needs a route index or the rule".into()),
                 [one] => match one.parse::<u32>() {
@@ -562,6 +579,9 @@ pub fn check_ifname(name: &str) -> Result<(), String> {
 }
 
 /// A named network namespace (as `ip netns` makes them, in /run/netns).
+/// The network of an interface added without `network <name>`.
+pub const DEFAULT_NETWORK: &str = "default";
+
 pub fn check_netns_name(name: &str) -> Result<(), String> {
     check_plain_name(name, 64, "network namespace name")
 }
@@ -576,6 +596,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
         return Err(format!("guest MAC {mac} is a multicast address"));
     }
     let (mut mtu, mut attach, mut netns, mut socket) = (None, Attach::Netns, None, None);
+    let mut network = DEFAULT_NETWORK.to_string();
     let mut rest = rest;
     while let Some((kw, r)) = rest.split_first() {
         match kw.to_ascii_lowercase().as_str() {
@@ -600,6 +621,13 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 continue;
             }
             "client" if socket.is_some() => attach = Attach::VhostUser { client: true },
+            "network" => {
+                let Some((n, r2)) = r.split_first() else { return Err("network needs a network name".into()) };
+                check_plain_name(n, 64, "network name")?;
+                network = n.to_string();
+                rest = r2;
+                continue;
+            }
             "netns" => {
                 let Some((n, r2)) = r.split_first() else { return Err("netns needs a namespace name".into()) };
                 check_netns_name(n)?;
@@ -607,7 +635,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
-            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, qemu or vhost-user <socket> [client])")),
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, qemu, vhost-user <socket> [client] or network <name>)")),
         }
         rest = r;
     }
@@ -620,7 +648,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     if socket.is_some() && (netns.is_some() || !matches!(attach, Attach::VhostUser { .. })) {
         return Err("a vhost-user interface is its socket alone: no netns, veth or qemu".into());
     }
-    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns, socket })
+    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns, socket, network })
 }
 
 /// A vhost-user socket's path: absolute, no `..`, no control characters,
@@ -753,30 +781,54 @@ mod tests {
     }
 
     #[test]
+    fn interfaces_take_a_network_and_routes_an_owner() {
+        let Command::IfaceAdd { network, .. } = one("interface add g1 02:00:00:00:00:01 netns g1 network blue") else { panic!() };
+        assert_eq!(network, "blue");
+        let Command::IfaceAdd { network, .. } = one("interface add g1 02:00:00:00:00:01") else { panic!() };
+        assert_eq!(network, DEFAULT_NETWORK);
+        let Command::RouteAdd(r, owner) = one("ROUTE ADD any 02:00:00:00:00:02 edge h2 interface 02:00:00:00:00:01 OWNER agent") else {
+            panic!()
+        };
+        assert_eq!(owner.as_deref(), Some("agent"));
+        assert_eq!(r.to_string(), "any 02:00:00:00:00:02 edge h2 interface 02:00:00:00:00:01");
+        let Command::RouteAdd(_, owner) = one("ROUTE ADD any any edge h2 any") else { panic!() };
+        assert_eq!(owner, None);
+        for (bad, why) in [
+            ("interface add g1 02:00:00:00:00:01 network", "network needs a network name"),
+            ("interface add g1 02:00:00:00:00:01 network a/b", "network name"),
+            ("route add any any edge h2 any owner", "takes no id"),
+            ("route add any any edge h2 any owner a;b", "route owner"),
+        ] {
+            let e = parse_line(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn parses_every_command() {
         assert_eq!(
             one("interface add vg1 02:00:00:00:00:01 mtu 9000"),
-            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns, netns: None, socket: None }
+            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns, netns: None, socket: None, network: "default".into() }
         );
         assert_eq!(
             one("interface add vm1 52:54:00:12:34:56 QEMU mtu 1500"),
-            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu, netns: None, socket: None }
+            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu, netns: None, socket: None, network: "default".into() }
         );
         assert_eq!(
             one("interface add g1 02:00:00:00:00:01 netns guest-1"),
-            Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()), socket: None }
+            Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()), socket: None, network: "default".into() }
         );
         assert_eq!(
             one("interface add eth1 02:00:00:00:00:01 mtu 1458 netns c1 veth"),
-            Command::IfaceAdd { name: "eth1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(1458), attach: Attach::Veth, netns: Some("c1".into()), socket: None }
+            Command::IfaceAdd { name: "eth1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(1458), attach: Attach::Veth, netns: Some("c1".into()), socket: None, network: "default".into() }
         );
         assert_eq!(
             one("interface add vm2 52:54:00:00:00:02 vhost-user /run/vnet/vm2.sock"),
-            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()) }
+            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()), network: "default".into() }
         );
         assert_eq!(
             one("interface add vm3 52:54:00:00:00:03 vhost-user /tmp/q.sock client mtu 9000"),
-            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true }, netns: None, socket: Some("/tmp/q.sock".into()) }
+            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true }, netns: None, socket: Some("/tmp/q.sock".into()), network: "default".into() }
         );
         for bad in [
             "interface add vm4 52:54:00:00:00:04 vhost-user",
@@ -865,7 +917,7 @@ mod tests {
         assert_eq!(one("LINK DEL 3"), Command::LinkDel(LinkRef::Index(3)));
         assert_eq!(one("LINK DEL 10.0.0.2"), Command::LinkDel(LinkRef::Name("10.0.0.2".into())));
         assert_eq!(one("link list"), Command::LinkList);
-        let Command::RouteAdd(r) = one("ROUTE ADD any 02:00:00:00:00:02 edge 10.0.0.2 interface") else { panic!() };
+        let Command::RouteAdd(r, _) = one("ROUTE ADD any 02:00:00:00:00:02 edge 10.0.0.2 interface") else { panic!() };
         assert_eq!(r.src_mac, MacQual::Any);
         assert_eq!(r.dst, DstSpec::Edge("10.0.0.2".into()));
         assert_eq!(r.src, SrcSpec::Interface(None));

@@ -51,6 +51,8 @@ pub struct Interface {
     pub attach: Attach,
     /// The guest's network namespace, when vnetd made the TAP there.
     pub netns: Option<String>,
+    /// The overlay network the guest is in (`network <name>`).
+    pub network: String,
     pub nic: Box<dyn VirtualNic>,
     pub stats: Counters,
     /// The mode the dispatcher runs the interface in now (`Mode as u8`):
@@ -141,6 +143,8 @@ pub trait LinkEnv {
 pub struct Route {
     pub id: u32,
     pub spec: RuleSpec,
+    /// Who manages it (`owner <tag>`): vnet-agent's are `agent`.
+    pub owner: Option<String>,
     pub stats: Counters,
 }
 
@@ -353,7 +357,7 @@ impl Topology {
                 self.check_thresholds()?;
                 Ok(format!("interface {idx} {name} {shown}"))
             }
-            Command::IfaceAdd { name, mac, mtu, attach, netns, socket } => {
+            Command::IfaceAdd { name, mac, mtu, attach, netns, socket, network } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
                     return Err(format!("interface {name} exists (index {})", i.id));
                 }
@@ -402,6 +406,7 @@ impl Topology {
                         mtu,
                         attach,
                         netns: netns.clone(),
+                        network: network.clone(),
                         nic,
                         stats: Counters::default(),
                         running_mode: AtomicU8::new(Mode::GuestDriven as u8),
@@ -446,14 +451,17 @@ impl Topology {
                 self.retired.push(Retired::Link(link));
                 Ok(format!("deleted link {idx} {name}"))
             }
-            Command::RouteAdd(spec) => {
+            Command::RouteAdd(spec, owner) => {
                 let rule = self.resolve(spec)?;
                 if let Some(r) = self.route_by_spec.get(spec) {
                     return Err(format!("the same rule is already route {r}"));
                 }
                 let idx = self.next_route;
                 self.next_route += 1;
-                self.routes.insert(idx, Arc::new(Route { id: idx, spec: spec.clone(), stats: Counters::default() }));
+                self.routes.insert(
+                    idx,
+                    Arc::new(Route { id: idx, spec: spec.clone(), owner: owner.clone(), stats: Counters::default() }),
+                );
                 self.route_by_spec.insert(spec.clone(), idx);
                 self.table.insert(idx, rule);
                 for p in ports_named(&rule) {

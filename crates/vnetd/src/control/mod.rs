@@ -304,6 +304,7 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
             Attach::VhostUser { .. } => "vhost-user",
         };
         let netns = i.netns.as_ref().map_or(String::new(), |n| format!(" netns={n}"));
+        let netns = format!("{netns} network={}", i.network);
         let nic = i.nic.describe();
         let nic = if nic.is_empty() { nic } else { format!(" {nic}") };
         out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns}{nic} {own}", i.id, i.name, i.mac, i.mtu));
@@ -328,6 +329,9 @@ fn list_links(t: &Topology, out: &mut Vec<String>) {
 
 fn list_routes(t: &Topology, out: &mut Vec<String>) {
     for r in t.routes.values() {
-        out.push(format!("route {} {}", r.id, r.spec));
+        match &r.owner {
+            Some(o) => out.push(format!("route {} {} owner {o}", r.id, r.spec)),
+            None => out.push(format!("route {} {}", r.id, r.spec)),
+        }
     }
 }
