@@ -422,34 +422,34 @@ impl Topology {
                 Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{how}"))
             }
             Command::IfaceDel(r, detach) => {
-                let iface = self.find_iface(r)?;
-                let users = self.routes_using(Port::Interface(iface.id), |s| {
-                    s.dst == DstSpec::Interface(iface.mac) || s.src == SrcSpec::Interface(Some(iface.mac))
-                });
-                if !users.is_empty() {
-                    return Err(format!("interface {} is used by routes {} (delete them first)", iface.name, users));
-                }
+                let iface = self.find_iface(r)?.clone();
+                let mac = iface.mac;
+                let managed = self.clear_routes_using(Port::Interface(iface.id), |s| {
+                    s.dst == DstSpec::Interface(mac) || s.src == SrcSpec::Interface(Some(mac))
+                })
+                .map_err(|users| format!("interface {} is used by routes {users} (delete them first)", iface.name))?;
                 let (idx, name) = (iface.id, iface.name.clone());
+                drop(iface);
                 let iface = self.ifaces.remove(&idx).expect("found above");
                 self.iface_settings.remove(&idx);
                 self.retired.push(Retired::Iface(iface, *detach));
-                Ok(format!("{} interface {idx} {name}", if *detach { "detached" } else { "deleted" }))
+                Ok(format!("{} interface {idx} {name}{managed}", if *detach { "detached" } else { "deleted" }))
             }
             Command::LinkAdd { ip, port, proto, name, mtu, vtoe } => {
                 self.add_link(*ip, *port, proto, name.clone(), *mtu, vtoe.as_deref(), settings, env)
             }
             Command::LinkDel(r) => {
-                let link = self.find_link(r)?;
-                let users = self.routes_using(Port::Link(link.id), |s| {
-                    s.dst == DstSpec::Edge(link.name.clone()) || s.src == SrcSpec::Edge(Some(link.name.clone()))
-                });
-                if !users.is_empty() {
-                    return Err(format!("link {} is used by routes {} (delete them first)", link.name, users));
-                }
+                let link = self.find_link(r)?.clone();
+                let lname = link.name.clone();
+                let managed = self.clear_routes_using(Port::Link(link.id), |s| {
+                    s.dst == DstSpec::Edge(lname.clone()) || s.src == SrcSpec::Edge(Some(lname.clone()))
+                })
+                .map_err(|users| format!("link {lname} is used by routes {users} (delete them first)"))?;
                 let (idx, name) = (link.id, link.name.clone());
+                drop(link);
                 let link = self.links.remove(&idx).expect("found above");
                 self.retired.push(Retired::Link(link));
-                Ok(format!("deleted link {idx} {name}"))
+                Ok(format!("deleted link {idx} {name}{managed}"))
             }
             Command::RouteAdd(spec, owner) => {
                 let rule = self.resolve(spec)?;
@@ -474,18 +474,7 @@ impl Topology {
                     RouteRef::Index(i) => self.routes.get(i).map(|r| r.id).ok_or_else(|| format!("no route {i}"))?,
                     RouteRef::Rule(spec) => *self.route_by_spec.get(spec).ok_or_else(|| format!("no route is {spec}"))?,
                 };
-                let route = self.routes.remove(&idx).expect("found above");
-                self.route_by_spec.remove(&route.spec);
-                let rule = self.table.remove(idx).expect("every route is in the table");
-                for p in ports_named(&rule) {
-                    match self.port_uses.get_mut(&p) {
-                        Some(n) if *n > 1 => *n -= 1,
-                        _ => {
-                            self.port_uses.remove(&p);
-                        }
-                    }
-                }
-                self.removed_routes.push(idx);
+                let route = self.remove_route(idx);
                 Ok(format!("deleted route {idx} {}", route.spec))
             }
             _ => Err("not a state-changing command".into()),
@@ -648,13 +637,42 @@ impl Topology {
         }
     }
 
-    /// The routes that name `port`, listed; empty without a scan when none does.
-    fn routes_using(&self, port: Port, uses: impl Fn(&RuleSpec) -> bool) -> String {
-        if !self.port_uses.contains_key(&port) {
-            return String::new();
+    fn remove_route(&mut self, idx: u32) -> Arc<Route> {
+        let route = self.routes.remove(&idx).expect("the caller found it");
+        self.route_by_spec.remove(&route.spec);
+        let rule = self.table.remove(idx).expect("every route is in the table");
+        for p in ports_named(&rule) {
+            match self.port_uses.get_mut(&p) {
+                Some(n) if *n > 1 => *n -= 1,
+                _ => {
+                    self.port_uses.remove(&p);
+                }
+            }
         }
-        let v: Vec<String> = self.routes.values().filter(|r| uses(&r.spec)).map(|r| r.id.to_string()).collect();
-        v.join(", ")
+        self.removed_routes.push(idx);
+        route
+    }
+
+    /// Before `port` goes: the routes that name it. A user's (no owner)
+    /// keep it: their ids are the error. Routes with an owner (an agent
+    /// that derives them, and will derive them again) go with it; the
+    /// result says which. No scan when no route names the port.
+    fn clear_routes_using(&mut self, port: Port, uses: impl Fn(&RuleSpec) -> bool) -> Result<String, String> {
+        if !self.port_uses.contains_key(&port) {
+            return Ok(String::new());
+        }
+        let users: Vec<(u32, bool)> = self.routes.values().filter(|r| uses(&r.spec)).map(|r| (r.id, r.owner.is_some())).collect();
+        let by_hand: Vec<String> = users.iter().filter(|(_, owned)| !owned).map(|(id, _)| id.to_string()).collect();
+        if !by_hand.is_empty() {
+            return Err(by_hand.join(", "));
+        }
+        for (id, _) in &users {
+            self.remove_route(*id);
+        }
+        Ok(match users.len() {
+            0 => String::new(),
+            n => format!(" and its {n} managed route(s)"),
+        })
     }
 
     /// The rule a route's spec comes to: its endpoints' names resolved to

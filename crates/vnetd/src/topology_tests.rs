@@ -506,11 +506,24 @@ fn ids_are_given_in_order_and_never_reused() {
         assert_eq!(v.ok(&format!("ROUTE ADD {r1}")), [format!("added route 3 {r1}")]);
         assert_eq!(v.topo.routes.keys().copied().collect::<Vec<_>>(), [0, 3]);
 
+        // Routes with an owner (an agent's) go with the link they name; a
+        // user's route keeps the link, and names itself in the refusal.
+        v.ok(&format!(
+            "LINK ADD 198.18.0.5 name agent.h5\nROUTE ADD {M1} {M9} edge agent.h5 interface {M1} owner agent\n\
+             ROUTE ADD any {M9} interface {M1} edge agent.h5 owner agent"
+        ));
+        assert_eq!(v.ok("LINK DEL agent.h5"), ["deleted link 4 agent.h5 and its 2 managed route(s)"]);
+        assert_eq!(v.topo.routes.keys().copied().collect::<Vec<_>>(), [0, 3]);
+        v.ok(&format!("LINK ADD 198.18.0.5 name agent.h5\nROUTE ADD {M1} {M9} edge agent.h5 interface {M1} owner agent\nROUTE ADD any {M9} edge agent.h5 any"));
+        assert_eq!(v.refused("LINK DEL agent.h5"), "line 1: link agent.h5 is used by routes 7 (delete them first)");
+        v.ok("ROUTE DEL 7\nLINK DEL agent.h5");
+        v.ok("ROUTE DEL 0\nROUTE DEL 3");
+
         // What a refused request added is never seen, so its ids are free.
         let before = (v.topo.next_iface, v.topo.next_link, v.topo.next_route);
         v.refused(&format!("INTERFACE ADD g5 {M9}\nLINK ADD 198.18.0.9\nROUTE ADD any {M9} interface {M9} any\nLINK DEL 99"));
         assert_eq!((v.topo.next_iface, v.topo.next_link, v.topo.next_route), before);
-        assert_eq!(before, (5, 4, 4));
+        assert_eq!(before, (5, 6, 8));
     });
 }
 

@@ -1,0 +1,297 @@
+//! What one host's vnetd should hold, derived from the overlay's published
+//! state: pure functions, so every rule the agent writes can be checked by a
+//! unit test without etcd or vnetd.
+//!
+//! The overlay as etcd holds it (docs/controller.md): hosts with their
+//! underlay address, and guests (by MAC) with the host they are on and the
+//! network they are in. For host H and each network N with a guest on H:
+//!
+//! - H has a link to every other host with a guest in N (`agent.<host>`);
+//! - each local guest s of N reaches every other guest d of N, and no one
+//!   else: unicast rules with s's exact MAC as source (`s d edge R interface s`
+//!   to a remote d on host R; `s d interface d interface s` to a local d);
+//! - frames from links reach a local guest d (`any d interface d edge`): a
+//!   remote host sends only its own guests' frames within their networks;
+//! - broadcast (ARP): s's broadcasts go to N's other local guests and to each
+//!   host with members of N; a remote member r's broadcast, arriving from its
+//!   host's link, goes to N's local guests (`r ff:.. interface d edge R`).
+//!   Split horizon is VNET/P's: nothing goes back where it came from, and
+//!   frames from links never go on to links.
+//!
+//! So a guest's frames reach only its own network, on every host, with the
+//! VNET/P rule table unchanged. The rules grow as local × remote members per
+//! network (docs/controller.md gives the sizes).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+pub const BROADCAST: &str = "ff:ff:ff:ff:ff:ff";
+/// The owner tag of the agent's routes (`ROUTE ADD ... owner agent`).
+pub const OWNER: &str = "agent";
+/// The agent's links are named this prefix and the host's name.
+pub const LINK_PREFIX: &str = "agent.";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Host {
+    pub underlay: IpAddr,
+    pub port: u16,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Guest {
+    pub host: String,
+    pub network: String,
+}
+
+/// A link the agent wants: its name and the `LINK ADD` arguments.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct LinkWant {
+    pub name: String,
+    pub underlay: IpAddr,
+    pub port: u16,
+}
+
+impl LinkWant {
+    pub fn command(&self) -> String {
+        format!("LINK ADD {} {} udp name {}", self.underlay, self.port, self.name)
+    }
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    pub links: BTreeSet<LinkWant>,
+    /// Rules as `ROUTE LIST` prints them (lower-case MACs, canonical words).
+    pub routes: BTreeSet<String>,
+}
+
+/// Host names become link names (`agent.<host>`) and etcd keys.
+pub fn check_host_name(name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 48
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphanumeric());
+    anyhow::ensure!(ok, "'{name}' is not a host name (up to 48 of A-Z a-z 0-9 _ . -, starting with a letter or digit)");
+    Ok(())
+}
+
+/// Network names as vnetd takes them (`INTERFACE ADD ... network <name>`).
+pub fn check_network(name: &str) -> anyhow::Result<()> {
+    let ok = !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+    anyhow::ensure!(ok, "'{name}' is not a network name");
+    Ok(())
+}
+
+/// A unicast MAC, in the lower-case form vnetd prints.
+pub fn check_mac(mac: &str) -> anyhow::Result<String> {
+    let bytes: Vec<u8> = mac.split(':').filter_map(|b| (b.len() == 2).then(|| u8::from_str_radix(b, 16).ok()).flatten()).collect();
+    anyhow::ensure!(bytes.len() == 6 && mac.len() == 17, "'{mac}' is not a MAC address");
+    anyhow::ensure!(bytes[0] & 1 == 0, "'{mac}' is a multicast address");
+    Ok(mac.to_ascii_lowercase())
+}
+
+pub fn link_name(host: &str) -> String {
+    format!("{LINK_PREFIX}{host}")
+}
+
+/// Host `me`'s links and routes for the overlay `guests` on `hosts`, where
+/// `local` are the guests vnetd has here (MAC → network) that this host
+/// holds in etcd too. MACs are lower case.
+pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String, Guest>, local: &BTreeMap<String, String>) -> Desired {
+    let mut d = Desired::default();
+    // Members of each network: local ones, and remote ones by host (only
+    // hosts that are registered: a guest of a host that is gone is not
+    // reachable).
+    let mut nets: BTreeMap<&str, (Vec<&str>, BTreeMap<&str, Vec<&str>>)> = BTreeMap::new();
+    for (mac, net) in local {
+        nets.entry(net.as_str()).or_default().0.push(mac.as_str());
+    }
+    for (mac, g) in guests {
+        if g.host == me || !hosts.contains_key(&g.host) {
+            continue;
+        }
+        if let Some(e) = nets.get_mut(g.network.as_str()) {
+            e.1.entry(g.host.as_str()).or_default().push(mac.as_str());
+        }
+    }
+    for (local_members, remote) in nets.values() {
+        for host in remote.keys() {
+            let h = &hosts[*host];
+            d.links.insert(LinkWant { name: link_name(host), underlay: h.underlay, port: h.port });
+        }
+        for &s in local_members {
+            d.routes.insert(format!("any {s} interface {s} edge"));
+            for &t in local_members.iter().filter(|&&t| t != s) {
+                d.routes.insert(format!("{s} {t} interface {t} interface {s}"));
+                d.routes.insert(format!("{s} {BROADCAST} interface {t} interface {s}"));
+            }
+            for (host, members) in remote {
+                let link = link_name(host);
+                d.routes.insert(format!("{s} {BROADCAST} edge {link} interface {s}"));
+                for &r in members {
+                    d.routes.insert(format!("{s} {r} edge {link} interface {s}"));
+                    d.routes.insert(format!("{r} {BROADCAST} interface {s} edge {link}"));
+                }
+            }
+        }
+    }
+    d
+}
+
+/// The request that takes vnetd from what it has (`links`: the agent's
+/// links by name → (index, remote ip, port); `routes`: the agent's routes,
+/// rule → index; `user_routes`: rules a user added, which the agent must
+/// neither add again nor remove) to `want`. Empty when nothing differs.
+pub fn plan(
+    want: &Desired,
+    links: &BTreeMap<String, (u32, IpAddr, u16)>,
+    routes: &BTreeMap<String, u32>,
+    user_routes: &BTreeSet<String>,
+) -> Vec<String> {
+    let mut req = Vec::new();
+    let wanted_links: BTreeMap<&str, &LinkWant> = want.links.iter().map(|l| (l.name.as_str(), l)).collect();
+    // A link whose host moved to another address is replaced: its routes
+    // go first and come back after.
+    let moved: BTreeSet<&str> = links
+        .iter()
+        .filter(|(n, (_, ip, port))| wanted_links.get(n.as_str()).is_some_and(|w| (w.underlay, w.port) != (*ip, *port)))
+        .map(|(n, _)| n.as_str())
+        .collect();
+    let uses = |rule: &str, link: &str| rule.split(' ').any(|w| w == link);
+    for (rule, idx) in routes {
+        if !want.routes.contains(rule) || moved.iter().any(|l| uses(rule, l)) {
+            req.push(format!("ROUTE DEL {idx}"));
+        }
+    }
+    for (name, (idx, _, _)) in links {
+        if !wanted_links.contains_key(name.as_str()) || moved.contains(name.as_str()) {
+            req.push(format!("LINK DEL {idx}"));
+        }
+    }
+    for l in &want.links {
+        if !links.contains_key(&l.name) || moved.contains(l.name.as_str()) {
+            req.push(l.command());
+        }
+    }
+    for rule in &want.routes {
+        let kept = routes.contains_key(rule) && !moved.iter().any(|l| uses(rule, l));
+        if !kept && !user_routes.contains(rule) {
+            req.push(format!("ROUTE ADD {rule} owner {OWNER}"));
+        }
+    }
+    req
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(n: usize) -> BTreeMap<String, Host> {
+        (1..=n).map(|i| (format!("h{i}"), Host { underlay: format!("198.18.0.{i}").parse().unwrap(), port: 9000 })).collect()
+    }
+
+    fn guest(host: &str, net: &str) -> Guest {
+        Guest { host: host.into(), network: net.into() }
+    }
+
+    const A1: &str = "02:00:00:00:00:a1";
+    const A2: &str = "02:00:00:00:00:a2";
+    const A3: &str = "02:00:00:00:00:a3";
+    const B1: &str = "02:00:00:00:00:b1";
+    const B2: &str = "02:00:00:00:00:b2";
+
+    fn overlay() -> BTreeMap<String, Guest> {
+        [(A1, "h1", "a"), (A2, "h2", "a"), (A3, "h1", "a"), (B1, "h1", "b"), (B2, "h3", "b")]
+            .iter()
+            .map(|(m, h, n)| (m.to_string(), guest(h, n)))
+            .collect()
+    }
+
+    fn local(of: &str) -> BTreeMap<String, String> {
+        overlay().into_iter().filter(|(_, g)| g.host == of).map(|(m, g)| (m, g.network)).collect()
+    }
+
+    #[test]
+    fn each_network_reaches_its_own_members_only() {
+        let d = derive("h1", &hosts(3), &overlay(), &local("h1"));
+        let links: Vec<&str> = d.links.iter().map(|l| l.name.as_str()).collect();
+        assert_eq!(links, ["agent.h2", "agent.h3"]);
+        let want: BTreeSet<String> = [
+            // network a: A1 and A3 here, A2 on h2
+            format!("any {A1} interface {A1} edge"),
+            format!("any {A3} interface {A3} edge"),
+            format!("{A1} {A3} interface {A3} interface {A1}"),
+            format!("{A3} {A1} interface {A1} interface {A3}"),
+            format!("{A1} {BROADCAST} interface {A3} interface {A1}"),
+            format!("{A3} {BROADCAST} interface {A1} interface {A3}"),
+            format!("{A1} {A2} edge agent.h2 interface {A1}"),
+            format!("{A3} {A2} edge agent.h2 interface {A3}"),
+            format!("{A1} {BROADCAST} edge agent.h2 interface {A1}"),
+            format!("{A3} {BROADCAST} edge agent.h2 interface {A3}"),
+            format!("{A2} {BROADCAST} interface {A1} edge agent.h2"),
+            format!("{A2} {BROADCAST} interface {A3} edge agent.h2"),
+            // network b: B1 here, B2 on h3
+            format!("any {B1} interface {B1} edge"),
+            format!("{B1} {B2} edge agent.h3 interface {B1}"),
+            format!("{B1} {BROADCAST} edge agent.h3 interface {B1}"),
+            format!("{B2} {BROADCAST} interface {B1} edge agent.h3"),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(d.routes, want);
+        // Nothing crosses networks: no rule has an a-guest and a b-guest.
+        for r in &d.routes {
+            let a = [A1, A2, A3].iter().any(|m| r.contains(m));
+            let b = [B1, B2].iter().any(|m| r.contains(m));
+            assert!(!(a && b), "{r}");
+        }
+    }
+
+    #[test]
+    fn a_host_with_no_member_of_a_network_gets_nothing_of_it() {
+        let d = derive("h2", &hosts(3), &overlay(), &local("h2"));
+        assert_eq!(d.links.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["agent.h1"]);
+        assert!(d.routes.iter().all(|r| !r.contains(B1) && !r.contains(B2)));
+        assert!(derive("h4", &hosts(4), &overlay(), &BTreeMap::new()).routes.is_empty());
+    }
+
+    #[test]
+    fn guests_of_an_unregistered_host_are_not_routed() {
+        let mut hs = hosts(3);
+        hs.remove("h3");
+        let d = derive("h1", &hs, &overlay(), &local("h1"));
+        assert!(d.routes.iter().all(|r| !r.contains(B2) && !r.contains("agent.h3")));
+        assert!(!d.links.iter().any(|l| l.name == "agent.h3"));
+    }
+
+    #[test]
+    fn the_plan_changes_only_what_differs_and_never_a_users_route() {
+        let d = derive("h1", &hosts(3), &overlay(), &local("h1"));
+        // Nothing yet: every link, then every route.
+        let all = plan(&d, &BTreeMap::new(), &BTreeMap::new(), &BTreeSet::new());
+        assert_eq!(all.iter().filter(|l| l.starts_with("LINK ADD")).count(), 2);
+        assert_eq!(all.iter().filter(|l| l.starts_with("ROUTE ADD")).count(), d.routes.len());
+        assert!(all.iter().position(|l| l.starts_with("ROUTE ADD")) > all.iter().position(|l| l.starts_with("LINK ADD")));
+        // All there: nothing to do.
+        let links: BTreeMap<String, (u32, IpAddr, u16)> =
+            d.links.iter().enumerate().map(|(i, l)| (l.name.clone(), (i as u32, l.underlay, l.port))).collect();
+        let mut routes: BTreeMap<String, u32> = d.routes.iter().enumerate().map(|(i, r)| (r.clone(), i as u32)).collect();
+        assert!(plan(&d, &links, &routes, &BTreeSet::new()).is_empty());
+        // A stale route of ours goes; a user's identical rule is not added twice.
+        routes.insert("any 02:00:00:00:00:99 edge agent.h2 any".into(), 77);
+        let user_has = d.routes.iter().next().unwrap().clone();
+        routes.remove(&user_has);
+        let p = plan(&d, &links, &routes, &[user_has].into_iter().collect());
+        assert_eq!(p, ["ROUTE DEL 77"]);
+        // h2 moved to another address: its link is replaced, with its routes.
+        let mut hs = hosts(3);
+        hs.get_mut("h2").unwrap().underlay = "198.18.1.2".parse().unwrap();
+        let d2 = derive("h1", &hs, &overlay(), &local("h1"));
+        let routes: BTreeMap<String, u32> = d.routes.iter().enumerate().map(|(i, r)| (r.clone(), i as u32)).collect();
+        let p = plan(&d2, &links, &routes, &BTreeSet::new());
+        let h2_routes = d.routes.iter().filter(|r| r.contains("agent.h2")).count();
+        assert_eq!(p.iter().filter(|l| l.starts_with("ROUTE DEL")).count(), h2_routes);
+        assert_eq!(p.iter().filter(|l| l.starts_with("ROUTE ADD")).count(), h2_routes);
+        assert!(p.contains(&"LINK DEL 0".to_string()));
+        assert!(p.contains(&"LINK ADD 198.18.1.2 9000 udp name agent.h2".to_string()));
+    }
+}

@@ -1,0 +1,404 @@
+//! The overlay's state in etcd, as one agent keeps it: its host's
+//! registration on a lease, its guests' claims, and a cache of everyone's
+//! keys kept current by a watch.
+//!
+//! Keys (under `--prefix`, default `/vnet`), values JSON:
+//!
+//! ```text
+//! <p>/hosts/<host>   {"underlay": "198.18.0.1", "port": 9000}           on the host's lease
+//! <p>/guests/<mac>   {"host": "h1", "network": "blue", "seq": 3}         on the claiming host's lease
+//! ```
+//!
+//! A guest's key says which host has it. A host claims a MAC when its vnetd
+//! gets an interface with it: with `seq` one past the key's (1 if there is
+//! none), in a transaction that holds only if the key is unchanged since
+//! the agent read it. So claims are ordered: the later claim (a migration's
+//! new host) has the higher `seq` and wins, and a late write from the old
+//! host fails its transaction rather than overwrite the new claim. A host
+//! that lost a MAC to a later claim does not claim it again while that
+//! claim stands (its interface is stale: logged, not routed); it deletes a
+//! key only if the key is still the one it wrote.
+//!
+//! When a host's agent dies, its lease expires and etcd deletes its keys:
+//! the other agents see the deletes and withdraw its guests. When etcd is
+//! unreachable, the cache is kept and nothing is changed; when the watch
+//! cannot go on (etcd compacted past it, or restarted), the agent lists the
+//! prefix again and watches from there.
+
+use crate::model::{Guest, Host};
+use crate::Args;
+use etcd_client::{
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, LeaseKeeper, LeaseKeepAliveStream,
+    PutOptions, TlsOptions, Txn, TxnOp, WatchOptions, WatchStream,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+#[derive(Serialize, Deserialize)]
+struct HostValue {
+    underlay: IpAddr,
+    port: u16,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug)]
+struct GuestValue {
+    host: String,
+    network: String,
+    seq: u64,
+}
+
+/// A guest key as last seen.
+#[derive(Clone, Debug)]
+struct GuestEntry {
+    value: GuestValue,
+    mod_revision: i64,
+}
+
+/// This host's claim on a local interface's MAC.
+#[derive(Clone, Debug)]
+struct Claim {
+    /// The vnetd interface id it was made for: a new interface with the same
+    /// MAC (deleted and added again) claims again.
+    iface: u32,
+    network: String,
+    /// The revision our write got, once written.
+    written: Option<i64>,
+    /// Another host claimed the MAC after us.
+    lost: bool,
+}
+
+pub struct View<'a> {
+    pub hosts: &'a BTreeMap<String, Host>,
+    pub guests: &'a BTreeMap<String, Guest>,
+    pub revision: i64,
+}
+
+pub struct Store {
+    args: Args,
+    client: Option<Client>,
+    lease: Option<(i64, LeaseKeeper, LeaseKeepAliveStream, Instant)>,
+    watch: Option<WatchStream>,
+    /// The cache is a true copy of etcd as of `revision` (listed, then
+    /// followed by the watch); None until the first listing.
+    revision: Option<i64>,
+    hosts: BTreeMap<String, Host>,
+    guests: BTreeMap<String, GuestEntry>,
+    /// `guests` as the model wants them.
+    routed: BTreeMap<String, Guest>,
+    claims: BTreeMap<String, Claim>,
+    retry_at: Instant,
+}
+
+const OP_TIMEOUT: Duration = Duration::from_secs(3);
+
+impl Store {
+    pub async fn new(args: &Args) -> Store {
+        Store {
+            args: args.clone(),
+            client: None,
+            lease: None,
+            watch: None,
+            revision: None,
+            hosts: BTreeMap::new(),
+            guests: BTreeMap::new(),
+            routed: BTreeMap::new(),
+            claims: BTreeMap::new(),
+            retry_at: Instant::now(),
+        }
+    }
+
+    fn key(&self, kind: &str, name: &str) -> String {
+        format!("{}/{kind}/{name}", self.args.prefix)
+    }
+
+    fn options(&self) -> anyhow::Result<ConnectOptions> {
+        let mut o = ConnectOptions::new().with_timeout(OP_TIMEOUT).with_connect_timeout(OP_TIMEOUT);
+        if self.args.cacert.is_some() || self.args.cert.is_some() {
+            let mut tls = TlsOptions::new();
+            if let Some(ca) = &self.args.cacert {
+                tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(ca)?));
+            }
+            if let (Some(c), Some(k)) = (&self.args.cert, &self.args.key) {
+                tls = tls.identity(Identity::from_pem(std::fs::read(c)?, std::fs::read(k)?));
+            }
+            o = o.with_tls(tls);
+        }
+        Ok(o)
+    }
+
+    /// Connects, registers the host and lists the overlay, as far as etcd
+    /// lets it; what fails is tried again a second later.
+    pub async fn maintain(&mut self) {
+        if Instant::now() < self.retry_at {
+            return;
+        }
+        if let Err(e) = self.try_maintain().await {
+            tracing::warn!("etcd: {e:#} (routes stay as they are; trying again)");
+            self.retry_at = Instant::now() + Duration::from_secs(1);
+            self.watch = None;
+            if e.downcast_ref::<etcd_client::Error>().is_some_and(|e| matches!(e, etcd_client::Error::TransportError(_))) {
+                self.client = None;
+                self.lease = None;
+            }
+        }
+    }
+
+    async fn try_maintain(&mut self) -> anyhow::Result<()> {
+        if self.client.is_none() {
+            let c = Client::connect(&self.args.etcd, Some(self.options()?)).await?;
+            tracing::info!("etcd: connected to {}", self.args.etcd.join(","));
+            self.client = Some(c);
+        }
+        // The lease: kept alive at a third of its life; a lost one (etcd
+        // down longer than the TTL) is granted again and everything of ours
+        // written again under it.
+        let ttl = self.args.ttl;
+        let mut lost = false;
+        if let Some((_, keeper, stream, last)) = &mut self.lease {
+            if last.elapsed() >= Duration::from_millis(ttl as u64 * 1000 / 3) {
+                keeper.keep_alive().await?;
+                match tokio::time::timeout(OP_TIMEOUT, stream.message()).await {
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => *last = Instant::now(),
+                    Ok(Ok(_)) => lost = true,
+                    Ok(Err(e)) => return Err(e.into()),
+                    Err(_) => anyhow::bail!("lease keep-alive unanswered"),
+                }
+            }
+        }
+        if lost {
+            tracing::warn!("etcd: our lease expired; registering again");
+            self.lease = None;
+        }
+        let client = self.client.as_mut().expect("connected above");
+        if self.lease.is_none() {
+            let id = client.lease_grant(ttl, None).await?.id();
+            let (keeper, stream) = client.lease_keep_alive(id).await?;
+            let v = serde_json::to_string(&HostValue { underlay: self.args.underlay, port: self.args.port })?;
+            let key = format!("{}/hosts/{}", self.args.prefix, self.args.host);
+            client.put(key, v, Some(PutOptions::new().with_lease(id))).await?;
+            self.lease = Some((id, keeper, stream, Instant::now()));
+            // Our claims are to be written again under the new lease.
+            for c in self.claims.values_mut() {
+                c.written = None;
+                c.lost = false;
+            }
+            tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.args.host);
+        }
+        if self.watch.is_none() {
+            self.relist().await?;
+        }
+        Ok(())
+    }
+
+    /// Lists the prefix and watches from the revision after it.
+    async fn relist(&mut self) -> anyhow::Result<()> {
+        let prefix = format!("{}/", self.args.prefix);
+        let client = self.client.as_mut().expect("connected");
+        let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
+        let rev = resp.header().map_or(0, |h| h.revision());
+        self.hosts.clear();
+        self.guests.clear();
+        let kvs: Vec<(String, Vec<u8>, i64)> =
+            resp.kvs().iter().map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec(), kv.mod_revision())).collect();
+        let stream = client.watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
+        for (k, v, m) in kvs {
+            self.put_cached(&k, &v, m);
+        }
+        self.watch = Some(stream);
+        self.revision = Some(rev);
+        self.rebuild();
+        tracing::info!("etcd: listed {} hosts and {} guests at revision {rev}", self.hosts.len(), self.guests.len());
+        Ok(())
+    }
+
+    /// Takes a key into the cache. A value that does not parse is ignored
+    /// (and logged): one bad writer cannot stop the overlay.
+    fn put_cached(&mut self, key: &str, value: &[u8], mod_revision: i64) {
+        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.prefix)) else { return };
+        if let Some(name) = rest.strip_prefix("hosts/") {
+            match serde_json::from_slice::<HostValue>(value) {
+                Ok(h) if crate::model::check_host_name(name).is_ok() => {
+                    self.hosts.insert(name.to_string(), Host { underlay: h.underlay, port: h.port });
+                }
+                _ => tracing::warn!("etcd: ignoring {key}: not a host entry"),
+            }
+        } else if let Some(mac) = rest.strip_prefix("guests/") {
+            match (serde_json::from_slice::<GuestValue>(value), crate::model::check_mac(mac)) {
+                (Ok(g), Ok(mac)) if crate::model::check_host_name(&g.host).is_ok() && crate::model::check_network(&g.network).is_ok() => {
+                    self.guests.insert(mac, GuestEntry { value: g, mod_revision });
+                }
+                _ => tracing::warn!("etcd: ignoring {key}: not a guest entry"),
+            }
+        }
+    }
+
+    fn delete_cached(&mut self, key: &str) {
+        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.prefix)) else { return };
+        if let Some(name) = rest.strip_prefix("hosts/") {
+            self.hosts.remove(name);
+        } else if let Some(mac) = rest.strip_prefix("guests/") {
+            self.guests.remove(&mac.to_ascii_lowercase());
+        }
+    }
+
+    fn rebuild(&mut self) {
+        self.routed = self
+            .guests
+            .iter()
+            .map(|(m, e)| (m.clone(), Guest { host: e.value.host.clone(), network: e.value.network.clone() }))
+            .collect();
+        // A claim of ours that another host's later claim replaced is lost.
+        for (mac, c) in self.claims.iter_mut() {
+            if let (Some(w), Some(e)) = (c.written, self.guests.get(mac)) {
+                if e.mod_revision != w && e.value.host != self.args.host && !c.lost {
+                    c.lost = true;
+                    tracing::warn!(
+                        "guest {mac}: host {} claimed it after us (seq {}): our interface is stale and not routed",
+                        e.value.host,
+                        e.value.seq
+                    );
+                }
+            }
+        }
+    }
+
+    /// Waits for the watch's next response and takes it in.
+    pub async fn next_event(&mut self) {
+        let Some(w) = self.watch.as_mut() else {
+            std::future::pending::<()>().await;
+            return;
+        };
+        let r = w.message().await;
+        self.take(r);
+    }
+
+    /// Takes in every watch response already there.
+    pub async fn drain(&mut self) {
+        loop {
+            let Some(w) = self.watch.as_mut() else { return };
+            match tokio::time::timeout(Duration::ZERO, w.message()).await {
+                Ok(r) => self.take(r),
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn take(&mut self, r: Result<Option<etcd_client::WatchResponse>, etcd_client::Error>) {
+        match r {
+            Ok(Some(resp)) => {
+                if resp.canceled() || resp.compact_revision() > 0 {
+                    tracing::warn!(
+                        "etcd: watch ended ({}; compacted to {}): listing again",
+                        resp.cancel_reason(),
+                        resp.compact_revision()
+                    );
+                    self.watch = None;
+                    return;
+                }
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    match ev.event_type() {
+                        EventType::Put => self.put_cached(&key, kv.value(), kv.mod_revision()),
+                        EventType::Delete => self.delete_cached(&key),
+                    }
+                    self.revision = Some(kv.mod_revision().max(self.revision.unwrap_or(0)));
+                }
+                if let Some(h) = resp.header() {
+                    self.revision = Some(h.revision().max(self.revision.unwrap_or(0)));
+                }
+                self.rebuild();
+            }
+            Ok(None) | Err(_) => {
+                tracing::warn!("etcd: watch broken: listing again once etcd answers");
+                self.watch = None;
+            }
+        }
+    }
+
+    /// Claims the MACs of new local interfaces and gives up those of
+    /// interfaces gone. Only while etcd answers; otherwise next time.
+    pub async fn publish(&mut self, local: &BTreeMap<String, (u32, String)>) {
+        if self.lease.is_none() || self.revision.is_none() {
+            return;
+        }
+        // Interfaces gone (or replaced by a new one with the MAC).
+        let gone: Vec<String> = self
+            .claims
+            .iter()
+            .filter(|(m, c)| local.get(*m).is_none_or(|(id, _)| *id != c.iface))
+            .map(|(m, _)| m.clone())
+            .collect();
+        for mac in gone {
+            let c = self.claims.remove(&mac).expect("listed above");
+            if let (Some(w), false) = (c.written, c.lost) {
+                let key = self.key("guests", &mac);
+                let txn = Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, w)]).and_then([TxnOp::delete(key, None)]);
+                match self.client.as_mut().expect("connected").txn(txn).await {
+                    Ok(r) if r.succeeded() => tracing::info!("guest {mac}: withdrawn (its interface is gone)"),
+                    Ok(_) => tracing::info!("guest {mac}: its key is another host's now; left as it is"),
+                    Err(e) => {
+                        tracing::warn!("etcd: cannot withdraw guest {mac}: {e}");
+                        self.claims.insert(mac, c);
+                    }
+                }
+            }
+        }
+        let lease = self.lease.as_ref().expect("checked").0;
+        for (mac, (id, network)) in local {
+            let c = self.claims.entry(mac.clone()).or_insert_with(|| Claim { iface: *id, network: network.clone(), written: None, lost: false });
+            if c.written.is_some() || c.lost {
+                continue;
+            }
+            let key = format!("{}/guests/{mac}", self.args.prefix);
+            let seen = self.guests.get(mac);
+            // Ours already (a restarted agent, or a new lease): written again
+            // with its seq; another host's: the next seq; none: 1.
+            let (seq, cmp) = match seen {
+                Some(e) if e.value.host == self.args.host => (e.value.seq, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
+                Some(e) => (e.value.seq + 1, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
+                None => (1, Compare::version(key.clone(), CompareOp::Equal, 0)),
+            };
+            let v = GuestValue { host: self.args.host.clone(), network: c.network.clone(), seq };
+            let txn = Txn::new()
+                .when([cmp])
+                .and_then([TxnOp::put(key.clone(), serde_json::to_string(&v).expect("plain struct"), Some(PutOptions::new().with_lease(lease)))]);
+            match self.client.as_mut().expect("connected").txn(txn).await {
+                Ok(r) if r.succeeded() => {
+                    let rev = r.header().map_or(0, |h| h.revision());
+                    c.written = Some(rev);
+                    if let Some(prev) = seen.filter(|e| e.value.host != self.args.host) {
+                        tracing::info!("guest {mac}: claimed from host {} (seq {seq})", prev.value.host);
+                    } else {
+                        tracing::info!("guest {mac}: published in network {} (seq {seq})", c.network);
+                    }
+                    // Our own write comes back through the watch too; note it now.
+                    self.guests.insert(mac.clone(), GuestEntry { value: v, mod_revision: rev });
+                }
+                Ok(_) => tracing::debug!("guest {mac}: its key changed under us; trying again"),
+                Err(e) => tracing::warn!("etcd: cannot publish guest {mac}: {e}"),
+            }
+        }
+        self.rebuild();
+    }
+
+    /// The overlay as last seen, once it has been listed.
+    pub fn view(&self) -> Option<View<'_>> {
+        Some(View { hosts: &self.hosts, guests: &self.routed, revision: self.revision? })
+    }
+
+    /// The local interfaces this host holds in etcd (MAC → network): a
+    /// claim written and not lost.
+    pub fn held(&self, local: &BTreeMap<String, (u32, String)>) -> BTreeMap<String, String> {
+        local
+            .iter()
+            .filter(|(m, (id, _))| {
+                self.claims.get(*m).is_some_and(|c| c.iface == *id && c.written.is_some() && !c.lost)
+                    && self.routed.get(*m).is_some_and(|g| g.host == self.args.host)
+            })
+            .map(|(m, (_, n))| (m.clone(), n.clone()))
+            .collect()
+    }
+}

@@ -1,0 +1,179 @@
+//! The agent's session with its vnetd: the control language over the Unix
+//! socket (docs/control-language.md), as any other admin client speaks it.
+//! The agent reads vnetd's interfaces, links and routes, and applies its
+//! changes as one BEGIN..COMMIT request, all or nothing.
+
+use anyhow::{anyhow, bail, Context, Result};
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::model::{LINK_PREFIX, OWNER};
+
+pub struct Vnetd {
+    path: PathBuf,
+    conn: Option<(BufReader<UnixStream>, UnixStream)>,
+}
+
+/// What vnetd has, as the agent sees it.
+#[derive(Debug, Default)]
+pub struct State {
+    /// Local guests: MAC (lower case) → (interface id, network).
+    pub ifaces: BTreeMap<String, (u32, String)>,
+    /// The agent's links: name → (index, remote ip, port).
+    pub links: BTreeMap<String, (u32, IpAddr, u16)>,
+    /// The agent's routes: rule → index.
+    pub routes: BTreeMap<String, u32>,
+    /// Every other route's rule (a user's).
+    pub user_routes: BTreeSet<String>,
+}
+
+impl Vnetd {
+    pub fn new(path: &Path) -> Vnetd {
+        Vnetd { path: path.to_path_buf(), conn: None }
+    }
+
+    /// One request; its output lines, or vnetd's error. A broken session is
+    /// dropped, to be opened again by the next request.
+    pub fn request(&mut self, text: &str) -> Result<Vec<String>> {
+        let r = self.try_request(text);
+        if r.as_ref().is_err_and(|e| e.downcast_ref::<std::io::Error>().is_some()) {
+            self.conn = None;
+        }
+        r
+    }
+
+    fn try_request(&mut self, text: &str) -> Result<Vec<String>> {
+        if self.conn.is_none() {
+            let s = UnixStream::connect(&self.path)?;
+            s.set_read_timeout(Some(Duration::from_secs(30)))?;
+            self.conn = Some((BufReader::new(s.try_clone()?), s));
+        }
+        let (r, w) = self.conn.as_mut().expect("connected above");
+        w.write_all(text.as_bytes())?;
+        if !text.ends_with('\n') {
+            w.write_all(b"\n")?;
+        }
+        let mut status = String::new();
+        if r.read_line(&mut status)? == 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
+        let status = status.trim_end();
+        if let Some(n) = status.strip_prefix("OK ") {
+            let n: usize = n.parse().map_err(|_| anyhow!("vnetd answered '{status}'"))?;
+            let mut out = Vec::with_capacity(n);
+            for _ in 0..n {
+                let mut l = String::new();
+                if r.read_line(&mut l)? == 0 {
+                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                }
+                out.push(l.trim_end().to_string());
+            }
+            Ok(out)
+        } else if let Some(e) = status.strip_prefix("ERR ") {
+            bail!("vnetd refused: {e}")
+        } else {
+            bail!("vnetd answered '{status}'")
+        }
+    }
+
+    /// Interfaces, the agent's links and all routes, read in one request
+    /// so that they agree with each other.
+    pub fn state(&mut self) -> Result<State> {
+        let lines = self.request("BEGIN\nINTERFACE LIST\nLINK LIST\nROUTE LIST\nCOMMIT")?;
+        parse_state(&lines)
+    }
+
+    /// Applies `changes` as one request (all or nothing).
+    pub fn apply(&mut self, changes: &[String]) -> Result<Vec<String>> {
+        let mut text = String::from("BEGIN\n");
+        for c in changes {
+            text.push_str(c);
+            text.push('\n');
+        }
+        text.push_str("COMMIT\n");
+        self.request(&text)
+    }
+}
+
+/// `key=value` words of a listing line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split(' ').find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+pub fn parse_state(lines: &[String]) -> Result<State> {
+    let mut st = State::default();
+    for line in lines {
+        let words: Vec<&str> = line.split(' ').collect();
+        match words.first().copied() {
+            Some("interface") => {
+                let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("interface line without an id")?;
+                let mac = field(line, "mac").context("interface line without mac=")?.to_ascii_lowercase();
+                let net = field(line, "network").unwrap_or("default").to_string();
+                st.ifaces.insert(mac, (id, net));
+            }
+            Some("link") => {
+                let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("link line without an id")?;
+                let name = field(line, "name").context("link line without name=")?;
+                if !name.starts_with(LINK_PREFIX) {
+                    continue;
+                }
+                let remote: SocketAddr = field(line, "remote")
+                    .context("agent link without remote=")?
+                    .parse()
+                    .map_err(|_| anyhow!("bad remote= in '{line}'"))?;
+                st.links.insert(name.to_string(), (id, remote.ip(), remote.port()));
+            }
+            Some("route") => {
+                let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("route line without an id")?;
+                let rest = &words[2..];
+                match rest {
+                    [rule @ .., "owner", o] if *o == OWNER => {
+                        st.routes.insert(rule.join(" "), id);
+                    }
+                    [rule @ .., "owner", _] => {
+                        st.user_routes.insert(rule.join(" "));
+                    }
+                    rule => {
+                        st.user_routes.insert(rule.join(" "));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(st)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vnetds_listings() {
+        let lines: Vec<String> = [
+            "interface 0 name=g1 mac=02:00:00:00:00:01 mtu=1500 attach=netns netns=g1 network=blue mode=default alpha-lower=default alpha-upper=default window-ms=default",
+            "interface 3 name=g2 mac=02:00:00:00:00:02 mtu=1500 attach=veth netns=g2 network=default veth=g2",
+            "link 0 name=agent.h2 proto=udp remote=198.18.0.2:9000 mtu=1500 max_frame=1458",
+            "link 1 name=mine proto=udp remote=198.18.0.9:9000 mtu=1500 max_frame=1458",
+            "route 4 02:00:00:00:00:01 02:00:00:00:00:a2 edge agent.h2 interface 02:00:00:00:00:01 owner agent",
+            "route 5 any ff:ff:ff:ff:ff:ff edge mine interface",
+            "route 6 any 02:00:00:00:00:09 edge mine any owner someone",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let st = parse_state(&lines).unwrap();
+        assert_eq!(st.ifaces["02:00:00:00:00:01"], (0, "blue".to_string()));
+        assert_eq!(st.ifaces["02:00:00:00:00:02"], (3, "default".to_string()));
+        assert_eq!(st.links.len(), 1, "only the agent's links");
+        assert_eq!(st.links["agent.h2"], (0, "198.18.0.2".parse().unwrap(), 9000));
+        assert_eq!(st.routes["02:00:00:00:00:01 02:00:00:00:00:a2 edge agent.h2 interface 02:00:00:00:00:01"], 4);
+        assert_eq!(st.routes.len(), 1);
+        assert!(st.user_routes.contains("any ff:ff:ff:ff:ff:ff edge mine interface"));
+        assert!(st.user_routes.contains("any 02:00:00:00:00:09 edge mine any"));
+    }
+}
