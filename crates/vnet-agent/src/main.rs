@@ -99,7 +99,7 @@ async fn run(args: Args) -> Result<()> {
         store.publish(&local).await;
         let Some(view) = store.view() else { continue };
         let held = store.held(&local);
-        let want = model::derive(&args.host, &view.hosts, &view.guests, &held);
+        let want = model::derive(&args.host, view.hosts, view.guests, &held);
         let changes = model::plan(&want, &state.links, &state.routes, &state.user_routes);
         if changes.is_empty() {
             continue;

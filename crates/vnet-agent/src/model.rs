@@ -93,6 +93,10 @@ pub fn link_name(host: &str) -> String {
     format!("{LINK_PREFIX}{host}")
 }
 
+/// A network's members as one host sees them: its own guests, and the
+/// others' by host.
+type Members<'a> = (Vec<&'a str>, BTreeMap<&'a str, Vec<&'a str>>);
+
 /// Host `me`'s links and routes for the overlay `guests` on `hosts`, where
 /// `local` are the guests vnetd has here (MAC → network) that this host
 /// holds in etcd too. MACs are lower case.
@@ -101,7 +105,7 @@ pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String
     // Members of each network: local ones, and remote ones by host (only
     // hosts that are registered: a guest of a host that is gone is not
     // reachable).
-    let mut nets: BTreeMap<&str, (Vec<&str>, BTreeMap<&str, Vec<&str>>)> = BTreeMap::new();
+    let mut nets: BTreeMap<&str, Members> = BTreeMap::new();
     for (mac, net) in local {
         nets.entry(net.as_str()).or_default().0.push(mac.as_str());
     }
