@@ -14,6 +14,7 @@ with `INTERFACE ADD ... network <name>`, and the agents derive the rest.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -38,20 +39,31 @@ def mac(n: int) -> str:
     return "02:00:00:00:00:%02x" % n
 
 
+def make_certs(dir):
+    """A CA, etcd's server certificate (for its underlay IP) and a client
+    certificate for the agents, all EC P-256, made with openssl."""
+    def x(*a):
+        subprocess.run(["openssl", *map(str, a)], check=True, capture_output=True, cwd=dir)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    x("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", 1, "-subj", "/CN=vnet-test-ca")
+    for name, ext in [("server", f"subjectAltName=IP:{underlay_ip(100)}\nextendedKeyUsage=serverAuth"),
+                      ("agent", "extendedKeyUsage=clientAuth")]:
+        (dir / f"{name}.ext").write_text(ext.replace("\\n", "\n") + "\n")
+        x("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        x("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+          "-out", f"{name}.crt", "-days", 1, "-extfile", f"{name}.ext")
+
+
 class Overlay:
-    def __init__(self, lab: Lab):
+    def __init__(self, lab: Lab, tls: bool = False):
         self.lab = lab
         self.etcd_ns = lab.add_host(100)
-        data = lab.tmp / "etcd"
-        url = f"http://{underlay_ip(100)}:{ETCD_PORT}"
-        self.etcd_url = url
-        self.etcd = lab.popen(
-            self.etcd_ns, "etcd", "--name", "t1", "--data-dir", data,
-            "--listen-client-urls", url, "--advertise-client-urls", url,
-            "--listen-peer-urls", f"http://{underlay_ip(100)}:2380",
-            "--initial-advertise-peer-urls", f"http://{underlay_ip(100)}:2380",
-            "--initial-cluster", f"t1=http://{underlay_ip(100)}:2380",
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.tls = lab.tmp / "pki" if tls else None
+        if self.tls:
+            self.tls.mkdir()
+            make_certs(self.tls)
+        self.etcd_url = f"{'https' if tls else 'http'}://{underlay_ip(100)}:{ETCD_PORT}"
+        self.start_etcd()
         wait_until(lambda: self.etcdctl("endpoint", "health", check=False).returncode == 0, timeout=20)
         self.hosts = {i: lab.add_host(i) for i in (1, 2, 3)}
         self.d = {i: lab.start_vnetd(h) for i, h in self.hosts.items()}
@@ -62,9 +74,28 @@ class Overlay:
         for i in self.hosts:
             self.start_agent(i)
 
+    def start_etcd(self):
+        url = self.etcd_url
+        tls = []
+        if self.tls:
+            t = self.tls
+            tls = ["--cert-file", t / "server.crt", "--key-file", t / "server.key", "--client-cert-auth",
+                   "--trusted-ca-file", t / "ca.crt"]
+        self.etcd = self.lab.popen(
+            self.etcd_ns, "etcd", "--name", "t1", "--data-dir", self.lab.tmp / "etcd",
+            "--listen-client-urls", url, "--advertise-client-urls", url,
+            "--listen-peer-urls", f"http://{underlay_ip(100)}:2380",
+            "--initial-advertise-peer-urls", f"http://{underlay_ip(100)}:2380",
+            "--initial-cluster", f"t1=http://{underlay_ip(100)}:2380", *tls,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def tls_args(self, cert="agent"):
+        t = self.tls
+        return ["--cacert", t / "ca.crt", "--cert", t / f"{cert}.crt", "--key", t / f"{cert}.key"] if t else []
+
     def etcdctl(self, *args, check=True):
-        return self.lab.x(self.etcd_ns, "env", "ETCDCTL_API=3", "etcdctl", "--endpoints", self.etcd_url, *args,
-                          check=check)
+        return self.lab.x(self.etcd_ns, "env", "ETCDCTL_API=3", "etcdctl", "--endpoints", self.etcd_url,
+                          *self.tls_args(), *args, check=check)
 
     def add_guest(self, host: int, n: int, net: str):
         ns = self.guest_ns.get(n) or self.lab.guest_ns(f"g{n}")
@@ -73,11 +104,12 @@ class Overlay:
         self.lab.x(ns, "ip", "addr", "replace", f"{overlay_ip(n)}/24", "dev", f"g{n}")
         self.lab.x(ns, "ip", "link", "set", f"g{n}", "up")
 
-    def start_agent(self, i: int):
+    def start_agent(self, i: int, *extra):
         log = open(self.lab.tmp / f"agent-h{i}.log", "a")
-        p = self.lab.popen(self.hosts[i], AGENT, "--etcd", self.etcd_url, "--host", f"h{i}",
+        p = self.lab.popen(self.hosts[i], AGENT, "run", "--etcd", self.etcd_url, "--host", f"h{i}",
                            "--underlay", underlay_ip(i), "--socket", self.d[i].sock, "--ttl", TTL,
-                           "--interval-ms", 100, stdout=log, stderr=subprocess.STDOUT)
+                           "--interval-ms", 100, "--traffic-s", 1, *self.tls_args(), *extra,
+                           stdout=log, stderr=subprocess.STDOUT)
         self.agents[i] = p
 
     def ping(self, a: int, b: int, count=1, wait=1) -> bool:
@@ -94,9 +126,14 @@ class Overlay:
         return (self.lab.tmp / f"agent-h{i}.log").read_text(errors="replace")
 
 
+def show(o: Overlay) -> dict:
+    out = o.lab.x(o.etcd_ns, AGENT, "show", "--etcd", o.etcd_url, *o.tls_args(), "--json").stdout
+    return json.loads(out)
+
+
 @pytest.fixture
-def overlay(lab):
-    o = Overlay(lab)
+def overlay(lab, request):
+    o = Overlay(lab, tls=getattr(request, "param", False))
     yield o
     for i, p in o.agents.items():
         if p.poll() is None:
@@ -142,7 +179,8 @@ def test_networks_declared_once_reach_their_members_across_hosts_and_no_one_else
     assert "name=agent.h2" in links and "name=agent.h3" in links
     # etcd holds the hosts and the guests as docs/controller.md says.
     keys = o.etcdctl("get", "--prefix", "/vnet/", "--keys-only").stdout.split()
-    assert sorted(keys) == sorted([f"/vnet/hosts/h{i}" for i in (1, 2, 3)] + [f"/vnet/guests/{mac(n)}" for _, n, _ in GUESTS])
+    want = [f"/vnet/hosts/h{i}" for i in (1, 2, 3)] + [f"/vnet/guests/{mac(n)}" for _, n, _ in GUESTS]
+    assert sorted(k for k in keys if not k.startswith("/vnet/traffic/")) == sorted(want)
 
 
 def test_a_users_routes_stay_and_the_agent_fills_in_around_them(overlay):
@@ -237,3 +275,91 @@ while time.time() < end:
 s.shutdown(socket.SHUT_WR)
 print("ok", i, flush=True)
 """
+
+
+def test_the_overlay_and_its_traffic_matrix_are_shown_from_etcd(overlay):
+    o = overlay
+    converged(o)
+    assert o.ping(11, 12, count=20, wait=1)
+    assert o.ping(21, 23, count=3)
+
+    def matrix():
+        v = show(o)
+        t = v["traffic"]
+        cell = lambda h, a, b: t.get(h, {}).get("guests", {}).get(f"{mac(a)}>{mac(b)}", {}).get("frames", 0)
+        return v if cell("h1", 11, 12) >= 20 and cell("h1", 21, 23) >= 3 and cell("h2", 12, 11) >= 20 else None
+    assert wait_until(matrix, timeout=10)
+    v = matrix()
+    assert set(v["hosts"]) == {"h1", "h2", "h3"}
+    assert {m: g["network"] for m, g in v["guests"].items()} == {mac(n): net for _, n, net in GUESTS}
+    t = v["traffic"]
+    # g11 -> g12: 20 echo requests at least (and ARP) from h1 to h2; the
+    # replies the other way; b's pings between h1 and h3; nothing between
+    # networks' guests.
+    assert t["h1"]["to_hosts"]["h2"]["bytes"] >= 20 * 98
+    assert t["h2"]["guests"][f"{mac(12)}>{mac(11)}"]["frames"] >= 20
+    assert t["h1"]["guests"][f"{mac(21)}>{mac(23)}"]["frames"] >= 3
+    for host in t.values():
+        for pair in host["guests"]:
+            a, b = pair.split(">")
+            nets = {mac(n): net for _, n, net in GUESTS}
+            assert nets[a] == nets[b], pair
+    text = o.lab.x(o.etcd_ns, AGENT, "show", "--etcd", o.etcd_url, *o.tls_args()).stdout
+    assert "network a guests=3" in text and "traffic between hosts" in text, text
+
+
+def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(overlay):
+    o = overlay
+    converged(o)
+    o.etcd.terminate()
+    o.etcd.wait(timeout=10)
+    # etcd gone: forwarding goes on, within networks only, for longer than the leases.
+    time.sleep(TTL + 1)
+    assert o.ping(11, 12, count=3) and o.ping(21, 23)
+    assert not o.ping(11, 21)
+    # A guest added meanwhile is not published, and changes nothing elsewhere.
+    o.add_guest(2, 22, "b")
+    time.sleep(1)
+    assert not o.routed(1, 22)
+    # etcd back (same data): the agents register again (their leases ran
+    # out meanwhile), publish, and route the new guest.
+    o.start_etcd()
+    wait_until(lambda: o.etcdctl("endpoint", "health", check=False).returncode == 0, timeout=20)
+    assert wait_until(lambda: o.routed(1, 22) and o.routed(3, 22), timeout=15), o.log(1)
+    assert o.ping(22, 21, count=2) and o.ping(23, 22)
+    assert not o.ping(22, 11)
+    # A compaction of everything so far, under the agents' watches; then a
+    # change still reaches every host.
+    rev = json.loads(o.etcdctl("endpoint", "status", "-w", "json").stdout)[0]["Status"]["header"]["revision"]
+    o.etcdctl("compact", str(rev))
+    o.agents[1].send_signal(signal.SIGSTOP)
+    try:
+        o.add_guest(3, 14, "a")
+        assert wait_until(lambda: o.etcdctl("get", f"/vnet/guests/{mac(14)}", "--print-value-only").stdout.strip(), timeout=10)
+        rev = json.loads(o.etcdctl("endpoint", "status", "-w", "json").stdout)[0]["Status"]["header"]["revision"]
+        o.etcdctl("compact", str(rev))
+    finally:
+        o.agents[1].send_signal(signal.SIGCONT)
+    assert wait_until(lambda: o.routed(1, 14) and o.routed(2, 14), timeout=15), o.log(1)
+    assert o.ping(11, 14, count=2)
+
+
+@pytest.mark.parametrize("overlay", [True], indirect=True)
+def test_etcd_over_tls_with_client_certificates(overlay):
+    o = overlay
+    converged(o)
+    assert o.ping(11, 13, count=2)
+    # An agent without a client certificate is refused by etcd and changes
+    # nothing: its host keeps the routes it has.
+    before = o.routes(3)
+    o.agents[3].kill()
+    o.agents[3].wait()
+    log = o.lab.tmp / "agent-nocert.log"
+    p = o.lab.popen(o.hosts[3], AGENT, "run", "--etcd", o.etcd_url, "--host", "h3", "--underlay", underlay_ip(3),
+                    "--socket", o.d[3].sock, "--cacert", o.tls / "ca.crt", stdout=open(log, "w"),
+                    stderr=subprocess.STDOUT)
+    time.sleep(3)
+    p.terminate()
+    p.wait(timeout=10)
+    assert "etcd:" in log.read_text() and "registered" not in log.read_text(), log.read_text()
+    assert o.routes(3) == before

@@ -7,64 +7,119 @@
 //! keys, the rules and the failure handling.
 
 mod model;
+mod show;
 mod store;
 mod vnetd;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Parser;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-#[derive(Parser, Debug, Clone)]
+/// A full pass (links and routes read and compared) at least this often,
+/// to repair what someone else changed in vnetd.
+const RESYNC: Duration = Duration::from_secs(2);
+
+#[derive(Parser, Debug)]
 #[command(version, about = "VNET's per-host agent: links and routes derived from etcd")]
-pub struct Args {
-    /// etcd endpoints, comma-separated (http://127.0.0.1:2379 or https://...).
-    #[arg(long, value_delimiter = ',', required = true)]
-    etcd: Vec<String>,
-    /// This host's name in the overlay (unique).
-    #[arg(long)]
-    host: String,
-    /// The address other hosts' vnetds reach this one's links at.
-    #[arg(long)]
-    underlay: IpAddr,
-    /// The UDP port of this host's vnetd links (vnetd --udp-port).
-    #[arg(long, default_value_t = 9000)]
-    port: u16,
-    /// This host's vnetd control socket.
-    #[arg(long, default_value = "/run/vnetd.sock", env = "VNETD_SOCKET")]
-    socket: PathBuf,
-    /// Key prefix in etcd (several overlays can share one etcd).
-    #[arg(long, default_value = "/vnet")]
-    prefix: String,
-    /// Seconds this host's registration lives without the agent: after it,
-    /// the other hosts withdraw its guests.
-    #[arg(long, default_value_t = 5)]
-    ttl: i64,
-    /// How often the agent reads its vnetd's interfaces (milliseconds).
-    #[arg(long, default_value_t = 200)]
-    interval_ms: u64,
-    /// CA certificate for etcd over TLS.
-    #[arg(long)]
-    cacert: Option<PathBuf>,
-    /// Client certificate and key for etcd over TLS.
-    #[arg(long, requires = "key")]
-    cert: Option<PathBuf>,
-    #[arg(long, requires = "cert")]
-    key: Option<PathBuf>,
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
-    #[arg(long, default_value = "info")]
+    #[arg(long, default_value = "info", global = true)]
     log_level: String,
 }
 
+#[derive(clap::Subcommand, Debug)]
+enum Cmd {
+    /// Run the agent for this host (beside its vnetd).
+    Run(Args),
+    /// Show the overlay as etcd holds it: hosts, networks, guests, and the
+    /// traffic between hosts and between guests.
+    Show(show::ShowArgs),
+}
+
+/// Where etcd is, and how to reach it.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EtcdArgs {
+    /// etcd endpoints, comma-separated (http://127.0.0.1:2379 or https://...).
+    #[arg(long = "etcd", value_delimiter = ',', required = true)]
+    pub endpoints: Vec<String>,
+    /// Key prefix in etcd (several overlays can share one etcd).
+    #[arg(long, default_value = "/vnet")]
+    pub prefix: String,
+    /// CA certificate for etcd over TLS.
+    #[arg(long)]
+    pub cacert: Option<PathBuf>,
+    /// Client certificate and key for etcd over TLS.
+    #[arg(long, requires = "key")]
+    pub cert: Option<PathBuf>,
+    #[arg(long, requires = "cert")]
+    pub key: Option<PathBuf>,
+}
+
+impl EtcdArgs {
+    pub async fn connect(&self) -> Result<etcd_client::Client> {
+        use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
+        let mut o = ConnectOptions::new().with_timeout(store::OP_TIMEOUT).with_connect_timeout(store::OP_TIMEOUT);
+        if self.cacert.is_some() || self.cert.is_some() {
+            let mut tls = TlsOptions::new();
+            if let Some(ca) = &self.cacert {
+                tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(ca).with_context(|| format!("{}", ca.display()))?));
+            }
+            if let (Some(c), Some(k)) = (&self.cert, &self.key) {
+                let cert = std::fs::read(c).with_context(|| format!("{}", c.display()))?;
+                let key = std::fs::read(k).with_context(|| format!("{}", k.display()))?;
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            o = o.with_tls(tls);
+        }
+        Ok(etcd_client::Client::connect(&self.endpoints, Some(o)).await?)
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    #[command(flatten)]
+    pub etcd: EtcdArgs,
+    /// This host's name in the overlay (unique).
+    #[arg(long)]
+    pub host: String,
+    /// The address other hosts' vnetds reach this one's links at.
+    #[arg(long)]
+    pub underlay: IpAddr,
+    /// The UDP port of this host's vnetd links (vnetd --udp-port).
+    #[arg(long, default_value_t = 9000)]
+    pub port: u16,
+    /// This host's vnetd control socket.
+    #[arg(long, default_value = "/run/vnetd.sock", env = "VNETD_SOCKET")]
+    pub socket: PathBuf,
+    /// Seconds this host's registration lives without the agent: after it,
+    /// the other hosts withdraw its guests.
+    #[arg(long, default_value_t = 5)]
+    pub ttl: i64,
+    /// How often the agent reads its vnetd's interfaces (milliseconds).
+    #[arg(long, default_value_t = 200)]
+    pub interval_ms: u64,
+    /// How often the agent publishes its routes' traffic counters
+    /// (seconds; 0: never).
+    #[arg(long, default_value_t = 5)]
+    pub traffic_s: u64,
+}
+
 fn main() {
-    let args = Args::parse();
+    let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&args.log_level));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
-    if let Err(e) = rt.block_on(run(args)) {
+    let done = match cli.cmd {
+        Cmd::Run(args) => rt.block_on(run(args)),
+        Cmd::Show(args) => rt.block_on(show::show(args)),
+    };
+    if let Err(e) = done {
         eprintln!("vnet-agent: {e:#}");
         std::process::exit(1);
     }
@@ -77,17 +132,43 @@ async fn run(args: Args) -> Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tracing::info!("vnet-agent for host {} ({}:{}), etcd {}", args.host, args.underlay, args.port, args.etcd.join(","));
+    let mut traffic_at = Instant::now();
+    // What the last full pass derived from, to skip passes that would
+    // derive the same: the local interfaces, and when it ran.
+    let mut last_ifaces: Option<BTreeMap<String, (u32, String)>> = None;
+    let mut last_full = Instant::now();
+    tracing::info!("vnet-agent for host {} ({}:{}), etcd {}", args.host, args.underlay, args.port, args.etcd.endpoints.join(","));
     loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = store.next_event() => {}
+        let event = tokio::select! {
+            _ = tick.tick() => false,
+            _ = store.next_event() => true,
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
-        }
+        };
         // Drain every event that is already there before deciding.
         store.drain().await;
+        if event && !store.is_dirty() {
+            // Only other hosts' traffic counters: nothing to derive.
+            continue;
+        }
         store.maintain().await;
+        // Each pass reads the local interfaces (one short listing) and
+        // publishes what changed; the links and routes are read and derived
+        // only when the overlay or the interfaces changed, and every
+        // RESYNC to repair what someone else changed in vnetd.
+        let ifaces = match vnetd.interfaces() {
+            Ok(i) => i,
+            Err(e) => {
+                tracing::warn!("vnetd at {}: {e:#}", args.socket.display());
+                continue;
+            }
+        };
+        store.publish(&ifaces).await;
+        let traffic_due = args.traffic_s > 0 && traffic_at.elapsed() >= Duration::from_secs(args.traffic_s);
+        let dirty = store.take_dirty();
+        if !dirty && !traffic_due && last_ifaces.as_ref() == Some(&ifaces) && last_full.elapsed() < RESYNC {
+            continue;
+        }
         let state = match vnetd.state() {
             Ok(s) => s,
             Err(e) => {
@@ -95,12 +176,19 @@ async fn run(args: Args) -> Result<()> {
                 continue;
             }
         };
-        let local: BTreeMap<String, (u32, String)> = state.ifaces.clone();
-        store.publish(&local).await;
+        last_full = Instant::now();
+        if traffic_due {
+            traffic_at = Instant::now();
+            match vnetd.request("STATS routes") {
+                Ok(lines) => store.publish_traffic(show::traffic_of(&args.host, &state, &lines)).await,
+                Err(e) => tracing::warn!("vnetd: cannot read route counters: {e:#}"),
+            }
+        }
         let Some(view) = store.view() else { continue };
-        let held = store.held(&local);
+        let held = store.held(&state.ifaces);
         let want = model::derive(&args.host, view.hosts, view.guests, &held);
         let changes = model::plan(&want, &state.links, &state.routes, &state.user_routes);
+        last_ifaces = Some(ifaces);
         if changes.is_empty() {
             continue;
         }
@@ -114,7 +202,10 @@ async fn run(args: Args) -> Result<()> {
                     want.links.len()
                 );
             }
-            Err(e) => tracing::warn!("vnetd refused the agent's changes: {e:#}"),
+            Err(e) => {
+                tracing::warn!("vnetd refused the agent's changes: {e:#}");
+                last_ifaces = None;
+            }
         }
     }
     // The lease is left to expire rather than revoked: an agent restarted

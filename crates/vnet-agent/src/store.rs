@@ -10,8 +10,8 @@
 //! ```
 //!
 //! A guest's key says which host has it. A host claims a MAC when its vnetd
-//! gets an interface with it: with `seq` one past the key's (1 if there is
-//! none), in a transaction that holds only if the key is unchanged since
+//! gets an interface with it: with `seq` one past the key's (or, if there is
+//! none, one past the highest this agent has seen for the MAC), in a transaction that holds only if the key is unchanged since
 //! the agent read it. So claims are ordered: the later claim (a migration's
 //! new host) has the higher `seq` and wins, and a late write from the old
 //! host fails its transaction rather than overwrite the new claim. A host
@@ -28,8 +28,8 @@
 use crate::model::{Guest, Host};
 use crate::Args;
 use etcd_client::{
-    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, LeaseKeeper, LeaseKeepAliveStream,
-    PutOptions, TlsOptions, Txn, TxnOp, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, EventType, GetOptions, LeaseKeeper, LeaseKeepAliveStream, PutOptions, Txn, TxnOp, WatchOptions,
+    WatchStream,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -37,16 +37,16 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 #[derive(Serialize, Deserialize)]
-struct HostValue {
-    underlay: IpAddr,
-    port: u16,
+pub struct HostValue {
+    pub underlay: IpAddr,
+    pub port: u16,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]
-struct GuestValue {
-    host: String,
-    network: String,
-    seq: u64,
+pub struct GuestValue {
+    pub host: String,
+    pub network: String,
+    pub seq: u64,
 }
 
 /// A guest key as last seen.
@@ -59,8 +59,8 @@ struct GuestEntry {
 /// This host's claim on a local interface's MAC.
 #[derive(Clone, Debug)]
 struct Claim {
-    /// The vnetd interface id it was made for: a new interface with the same
-    /// MAC (deleted and added again) claims again.
+    /// The vnetd interface id it is for: a claim lost to another host is
+    /// made again only by a new interface with the MAC.
     iface: u32,
     network: String,
     /// The revision our write got, once written.
@@ -89,9 +89,14 @@ pub struct Store {
     routed: BTreeMap<String, Guest>,
     claims: BTreeMap<String, Claim>,
     retry_at: Instant,
+    /// A host or guest key changed since `take_dirty` was last asked.
+    dirty: bool,
+    /// The highest seq seen for each MAC, its key deleted or not: a claim
+    /// of a MAC whose key is gone still comes after every claim seen.
+    seqs: BTreeMap<String, u64>,
 }
 
-const OP_TIMEOUT: Duration = Duration::from_secs(3);
+pub const OP_TIMEOUT: Duration = Duration::from_secs(3);
 
 impl Store {
     pub async fn new(args: &Args) -> Store {
@@ -106,27 +111,15 @@ impl Store {
             routed: BTreeMap::new(),
             claims: BTreeMap::new(),
             retry_at: Instant::now(),
+            dirty: true,
+            seqs: BTreeMap::new(),
         }
     }
 
     fn key(&self, kind: &str, name: &str) -> String {
-        format!("{}/{kind}/{name}", self.args.prefix)
+        format!("{}/{kind}/{name}", self.args.etcd.prefix)
     }
 
-    fn options(&self) -> anyhow::Result<ConnectOptions> {
-        let mut o = ConnectOptions::new().with_timeout(OP_TIMEOUT).with_connect_timeout(OP_TIMEOUT);
-        if self.args.cacert.is_some() || self.args.cert.is_some() {
-            let mut tls = TlsOptions::new();
-            if let Some(ca) = &self.args.cacert {
-                tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(ca)?));
-            }
-            if let (Some(c), Some(k)) = (&self.args.cert, &self.args.key) {
-                tls = tls.identity(Identity::from_pem(std::fs::read(c)?, std::fs::read(k)?));
-            }
-            o = o.with_tls(tls);
-        }
-        Ok(o)
-    }
 
     /// Connects, registers the host and lists the overlay, as far as etcd
     /// lets it; what fails is tried again a second later.
@@ -137,18 +130,19 @@ impl Store {
         if let Err(e) = self.try_maintain().await {
             tracing::warn!("etcd: {e:#} (routes stay as they are; trying again)");
             self.retry_at = Instant::now() + Duration::from_secs(1);
+            // Start afresh: a new connection, a new lease (our keys move to
+            // it as they are written again), a new listing. The old lease
+            // keeps our keys meanwhile, for its TTL.
             self.watch = None;
-            if e.downcast_ref::<etcd_client::Error>().is_some_and(|e| matches!(e, etcd_client::Error::TransportError(_))) {
-                self.client = None;
-                self.lease = None;
-            }
+            self.client = None;
+            self.lease = None;
         }
     }
 
     async fn try_maintain(&mut self) -> anyhow::Result<()> {
         if self.client.is_none() {
-            let c = Client::connect(&self.args.etcd, Some(self.options()?)).await?;
-            tracing::info!("etcd: connected to {}", self.args.etcd.join(","));
+            let c = self.args.etcd.connect().await?;
+            tracing::info!("etcd: connected to {}", self.args.etcd.endpoints.join(","));
             self.client = Some(c);
         }
         // The lease: kept alive at a third of its life; a lost one (etcd
@@ -176,7 +170,7 @@ impl Store {
             let id = client.lease_grant(ttl, None).await?.id();
             let (keeper, stream) = client.lease_keep_alive(id).await?;
             let v = serde_json::to_string(&HostValue { underlay: self.args.underlay, port: self.args.port })?;
-            let key = format!("{}/hosts/{}", self.args.prefix, self.args.host);
+            let key = format!("{}/hosts/{}", self.args.etcd.prefix, self.args.host);
             client.put(key, v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
             // Our claims are to be written again under the new lease.
@@ -194,7 +188,7 @@ impl Store {
 
     /// Lists the prefix and watches from the revision after it.
     async fn relist(&mut self) -> anyhow::Result<()> {
-        let prefix = format!("{}/", self.args.prefix);
+        let prefix = format!("{}/", self.args.etcd.prefix);
         let client = self.client.as_mut().expect("connected");
         let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
         let rev = resp.header().map_or(0, |h| h.revision());
@@ -216,7 +210,7 @@ impl Store {
     /// Takes a key into the cache. A value that does not parse is ignored
     /// (and logged): one bad writer cannot stop the overlay.
     fn put_cached(&mut self, key: &str, value: &[u8], mod_revision: i64) {
-        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.prefix)) else { return };
+        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.etcd.prefix)) else { return };
         if let Some(name) = rest.strip_prefix("hosts/") {
             match serde_json::from_slice::<HostValue>(value) {
                 Ok(h) if crate::model::check_host_name(name).is_ok() => {
@@ -227,6 +221,8 @@ impl Store {
         } else if let Some(mac) = rest.strip_prefix("guests/") {
             match (serde_json::from_slice::<GuestValue>(value), crate::model::check_mac(mac)) {
                 (Ok(g), Ok(mac)) if crate::model::check_host_name(&g.host).is_ok() && crate::model::check_network(&g.network).is_ok() => {
+                    let seen = self.seqs.entry(mac.clone()).or_default();
+                    *seen = (*seen).max(g.seq);
                     self.guests.insert(mac, GuestEntry { value: g, mod_revision });
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a guest entry"),
@@ -235,7 +231,7 @@ impl Store {
     }
 
     fn delete_cached(&mut self, key: &str) {
-        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.prefix)) else { return };
+        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.etcd.prefix)) else { return };
         if let Some(name) = rest.strip_prefix("hosts/") {
             self.hosts.remove(name);
         } else if let Some(mac) = rest.strip_prefix("guests/") {
@@ -243,7 +239,18 @@ impl Store {
         }
     }
 
+    /// Whether the overlay changed (a host or guest key, or a claim of ours)
+    /// since `take_dirty` was last asked.
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
+    pub fn take_dirty(&mut self) -> bool {
+        std::mem::take(&mut self.dirty)
+    }
+
     fn rebuild(&mut self) {
+        self.dirty = true;
         self.routed = self
             .guests
             .iter()
@@ -297,9 +304,13 @@ impl Store {
                     self.watch = None;
                     return;
                 }
+                let overlay = format!("{}/hosts/", self.args.etcd.prefix);
+                let guests = format!("{}/guests/", self.args.etcd.prefix);
+                let mut changed = false;
                 for ev in resp.events() {
                     let Some(kv) = ev.kv() else { continue };
                     let key = String::from_utf8_lossy(kv.key()).into_owned();
+                    changed |= key.starts_with(&overlay) || key.starts_with(&guests);
                     match ev.event_type() {
                         EventType::Put => self.put_cached(&key, kv.value(), kv.mod_revision()),
                         EventType::Delete => self.delete_cached(&key),
@@ -309,7 +320,9 @@ impl Store {
                 if let Some(h) = resp.header() {
                     self.revision = Some(h.revision().max(self.revision.unwrap_or(0)));
                 }
-                self.rebuild();
+                if changed {
+                    self.rebuild();
+                }
             }
             Ok(None) | Err(_) => {
                 tracing::warn!("etcd: watch broken: listing again once etcd answers");
@@ -324,13 +337,8 @@ impl Store {
         if self.lease.is_none() || self.revision.is_none() {
             return;
         }
-        // Interfaces gone (or replaced by a new one with the MAC).
-        let gone: Vec<String> = self
-            .claims
-            .iter()
-            .filter(|(m, c)| local.get(*m).is_none_or(|(id, _)| *id != c.iface))
-            .map(|(m, _)| m.clone())
-            .collect();
+        // Interfaces gone.
+        let gone: Vec<String> = self.claims.keys().filter(|m| !local.contains_key(*m)).cloned().collect();
         for mac in gone {
             let c = self.claims.remove(&mac).expect("listed above");
             if let (Some(w), false) = (c.written, c.lost) {
@@ -349,17 +357,33 @@ impl Store {
         let lease = self.lease.as_ref().expect("checked").0;
         for (mac, (id, network)) in local {
             let c = self.claims.entry(mac.clone()).or_insert_with(|| Claim { iface: *id, network: network.clone(), written: None, lost: false });
+            if c.iface != *id {
+                // The interface was added again (or vnetd restarted and
+                // numbered it anew). Ours still: kept, and other hosts see
+                // no change. Lost to another host: a new interface claims
+                // again (the user says the guest is here now).
+                c.iface = *id;
+                if c.lost {
+                    c.lost = false;
+                    c.written = None;
+                }
+            }
+            if &c.network != network {
+                // Moved to another network: written again (same seq).
+                c.network = network.clone();
+                c.written = None;
+            }
             if c.written.is_some() || c.lost {
                 continue;
             }
-            let key = format!("{}/guests/{mac}", self.args.prefix);
+            let key = format!("{}/guests/{mac}", self.args.etcd.prefix);
             let seen = self.guests.get(mac);
             // Ours already (a restarted agent, or a new lease): written again
             // with its seq; another host's: the next seq; none: 1.
             let (seq, cmp) = match seen {
                 Some(e) if e.value.host == self.args.host => (e.value.seq, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
                 Some(e) => (e.value.seq + 1, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
-                None => (1, Compare::version(key.clone(), CompareOp::Equal, 0)),
+                None => (self.seqs.get(mac).map_or(1, |s| s + 1), Compare::version(key.clone(), CompareOp::Equal, 0)),
             };
             let v = GuestValue { host: self.args.host.clone(), network: c.network.clone(), seq };
             let txn = Txn::new()
@@ -375,6 +399,7 @@ impl Store {
                         tracing::info!("guest {mac}: published in network {} (seq {seq})", c.network);
                     }
                     // Our own write comes back through the watch too; note it now.
+                    self.seqs.insert(mac.clone(), seq.max(self.seqs.get(mac).copied().unwrap_or(0)));
                     self.guests.insert(mac.clone(), GuestEntry { value: v, mod_revision: rev });
                 }
                 Ok(_) => tracing::debug!("guest {mac}: its key changed under us; trying again"),
@@ -382,6 +407,17 @@ impl Store {
             }
         }
         self.rebuild();
+    }
+
+    /// Publishes this host's traffic counters (on its lease, so they go
+    /// with the host).
+    pub async fn publish_traffic(&mut self, t: crate::show::Traffic) {
+        let (Some((lease, ..)), Some(client)) = (self.lease.as_ref(), self.client.as_mut()) else { return };
+        let key = format!("{}/traffic/{}", self.args.etcd.prefix, self.args.host);
+        let v = serde_json::to_string(&t).expect("plain struct");
+        if let Err(e) = client.put(key, v, Some(PutOptions::new().with_lease(*lease))).await {
+            tracing::warn!("etcd: cannot publish traffic: {e}");
+        }
     }
 
     /// The overlay as last seen, once it has been listed.

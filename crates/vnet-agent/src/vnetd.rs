@@ -87,6 +87,12 @@ impl Vnetd {
         parse_state(&lines)
     }
 
+    /// The local interfaces alone: MAC → (id, network).
+    pub fn interfaces(&mut self) -> Result<BTreeMap<String, (u32, String)>> {
+        let lines = self.request("INTERFACE LIST")?;
+        Ok(parse_state(&lines)?.ifaces)
+    }
+
     /// Applies `changes` as one request (all or nothing).
     pub fn apply(&mut self, changes: &[String]) -> Result<Vec<String>> {
         let mut text = String::from("BEGIN\n");

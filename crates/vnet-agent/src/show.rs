@@ -1,0 +1,190 @@
+//! The overlay as a whole, from etcd: hosts, networks and guests, and the
+//! traffic matrix between hosts and between guests, which each agent builds
+//! from its vnetd's route counters and publishes under
+//! `<p>/traffic/<host>` (the measurement VNET's adaptation work, VTTIF and
+//! VADAPT, started from).
+//!
+//! A route of the agent's carries one guest's frames to one guest
+//! (`s d edge agent.R interface s`, or `... interface d ...` here) or one
+//! guest's broadcasts to one host, so its counters are the matrix's cells:
+//! frames and bytes since the route was made (a migration makes new routes,
+//! and so starts its guest's cells again).
+
+use crate::model::{check_host_name, check_mac, LINK_PREFIX};
+use crate::store::{GuestValue, HostValue};
+use crate::vnetd::State;
+use crate::EtcdArgs;
+use anyhow::Result;
+use etcd_client::GetOptions;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(clap::Args, Debug)]
+pub struct ShowArgs {
+    #[command(flatten)]
+    etcd: EtcdArgs,
+    /// Print JSON instead of tables.
+    #[arg(short, long)]
+    json: bool,
+}
+
+#[derive(Serialize, Deserialize, Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    pub frames: u64,
+    pub bytes: u64,
+}
+
+impl Counts {
+    fn add(&mut self, frames: u64, bytes: u64) {
+        self.frames += frames;
+        self.bytes += bytes;
+    }
+}
+
+/// One host's published counters.
+#[derive(Serialize, Deserialize, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Unix seconds when read.
+    pub at: u64,
+    /// Sent to each other host (unicast and broadcast).
+    pub to_hosts: BTreeMap<String, Counts>,
+    /// Sent from each local guest to each guest, by "src>dst" MAC.
+    pub guests: BTreeMap<String, Counts>,
+}
+
+/// Builds this host's traffic from `STATS routes` lines and the agent's
+/// routes in `state`.
+pub fn traffic_of(_me: &str, state: &State, stats: &[String]) -> Traffic {
+    let rules: BTreeMap<u32, &str> = state.routes.iter().map(|(r, id)| (*id, r.as_str())).collect();
+    let mut t = Traffic {
+        at: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        ..Traffic::default()
+    };
+    for line in stats {
+        let w: Vec<&str> = line.split(' ').collect();
+        let (Some(&"route"), Some(id)) = (w.first(), w.get(1).and_then(|i| i.parse::<u32>().ok())) else { continue };
+        let Some(rule) = rules.get(&id) else { continue };
+        let num = |k: &str| w.iter().find_map(|x| x.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0);
+        let (frames, bytes) = (num("frames"), num("bytes"));
+        let r: Vec<&str> = rule.split(' ').collect();
+        // Only rules sending a local guest's frames: source is `interface <s>`.
+        let [src, dst, kind, to, "interface", s2] = r[..] else { continue };
+        if src != s2 {
+            continue;
+        }
+        if kind == "edge" {
+            if let Some(host) = to.strip_prefix(LINK_PREFIX) {
+                t.to_hosts.entry(host.to_string()).or_default().add(frames, bytes);
+            }
+        }
+        if dst != crate::model::BROADCAST {
+            t.guests.entry(format!("{src}>{dst}")).or_default().add(frames, bytes);
+        }
+    }
+    t
+}
+
+pub async fn show(args: ShowArgs) -> Result<()> {
+    let mut client = args.etcd.connect().await?;
+    let prefix = format!("{}/", args.etcd.prefix);
+    let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
+    let mut hosts: BTreeMap<String, HostValue> = BTreeMap::new();
+    let mut guests: BTreeMap<String, GuestValue> = BTreeMap::new();
+    let mut traffic: BTreeMap<String, Traffic> = BTreeMap::new();
+    for kv in resp.kvs() {
+        let key = String::from_utf8_lossy(kv.key());
+        let Some(rest) = key.strip_prefix(&prefix) else { continue };
+        if let Some(h) = rest.strip_prefix("hosts/") {
+            if let (Ok(v), Ok(())) = (serde_json::from_slice(kv.value()), check_host_name(h)) {
+                hosts.insert(h.to_string(), v);
+            }
+        } else if let Some(m) = rest.strip_prefix("guests/") {
+            if let (Ok(v), Ok(m)) = (serde_json::from_slice(kv.value()), check_mac(m)) {
+                guests.insert(m, v);
+            }
+        } else if let Some(h) = rest.strip_prefix("traffic/") {
+            if let (Ok(v), Ok(())) = (serde_json::from_slice(kv.value()), check_host_name(h)) {
+                traffic.insert(h.to_string(), v);
+            }
+        }
+    }
+    let revision = resp.header().map_or(0, |h| h.revision());
+    if args.json {
+        let v = serde_json::json!({ "revision": revision, "hosts": hosts, "guests": guests, "traffic": traffic });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("overlay at etcd revision {revision}: {} hosts, {} guests", hosts.len(), guests.len());
+    for (name, h) in &hosts {
+        let n = guests.values().filter(|g| &g.host == name).count();
+        println!("host {name} underlay={}:{} guests={n}", h.underlay, h.port);
+    }
+    let mut nets: BTreeMap<&str, Vec<(&String, &GuestValue)>> = BTreeMap::new();
+    for (m, g) in &guests {
+        nets.entry(g.network.as_str()).or_default().push((m, g));
+    }
+    for (net, members) in &nets {
+        let list: Vec<String> = members.iter().map(|(m, g)| format!("{m}@{}", g.host)).collect();
+        println!("network {net} guests={} {}", members.len(), list.join(" "));
+    }
+    if !traffic.is_empty() {
+        println!("traffic between hosts (bytes sent, row to column, since the routes were made):");
+        let names: Vec<&String> = hosts.keys().collect();
+        println!("{:>12} {}", "", names.iter().map(|n| format!("{n:>14}")).collect::<String>());
+        for from in &names {
+            let row: String = names
+                .iter()
+                .map(|to| match traffic.get(*from).and_then(|t| t.to_hosts.get(*to)) {
+                    _ if from == to => format!("{:>14}", "-"),
+                    Some(c) => format!("{:>14}", c.bytes),
+                    None => format!("{:>14}", 0),
+                })
+                .collect();
+            println!("{from:>12} {row}");
+        }
+        println!("traffic between guests (frames and bytes sent):");
+        for (host, t) in &traffic {
+            for (pair, c) in &t.guests {
+                println!("{pair} via {host} frames={} bytes={}", c.frames, c.bytes);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vnetd::parse_state;
+
+    #[test]
+    fn route_counters_become_matrix_cells() {
+        let listing: Vec<String> = [
+            "route 1 02:00:00:00:00:0b 02:00:00:00:00:0c edge agent.h2 interface 02:00:00:00:00:0b owner agent",
+            "route 2 02:00:00:00:00:0b ff:ff:ff:ff:ff:ff edge agent.h2 interface 02:00:00:00:00:0b owner agent",
+            "route 3 02:00:00:00:00:0b 02:00:00:00:00:0d interface 02:00:00:00:00:0d interface 02:00:00:00:00:0b owner agent",
+            "route 4 any 02:00:00:00:00:0b interface 02:00:00:00:00:0b edge owner agent",
+            "route 5 any 02:00:00:00:00:0c edge agent.h2 any",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let state = parse_state(&listing).unwrap();
+        let stats: Vec<String> = [
+            "route 1 frames=10 bytes=1000 fast_frames=4 rule=02:00:00:00:00:0b 02:00:00:00:00:0c edge agent.h2 interface 02:00:00:00:00:0b",
+            "route 2 frames=2 bytes=120 fast_frames=0 rule=...",
+            "route 3 frames=5 bytes=500 fast_frames=0 rule=...",
+            "route 4 frames=7 bytes=700 fast_frames=0 rule=...",
+            "route 5 frames=99 bytes=9900 fast_frames=0 rule=...",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let t = traffic_of("h1", &state, &stats);
+        assert_eq!(t.to_hosts["h2"], Counts { frames: 12, bytes: 1120 }, "unicast and broadcast to h2; not a user's route");
+        assert_eq!(t.to_hosts.len(), 1);
+        assert_eq!(t.guests["02:00:00:00:00:0b>02:00:00:00:00:0c"], Counts { frames: 10, bytes: 1000 });
+        assert_eq!(t.guests["02:00:00:00:00:0b>02:00:00:00:00:0d"], Counts { frames: 5, bytes: 500 });
+        assert_eq!(t.guests.len(), 2, "delivery from links is the receiver's side: not counted twice");
+    }
+}
