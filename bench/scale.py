@@ -16,7 +16,7 @@ Measured, for each repeat:
   etcd       requests etcd served per change (gRPC calls, from its /metrics,
              over the add and the migration, background keep-alives and the
              agents' own counters aside), and watch events it sent
-  agents     each agent's CPU (user+system seconds per minute of the run)
+  agents     each agent's CPU (user+system milliseconds per minute of the run)
              and resident memory; vnetd's memory
 
 Writes bench/results/<date>-scale.md and .json. A benchmark: prints figures
@@ -43,7 +43,6 @@ from netlab import BIN, Lab, UnixSession, underlay_ip  # noqa: E402
 
 AGENT = BIN / "vnet-agent"
 ETCD = 100  # the etcd host's number on the LAN
-CLK = os.sysconf("SC_CLK_TCK")
 
 
 def mac(host: int, k: int) -> str:
@@ -51,8 +50,8 @@ def mac(host: int, k: int) -> str:
 
 
 def cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / CLK
+    """CPU time of every thread of the process, in seconds (schedstat: ns)."""
+    return sum(int((t / "schedstat").read_text().split()[0]) for t in Path(f"/proc/{pid}/task").iterdir()) / 1e9
 
 
 def rss_mb(pid: int) -> float:
@@ -191,7 +190,7 @@ def run_size(hosts: int, guests: int) -> dict:
         res["etcd_background_per_s"] = {k: round(v, 1) for k, v in bg.items()}
         elapsed = time.monotonic() - t0
         cpu = [cpu_s(p.pid) for p in w.agents.values()]
-        res["agent_cpu_s_per_min"] = [x * 60 / elapsed for x in cpu]
+        res["agent_cpu_ms_per_min"] = [x * 1000 * 60 / elapsed for x in cpu]
         res["agent_rss_mb"] = [rss_mb(p.pid) for p in w.agents.values()]
         res["vnetd_rss_mb"] = [rss_mb(d.proc.pid) for d in w.d.values()]
         for p in w.agents.values():
@@ -225,7 +224,7 @@ def main():
             runs[n].append(res)
             print(f"repeat {r + 1}, {n} hosts: bring-up {res['bring_up_s']:.2f} s, add {res['add_s'] * 1000:.0f} ms, "
                   f"migrate {res['migrate_s'] * 1000:.0f} ms, routes/host {res['routes_per_host']}, "
-                  f"agent cpu {statistics.median(res['agent_cpu_s_per_min']):.2f} s/min, "
+                  f"agent cpu {statistics.median(res['agent_cpu_ms_per_min']):.0f} ms/min, "
                   f"rss {statistics.median(res['agent_rss_mb']):.1f} MB", flush=True)
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     out = Path(a.out)
@@ -238,7 +237,7 @@ def main():
           f"Command: `{cmd}` (kernel {os.uname().release}, {os.cpu_count()} CPUs; every host, agent and etcd on "
           f"this one machine). min / median / max over {a.repeats} runs; per-agent figures over all agents of all runs.", "",
           "| hosts | routes per host | bring-up (s) | add: every host routes it (ms) | migration followed (ms) | "
-          "etcd calls per add | per migration | watch events per add | agent CPU (s per min) | agent RSS (MB) | vnetd RSS (MB) |",
+          "etcd calls per add | per migration | watch events per add | agent CPU (ms per minute) | agent RSS (MB) | vnetd RSS (MB) |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in sizes:
         rs = runs[n]
@@ -248,7 +247,7 @@ def main():
             f"{f(mmm([x['add_s'] * 1000 for x in rs]))} | {f(mmm([x['migrate_s'] * 1000 for x in rs]))} | "
             f"{f(mmm([unary(x['etcd_add']) for x in rs]))} | {f(mmm([unary(x['etcd_migrate']) for x in rs]))} | "
             f"{f(mmm([x['etcd_add'].get('watch_events', 0) for x in rs]))} | "
-            f"{f2(mmm([c for x in rs for c in x['agent_cpu_s_per_min']]))} | "
+            f"{f(mmm([c for x in rs for c in x['agent_cpu_ms_per_min']]))} | "
             f"{f2(mmm([c for x in rs for c in x['agent_rss_mb']]))} | {f2(mmm([c for x in rs for c in x['vnetd_rss_mb']]))} |")
     md += ["", "etcd calls: gRPC requests etcd handled during the change (Range, Txn, Put...), less its background "
            "rate (lease keep-alives, measured for 3 s before); the JSON has them by method."]

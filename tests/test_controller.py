@@ -363,3 +363,27 @@ def test_etcd_over_tls_with_client_certificates(overlay):
     p.wait(timeout=10)
     assert "etcd:" in log.read_text() and "registered" not in log.read_text(), log.read_text()
     assert o.routes(3) == before
+
+
+def test_a_mac_published_by_two_hosts_goes_to_the_later_claim(overlay):
+    o = overlay
+    converged(o)
+    assert o.ping(11, 13)
+    # Host 2 gets an interface with g13's MAC (a user forgot g13 on host 3,
+    # or a clone): its claim is later, so it wins everywhere.
+    dup = o.lab.guest_ns("dup")
+    o.d[2].ctl("INTERFACE", "ADD", "dup13", mac(13), "netns", dup, "network", "a")
+    assert wait_until(lambda: any(f"{mac(11)} {mac(13)} edge agent.h2" in r for r in o.routes(1)), timeout=10), o.log(1)
+    val = o.etcdctl("get", f"/vnet/guests/{mac(13)}", "--print-value-only").stdout
+    assert '"host":"h2"' in val and '"seq":2' in val, val
+    # Host 3 keeps its interface, stale: it does not claim back, and says so.
+    time.sleep(1.0)
+    assert '"host":"h2"' in o.etcdctl("get", f"/vnet/guests/{mac(13)}", "--print-value-only").stdout
+    assert "claimed it after us" in o.log(3)
+    # The later claim goes: host 3 claims its guest again (seq 3), and the
+    # overlay routes it there.
+    o.d[2].ctl("INTERFACE", "DEL", "dup13")
+    assert wait_until(lambda: any(f"{mac(11)} {mac(13)} edge agent.h3" in r for r in o.routes(1)), timeout=10), o.log(3)
+    val = o.etcdctl("get", f"/vnet/guests/{mac(13)}", "--print-value-only").stdout
+    assert '"host":"h3"' in val and '"seq":3' in val, val
+    assert o.ping(11, 13, count=2)

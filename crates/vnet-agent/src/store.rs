@@ -256,8 +256,15 @@ impl Store {
             .iter()
             .map(|(m, e)| (m.clone(), Guest { host: e.value.host.clone(), network: e.value.network.clone() }))
             .collect();
-        // A claim of ours that another host's later claim replaced is lost.
+        // A claim of ours that another host's later claim replaced is lost;
+        // one lost whose key is gone since is made again.
         for (mac, c) in self.claims.iter_mut() {
+            if c.lost && !self.guests.contains_key(mac) {
+                tracing::info!("guest {mac}: the claim that replaced ours is gone; claiming it again");
+                c.lost = false;
+                c.written = None;
+                continue;
+            }
             if let (Some(w), Some(e)) = (c.written, self.guests.get(mac)) {
                 if e.mod_revision != w && e.value.host != self.args.host && !c.lost {
                     c.lost = true;
