@@ -16,8 +16,10 @@ import os
 import re
 import signal
 import socket
+import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -337,6 +339,19 @@ PEER = REPO / "tests" / "tools" / "vtoe_peer.py"
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
 
 
+def readable_by_nobody(lab, path: Path) -> Path:
+    """A copy of `path` that uid 65534 can read, wherever the checkout is
+    (a checkout under a 0700 directory is not)."""
+    d = lab.tmp / "public"
+    d.mkdir(exist_ok=True)
+    for p in (lab.tmp, d):
+        p.chmod(0o755)
+    copy = d / path.name
+    shutil.copy(path, copy)
+    copy.chmod(0o644)
+    return copy
+
+
 def host_listener(w: World, h: int, port: int) -> subprocess.Popen:
     """A service on host h's own loopback, which no guest may reach: it
     prints every connection it gets."""
@@ -368,7 +383,7 @@ def test_an_offloaded_socket_cannot_be_turned_to_the_host_by_whoever_holds_it(wo
         before = host_listening_ports(w, 1)
         if supervised:
             # The program itself, unprivileged, under vtoe.
-            p = w.lab.popen(w.ns(1), *NOBODY, *w.under(1, "python3", PROBE, "escape", w.ip(2), "7010", "7999"),
+            p = w.lab.popen(w.ns(1), *NOBODY, *w.under(1, "python3", readable_by_nobody(w.lab, PROBE), "escape", w.ip(2), "7010", "7999"),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             r = json.loads(p.stdout.readline())
             holder = p
