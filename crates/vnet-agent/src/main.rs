@@ -128,7 +128,7 @@ fn main() {
 async fn run(args: Args) -> Result<()> {
     model::check_host_name(&args.host)?;
     let mut vnetd = vnetd::Vnetd::new(&args.socket);
-    let mut store = store::Store::new(&args).await;
+    let mut store = store::Store::new(&args);
     let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -180,7 +180,7 @@ async fn run(args: Args) -> Result<()> {
         if traffic_due {
             traffic_at = Instant::now();
             match vnetd.request("STATS routes") {
-                Ok(lines) => store.publish_traffic(show::traffic_of(&args.host, &state, &lines)).await,
+                Ok(lines) => store.publish_traffic(show::traffic_of(&state, &lines)).await,
                 Err(e) => tracing::warn!("vnetd: cannot read route counters: {e:#}"),
             }
         }

@@ -54,7 +54,7 @@ pub struct Traffic {
 
 /// Builds this host's traffic from `STATS routes` lines and the agent's
 /// routes in `state`.
-pub fn traffic_of(_me: &str, state: &State, stats: &[String]) -> Traffic {
+pub fn traffic_of(state: &State, stats: &[String]) -> Traffic {
     let rules: BTreeMap<u32, &str> = state.routes.iter().map(|(r, id)| (*id, r.as_str())).collect();
     let mut t = Traffic {
         at: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -180,7 +180,7 @@ mod tests {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let t = traffic_of("h1", &state, &stats);
+        let t = traffic_of(&state, &stats);
         assert_eq!(t.to_hosts["h2"], Counts { frames: 12, bytes: 1120 }, "unicast and broadcast to h2; not a user's route");
         assert_eq!(t.to_hosts.len(), 1);
         assert_eq!(t.guests["02:00:00:00:00:0b>02:00:00:00:00:0c"], Counts { frames: 10, bytes: 1000 });

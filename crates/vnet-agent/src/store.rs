@@ -96,10 +96,15 @@ pub struct Store {
     seqs: BTreeMap<String, u64>,
 }
 
+/// `<prefix>/<kind>/<name>`: a key of the overlay.
+fn key(prefix: &str, kind: &str, name: &str) -> String {
+    format!("{prefix}/{kind}/{name}")
+}
+
 pub const OP_TIMEOUT: Duration = Duration::from_secs(3);
 
 impl Store {
-    pub async fn new(args: &Args) -> Store {
+    pub fn new(args: &Args) -> Store {
         Store {
             args: args.clone(),
             client: None,
@@ -114,10 +119,6 @@ impl Store {
             dirty: true,
             seqs: BTreeMap::new(),
         }
-    }
-
-    fn key(&self, kind: &str, name: &str) -> String {
-        format!("{}/{kind}/{name}", self.args.etcd.prefix)
     }
 
 
@@ -170,7 +171,7 @@ impl Store {
             let id = client.lease_grant(ttl, None).await?.id();
             let (keeper, stream) = client.lease_keep_alive(id).await?;
             let v = serde_json::to_string(&HostValue { underlay: self.args.underlay, port: self.args.port })?;
-            let key = format!("{}/hosts/{}", self.args.etcd.prefix, self.args.host);
+            let key = key(&self.args.etcd.prefix, "hosts", &self.args.host);
             client.put(key, v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
             // Our claims are to be written again under the new lease.
@@ -349,7 +350,7 @@ impl Store {
         for mac in gone {
             let c = self.claims.remove(&mac).expect("listed above");
             if let (Some(w), false) = (c.written, c.lost) {
-                let key = self.key("guests", &mac);
+                let key = key(&self.args.etcd.prefix, "guests", &mac);
                 let txn = Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, w)]).and_then([TxnOp::delete(key, None)]);
                 match self.client.as_mut().expect("connected").txn(txn).await {
                     Ok(r) if r.succeeded() => tracing::info!("guest {mac}: withdrawn (its interface is gone)"),
@@ -383,7 +384,7 @@ impl Store {
             if c.written.is_some() || c.lost {
                 continue;
             }
-            let key = format!("{}/guests/{mac}", self.args.etcd.prefix);
+            let key = key(&self.args.etcd.prefix, "guests", mac);
             let seen = self.guests.get(mac);
             // Ours already (a restarted agent, or a new lease): written again
             // with its seq; another host's: the next seq; none: 1.
@@ -420,7 +421,7 @@ impl Store {
     /// with the host).
     pub async fn publish_traffic(&mut self, t: crate::show::Traffic) {
         let (Some((lease, ..)), Some(client)) = (self.lease.as_ref(), self.client.as_mut()) else { return };
-        let key = format!("{}/traffic/{}", self.args.etcd.prefix, self.args.host);
+        let key = key(&self.args.etcd.prefix, "traffic", &self.args.host);
         let v = serde_json::to_string(&t).expect("plain struct");
         if let Err(e) = client.put(key, v, Some(PutOptions::new().with_lease(*lease))).await {
             tracing::warn!("etcd: cannot publish traffic: {e}");

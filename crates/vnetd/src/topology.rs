@@ -422,14 +422,10 @@ impl Topology {
                 Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{how}"))
             }
             Command::IfaceDel(r, detach) => {
-                let iface = self.find_iface(r)?.clone();
-                let mac = iface.mac;
-                let managed = self.clear_routes_using(Port::Interface(iface.id), |s| {
-                    s.dst == DstSpec::Interface(mac) || s.src == SrcSpec::Interface(Some(mac))
-                })
-                .map_err(|users| format!("interface {} is used by routes {users} (delete them first)", iface.name))?;
-                let (idx, name) = (iface.id, iface.name.clone());
-                drop(iface);
+                let (idx, name) = self.find_iface(r).map(|i| (i.id, i.name.clone()))?;
+                let managed = self
+                    .clear_routes_using(Port::Interface(idx))
+                    .map_err(|users| format!("interface {name} is used by routes {users} (delete them first)"))?;
                 let iface = self.ifaces.remove(&idx).expect("found above");
                 self.iface_settings.remove(&idx);
                 self.retired.push(Retired::Iface(iface, *detach));
@@ -439,14 +435,10 @@ impl Topology {
                 self.add_link(*ip, *port, proto, name.clone(), *mtu, vtoe.as_deref(), settings, env)
             }
             Command::LinkDel(r) => {
-                let link = self.find_link(r)?.clone();
-                let lname = link.name.clone();
-                let managed = self.clear_routes_using(Port::Link(link.id), |s| {
-                    s.dst == DstSpec::Edge(lname.clone()) || s.src == SrcSpec::Edge(Some(lname.clone()))
-                })
-                .map_err(|users| format!("link {lname} is used by routes {users} (delete them first)"))?;
-                let (idx, name) = (link.id, link.name.clone());
-                drop(link);
+                let (idx, name) = self.find_link(r).map(|l| (l.id, l.name.clone()))?;
+                let managed = self
+                    .clear_routes_using(Port::Link(idx))
+                    .map_err(|users| format!("link {name} is used by routes {users} (delete them first)"))?;
                 let link = self.links.remove(&idx).expect("found above");
                 self.retired.push(Retired::Link(link));
                 Ok(format!("deleted link {idx} {name}{managed}"))
@@ -657,11 +649,16 @@ impl Topology {
     /// keep it: their ids are the error. Routes with an owner (an agent
     /// that derives them, and will derive them again) go with it; the
     /// result says which. No scan when no route names the port.
-    fn clear_routes_using(&mut self, port: Port, uses: impl Fn(&RuleSpec) -> bool) -> Result<String, String> {
+    fn clear_routes_using(&mut self, port: Port) -> Result<String, String> {
         if !self.port_uses.contains_key(&port) {
             return Ok(String::new());
         }
-        let users: Vec<(u32, bool)> = self.routes.values().filter(|r| uses(&r.spec)).map(|r| (r.id, r.owner.is_some())).collect();
+        let users: Vec<(u32, bool)> = self
+            .table
+            .rules()
+            .filter(|(_, rule)| ports_named(rule).any(|p| p == port))
+            .map(|(id, _)| (id, self.routes[&id].owner.is_some()))
+            .collect();
         let by_hand: Vec<String> = users.iter().filter(|(_, owned)| !owned).map(|(id, _)| id.to_string()).collect();
         if !by_hand.is_empty() {
             return Err(by_hand.join(", "));
