@@ -408,3 +408,48 @@ def test_an_agent_restarted_within_its_lease_changes_nothing_anywhere(overlay):
     assert {i: o.d[i].ctl("LINK", "LIST").stdout for i in o.hosts} == links
     out = pinger.communicate(timeout=30)[0]
     assert " 0% packet loss" in out, out
+
+
+def test_hostile_values_in_etcd_are_ignored_and_inject_nothing(overlay):
+    # docs/controller.md: what the agent reads from etcd is checked before
+    # it becomes a control line. Whoever can write the prefix decides the
+    # overlay's routes (that is the trust model), but a malformed value must
+    # neither stop the agents nor smuggle another command into vnetd.
+    o = overlay
+    converged(o)
+    time.sleep(0.5)
+    before = {i: o.routes(i) for i in o.hosts}
+    links = {i: o.d[i].ctl("LINK", "LIST").stdout for i in o.hosts}
+    # Each value is one a guest of network a would be routed by, so each
+    # would reach a control line if the agent did not check it.
+    evil_host = "h9\nLINK DEL agent.h2"
+    hostile = {
+        # a host name carrying a second command (its guest is in network a)
+        f"/vnet/hosts/{evil_host}": '{"underlay":"198.18.0.9","port":9000}',
+        f"/vnet/guests/{mac(99)}": '{"host":"h9\\nLINK DEL agent.h2","network":"a","seq":1}',
+        # a MAC carrying one, a MAC that is not one, a multicast MAC
+        f"/vnet/guests/{mac(98)} edge agent.h2 any\nLINK DEL agent.h2": '{"host":"h2","network":"a","seq":1}',
+        "/vnet/guests/zz:zz:zz:zz:zz:zz": '{"host":"h2","network":"a","seq":1}',
+        "/vnet/guests/01:00:5e:00:00:01": '{"host":"h2","network":"a","seq":1}',
+        # hosts whose address or port is not one, each with a guest in a
+        "/vnet/hosts/h8": '{"underlay":"198.18.0.8; LINK DEL 0","port":9000}',
+        f"/vnet/guests/{mac(97)}": '{"host":"h8","network":"a","seq":1}',
+        "/vnet/hosts/h7": '{"underlay":"198.18.0.7","port":70000}',
+        f"/vnet/guests/{mac(96)}": '{"host":"h7","network":"a","seq":1}',
+        # not JSON, fields missing or of the wrong type
+        f"/vnet/guests/{mac(95)}": "not json",
+        f"/vnet/guests/{mac(94)}": '{"host":"h2"}',
+        f"/vnet/guests/{mac(93)}": '{"host":"h2","network":"a","seq":-1}',
+    }
+    for k, v in hostile.items():
+        o.etcdctl("put", k, v)
+    time.sleep(3.0)  # several passes and a 2 s resync
+    for i in o.hosts:
+        assert o.agents[i].poll() is None, f"agent h{i} died:\n{o.log(i)}"
+        assert o.routes(i) == before[i], f"host {i}'s routes changed"
+        assert o.d[i].ctl("LINK", "LIST").stdout == links[i], f"host {i}'s links changed"
+        assert "ignoring" in o.log(i)
+    # A well-formed change right after still goes through.
+    o.add_guest(3, 14, "a")
+    assert wait_until(lambda: o.routed(1, 14) and o.routed(2, 14), timeout=10)
+    assert o.ping(11, 14, count=2)
