@@ -3,7 +3,7 @@
 //! and any error names its line, so nothing is applied from a bad request.
 //!
 //! ```text
-//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu | vhost-user <socket> [client]]
+//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client]]
 //!               [network <name>]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
@@ -338,7 +338,7 @@ pub enum Command {
     /// namespace (the guest's), so it survives vnetd restarts.
     /// `network`: the overlay network the guest belongs to (`default` when
     /// not given): what vnet-agent publishes it under.
-    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach, netns: Option<String>, socket: Option<String>, network: String },
+    IfaceAdd { name: String, mac: Mac, mtu: Option<u32>, attach: Attach, netns: Option<String>, socket: Option<String>, network: String, ifname: Option<String> },
     /// `detach`: let go of the TAP but leave the device (for migration).
     IfaceDel(IfaceRef, bool),
     IfaceList,
@@ -380,9 +380,10 @@ impl Command {
 }
 
 pub const HELP: &str = "\
-INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth] | qemu | vhost-user <socket> [client]]
+INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client]]
               [network <name>]                       create a guest's NIC: a TAP (netns: persistent, in
-                                                     that namespace; veth: a veth pair there; qemu: a TAP
+                                                     that namespace; veth: a veth pair there, the guest's
+                                                     end named <dev> if given, else <name>; qemu: a TAP
                                                      for QEMU to open) or a vhost-user virtio-net device
                                                      on a Unix socket (client: connect to the VMM's);
                                                      network: the overlay network it is in (default:
@@ -597,6 +598,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     }
     let (mut mtu, mut attach, mut netns, mut socket) = (None, Attach::Netns, None, None);
     let mut network = DEFAULT_NETWORK.to_string();
+    let mut ifname = None;
     let mut rest = rest;
     while let Some((kw, r)) = rest.split_first() {
         match kw.to_ascii_lowercase().as_str() {
@@ -628,6 +630,13 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
+            "ifname" => {
+                let Some((n, r2)) = r.split_first() else { return Err("ifname needs a device name".into()) };
+                check_ifname(n)?;
+                ifname = Some(n.to_string());
+                rest = r2;
+                continue;
+            }
             "netns" => {
                 let Some((n, r2)) = r.split_first() else { return Err("netns needs a namespace name".into()) };
                 check_netns_name(n)?;
@@ -635,7 +644,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
-            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, qemu, vhost-user <socket> [client] or network <name>)")),
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, ifname <device>, qemu, vhost-user <socket> [client] or network <name>)")),
         }
         rest = r;
     }
@@ -648,7 +657,10 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     if socket.is_some() && (netns.is_some() || !matches!(attach, Attach::VhostUser { .. })) {
         return Err("a vhost-user interface is its socket alone: no netns, veth or qemu".into());
     }
-    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns, socket, network })
+    if ifname.is_some() && attach != Attach::Veth {
+        return Err("ifname names a veth guest's device in its namespace: it needs netns <ns> veth".into());
+    }
+    Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns, socket, network, ifname })
 }
 
 /// A vhost-user socket's path: absolute, no `..`, no control characters,
@@ -785,6 +797,8 @@ mod tests {
         let Command::IfaceAdd { network, .. } = one("interface add g1 02:00:00:00:00:01 netns g1 network blue") else { panic!() };
         assert_eq!(network, "blue");
         let Command::IfaceAdd { network, .. } = one("interface add g1 02:00:00:00:00:01") else { panic!() };
+        let Command::IfaceAdd { ifname, .. } = one("interface add c-1 02:00:00:00:00:01 netns c veth ifname eth0") else { panic!() };
+        assert_eq!(ifname.as_deref(), Some("eth0"));
         assert_eq!(network, DEFAULT_NETWORK);
         let Command::RouteAdd(r, owner) = one("ROUTE ADD any 02:00:00:00:00:02 edge h2 interface 02:00:00:00:00:01 OWNER agent") else {
             panic!()
@@ -808,27 +822,27 @@ mod tests {
     fn parses_every_command() {
         assert_eq!(
             one("interface add vg1 02:00:00:00:00:01 mtu 9000"),
-            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns, netns: None, socket: None, network: "default".into() }
+            Command::IfaceAdd { name: "vg1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(9000), attach: Attach::Netns, netns: None, socket: None, network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add vm1 52:54:00:12:34:56 QEMU mtu 1500"),
-            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu, netns: None, socket: None, network: "default".into() }
+            Command::IfaceAdd { name: "vm1".into(), mac: "52:54:00:12:34:56".parse().unwrap(), mtu: Some(1500), attach: Attach::Qemu, netns: None, socket: None, network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add g1 02:00:00:00:00:01 netns guest-1"),
-            Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()), socket: None, network: "default".into() }
+            Command::IfaceAdd { name: "g1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: None, attach: Attach::Netns, netns: Some("guest-1".into()), socket: None, network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add eth1 02:00:00:00:00:01 mtu 1458 netns c1 veth"),
-            Command::IfaceAdd { name: "eth1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(1458), attach: Attach::Veth, netns: Some("c1".into()), socket: None, network: "default".into() }
+            Command::IfaceAdd { name: "eth1".into(), mac: "02:00:00:00:00:01".parse().unwrap(), mtu: Some(1458), attach: Attach::Veth, netns: Some("c1".into()), socket: None, network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add vm2 52:54:00:00:00:02 vhost-user /run/vnet/vm2.sock"),
-            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()), network: "default".into() }
+            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()), network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add vm3 52:54:00:00:00:03 vhost-user /tmp/q.sock client mtu 9000"),
-            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true }, netns: None, socket: Some("/tmp/q.sock".into()), network: "default".into() }
+            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true }, netns: None, socket: Some("/tmp/q.sock".into()), network: "default".into(), ifname: None }
         );
         for bad in [
             "interface add vm4 52:54:00:00:00:04 vhost-user",
@@ -993,6 +1007,9 @@ mod tests {
             ("interface add vg1 02:00:00:00:00:01 netns /run/x", "not a network namespace name"),
             ("interface add vg1 02:00:00:00:00:01 netns g qemu", "takes no netns"),
             ("interface add vg1 02:00:00:00:00:01 veth", "needs netns"),
+            ("interface add vg1 02:00:00:00:00:01 netns g ifname eth0", "needs netns <ns> veth"),
+            ("interface add vg1 02:00:00:00:00:01 netns g veth ifname a/b", "not a device name"),
+            ("interface add vg1 02:00:00:00:00:01 netns g veth ifname", "ifname needs"),
             ("set datapath fast", "not a datapath"),
             ("set datapath", "SET"),
             ("interface del g1 now", "INTERFACE DEL needs"),

@@ -357,7 +357,7 @@ impl Topology {
                 self.check_thresholds()?;
                 Ok(format!("interface {idx} {name} {shown}"))
             }
-            Command::IfaceAdd { name, mac, mtu, attach, netns, socket, network } => {
+            Command::IfaceAdd { name, mac, mtu, attach, netns, socket, network, ifname } => {
                 if let Some(i) = self.ifaces.values().find(|i| &i.name == name) {
                     return Err(format!("interface {name} exists (index {})", i.id));
                 }
@@ -385,7 +385,7 @@ impl Topology {
                     (Attach::Qemu, _) => QemuNic::new(name, mtu, self.next_iface, self.kernel.as_ref()).map(|n| Box::new(n) as Box<dyn VirtualNic>),
                     (Attach::Veth, Some(ns)) => {
                         let kernel = self.kernel.as_ref();
-                        VethNic::new(name, *mac, mtu, ns, self.next_iface, kernel).map(|n| Box::new(n) as Box<dyn VirtualNic>)
+                        VethNic::new(ifname.as_deref().unwrap_or(name), *mac, mtu, ns, self.next_iface, kernel).map(|n| Box::new(n) as Box<dyn VirtualNic>)
                     }
                     (Attach::Veth, None) => return Err("a veth interface needs netns <name>".into()),
                     (Attach::VhostUser { client }, _) => {

@@ -39,6 +39,8 @@ pub type VethNic = PortNic<VethPair>;
 
 /// The pair, seen from vnetd's side.
 pub struct VethPair {
+    /// The guest's end, in its namespace.
+    guest: String,
     host: String,
     host_index: u32,
     /// Delete the pair when this goes (its request failed, or its interface
@@ -49,7 +51,8 @@ pub struct VethPair {
 impl PortNic<VethPair> {
     /// Makes the pair (or takes over the one an earlier vnetd made) and
     /// attaches it: to the fast path if `kernel` is loaded (`iface` is the
-    /// interface's id), else through a packet socket.
+    /// interface's id), else through a packet socket. `name` is the guest's
+    /// end in `netns`.
     pub fn new(name: &str, mac: Mac, mtu: u32, netns: &str, iface: u32, kernel: Option<&Arc<Kernel>>) -> Result<VethNic> {
         let (host, upcall) = host_names(netns, name);
         let (host_index, made) = match rtnl::device(&host).with_context(|| format!("cannot look up {host}"))? {
@@ -72,7 +75,7 @@ impl PortNic<VethPair> {
         rtnl::set_up(host_index).with_context(|| format!("cannot bring {host} up"))?;
         let port = GuestPort::attach(kernel, iface, &host, host_index, &upcall, mtu, true)?;
         std::mem::forget(undo);
-        Ok(PortNic { port, device: VethPair { host, host_index, remove: AtomicBool::new(made) } })
+        Ok(PortNic { port, device: VethPair { guest: name.to_string(), host, host_index, remove: AtomicBool::new(made) } })
     }
 }
 
@@ -97,7 +100,7 @@ impl PortDevice for VethPair {
     }
 
     fn describe(&self) -> String {
-        format!("host={}", self.host)
+        format!("ifname={} host={}", self.guest, self.host)
     }
 }
 
