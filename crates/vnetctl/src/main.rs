@@ -1,11 +1,14 @@
 //! vnetctl: sends control-language commands to a running vnetd and prints
-//! the reply. Exits 0 on OK, 1 when vnetd refused the request, 2 when it
+//! the reply, as text or (`-j`, `-p`) JSON; `vnetctl top` is a live view of
+//! the traffic. Exits 0 on OK, 1 when vnetd refused the request, 2 when it
 //! could not be reached.
 
-use clap::Parser;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
+mod client;
+mod top;
+
+use clap::{CommandFactory, Parser};
+use client::{Session, Target, Unreachable};
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -13,10 +16,12 @@ use std::process::ExitCode;
 #[command(version, about = "Send control commands to vnetd", after_help = "\
 Examples:
   vnetctl ROUTE LIST
+  vnetctl -p STATS interfaces    # as JSON, indented
+  vnetctl top                    # frames/s, Gbit/s and drops, live
   vnetctl --tcp 127.0.0.1:9001 --token-file /etc/vnet/token LINK ADD 198.18.0.2
   vnetctl -f changes.conf        # the whole file, all or nothing
   vnetctl HELP                   # the control language")]
-struct Args {
+pub struct Args {
     /// vnetd's Unix control socket.
     #[arg(short, long, env = "VNETD_SOCKET", default_value = "/run/vnetd.sock")]
     socket: PathBuf,
@@ -30,14 +35,91 @@ struct Args {
     /// Send this file ("-" for standard input) as one all-or-nothing request.
     #[arg(short, long, conflicts_with = "command")]
     file: Option<PathBuf>,
-    /// The command, e.g. ROUTE LIST.
+    /// Print the reply as JSON: the records (an array), or {"error": ...}.
+    #[arg(short, long)]
+    json: bool,
+    /// Print the reply as indented JSON.
+    #[arg(short, long)]
+    pretty: bool,
+    /// Print a completion script for this shell and exit.
+    #[arg(long, value_name = "SHELL")]
+    completions: Option<clap_complete::Shell>,
+    /// Print vnetctl's manual page (roff) and exit.
+    #[arg(long)]
+    man: bool,
+    /// The command, e.g. ROUTE LIST; or `top [-i <seconds>] [-n <count>]`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let request = match (&args.file, args.command.is_empty()) {
+    if let Some(shell) = args.completions {
+        clap_complete::generate(shell, &mut Args::command(), "vnetctl", &mut std::io::stdout());
+        return ExitCode::SUCCESS;
+    }
+    if args.man {
+        return match clap_mangen::Man::new(Args::command()).render(&mut std::io::stdout()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(2, &format!("cannot write the manual page: {e}"), None),
+        };
+    }
+    let json = args.json || args.pretty;
+    let target = match &args.tcp {
+        Some(addr) => {
+            // vnetd's TCP control asks every session for a token first.
+            let p = args.token_file.as_ref().expect("clap requires --token-file with --tcp");
+            match std::fs::read_to_string(p) {
+                Ok(t) => Target::Tcp { addr, token: t.trim().to_string() },
+                Err(e) => {
+                    let e = format!("cannot read {}: {e}", p.display());
+                    return fail(2, &e, json.then_some(&e));
+                }
+            }
+        }
+        None => Target::Unix(&args.socket),
+    };
+    if args.command.first().is_some_and(|c| c.eq_ignore_ascii_case("top")) {
+        let top = top::Args::parse_from(std::iter::once("vnetctl top").chain(args.command[1..].iter().map(String::as_str)));
+        return match top::run(&target, top.interval, top.count) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(top::Error::Refused(e)) => fail(1, &format!("vnetd refused the request: {e}"), None),
+            Err(top::Error::Unreachable(Unreachable(e))) => fail(2, &e, None),
+        };
+    }
+    let request = match request(&args) {
+        Ok(r) => r,
+        Err(e) => return fail(2, &e, json.then_some(&e)),
+    };
+    match exchange(&target, &request, json) {
+        Ok(Ok(out)) => {
+            let mut stdout = std::io::stdout().lock();
+            let text = match out {
+                Reply::Text(lines) => lines.into_iter().map(|l| l + "\n").collect::<String>(),
+                Reply::Json(v) if args.pretty => serde_json::to_string_pretty(&v).expect("JSON value") + "\n",
+                Reply::Json(v) => v.to_string() + "\n",
+            };
+            let _ = stdout.write_all(text.as_bytes());
+            ExitCode::SUCCESS
+        }
+        Ok(Err(e)) => fail(1, &format!("vnetd refused the request: {e}"), json.then_some(&e)),
+        Err(Unreachable(e)) => fail(2, &e, json.then_some(&e)),
+    }
+}
+
+/// Says why on stderr (and, for JSON, `{"error": ...}` on stdout with
+/// vnetd's words or ours), and exits with `code`.
+fn fail(code: u8, msg: &str, json: Option<&str>) -> ExitCode {
+    eprintln!("vnetctl: {msg}");
+    if let Some(e) = json {
+        println!("{}", serde_json::json!({ "error": e }));
+    }
+    ExitCode::from(code)
+}
+
+/// The request the command line asks for, as sent.
+fn request(args: &Args) -> Result<String, String> {
+    match (&args.file, args.command.is_empty()) {
         (Some(p), _) => {
             let mut text = String::new();
             let read = if p.as_os_str() == "-" {
@@ -45,115 +127,36 @@ fn main() -> ExitCode {
             } else {
                 std::fs::read_to_string(p).map(|t| text = t)
             };
-            if let Err(e) = read {
-                eprintln!("vnetctl: cannot read {}: {e}", p.display());
-                return ExitCode::from(2);
-            }
+            read.map_err(|e| format!("cannot read {}: {e}", p.display()))?;
             // The file is sent as one request; its own BEGIN/COMMIT would split it.
-            if text.lines().any(|l| ["begin", "commit", "abort"].contains(&l.trim().to_ascii_lowercase().as_str())) {
-                eprintln!("vnetctl: {} must not contain BEGIN, COMMIT or ABORT lines", p.display());
-                return ExitCode::from(2);
+            if text.lines().any(|l| ["begin", "commit", "abort", "format"].contains(&l.split_whitespace().next().unwrap_or("").to_ascii_lowercase().as_str())) {
+                return Err(format!("{} must not contain BEGIN, COMMIT, ABORT or FORMAT lines", p.display()));
             }
-            format!("BEGIN\n{}\nCOMMIT\n", text.trim_end_matches('\n'))
+            Ok(format!("BEGIN\n{}\nCOMMIT\n", text.trim_end_matches('\n')))
         }
-        (None, false) => format!("{}\n", args.command.join(" ")),
-        (None, true) => {
-            eprintln!("vnetctl: give a command (try: vnetctl HELP) or --file");
-            return ExitCode::from(2);
-        }
-    };
-    let result = match &args.tcp {
-        Some(addr) => {
-            // vnetd's TCP control asks every session for a token first.
-            let p = args.token_file.as_ref().expect("clap requires --token-file with --tcp");
-            let token = match std::fs::read_to_string(p) {
-                Ok(t) => t.trim().to_string(),
-                Err(e) => {
-                    eprintln!("vnetctl: cannot read {}: {e}", p.display());
-                    return ExitCode::from(2);
-                }
-            };
-            let request = format!("AUTH {token}\n{request}");
-            TcpStream::connect(addr)
-                .map_err(|e| format!("cannot connect to vnetd at {addr}: {e}"))
-                .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, true))
-        }
-        None => UnixStream::connect(&args.socket)
-            .map_err(|e| {
-                let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
-                    " (the control socket is for root, and for the group vnetd names with --control-group)"
-                } else {
-                    ""
-                };
-                format!("cannot connect to vnetd at {}: {e}{hint}", args.socket.display())
-            })
-            .and_then(|s| exchange(s.try_clone().map_err(|e| e.to_string())?, s, &request, false)),
-    };
-    match result {
-        Ok(Ok(lines)) => {
-            let mut out = std::io::stdout().lock();
-            for l in lines {
-                let _ = writeln!(out, "{l}");
-            }
-            ExitCode::SUCCESS
-        }
-        Ok(Err(e)) => {
-            eprintln!("vnetctl: vnetd refused the request: {e}");
-            ExitCode::from(1)
-        }
-        Err(e) => {
-            eprintln!("vnetctl: {e}");
-            ExitCode::from(2)
-        }
+        (None, false) => Ok(format!("{}\n", args.command.join(" "))),
+        (None, true) => Err("give a command (try: vnetctl HELP) or --file".into()),
     }
 }
 
-/// Sends the request and reads its one reply: `OK n` + n lines, or `ERR msg`
-/// (after the reply to `AUTH` when `authenticating`).
-fn exchange<R: Read, W: Write>(
-    r: R,
-    mut w: W,
-    request: &str,
-    authenticating: bool,
-) -> Result<Result<Vec<String>, String>, String> {
-    // vnetd may refuse a session (and close it) before reading a word of it:
-    // its one-line reason is then the answer, not the broken pipe.
-    let sent = w.write_all(request.as_bytes()).and_then(|_| w.flush());
-    let mut r = BufReader::new(r);
-    let reply = |r: &mut BufReader<R>| match (read_reply(r), &sent) {
-        (Err(_), Err(e)) => Err(format!("send failed: {e}")),
-        (reply, _) => reply,
-    };
-    if authenticating {
-        match reply(&mut r)? {
-            Ok(_) => {}
-            Err(e) => return Ok(Err(e)),
-        }
-    }
-    reply(&mut r)
+enum Reply {
+    Text(Vec<String>),
+    Json(serde_json::Value),
 }
 
-fn read_reply<R: BufRead>(r: &mut R) -> Result<Result<Vec<String>, String>, String> {
-    let mut status = String::new();
-    if r.read_line(&mut status).map_err(|e| format!("receive failed: {e}"))? == 0 {
-        return Err("vnetd closed the connection without replying".into());
-    }
-    let status = status.trim_end();
-    if let Some(msg) = status.strip_prefix("ERR ") {
-        return Ok(Err(msg.to_string()));
-    }
-    let n: usize = status
-        .strip_prefix("OK ")
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| format!("unexpected reply '{status}'"))?;
-    // The count is the server's word: no allocation is sized by it.
-    let mut lines = Vec::with_capacity(n.min(1024));
-    for _ in 0..n {
-        let mut l = String::new();
-        if r.read_line(&mut l).map_err(|e| format!("receive failed: {e}"))? == 0 {
-            return Err("reply ended early".into());
+/// Sends the request and reads its one reply.
+fn exchange(target: &Target, request: &str, json: bool) -> Result<Result<Reply, String>, Unreachable> {
+    let mut s = match Session::open(target)? {
+        Ok(s) => s,
+        Err(refused) => return Ok(Err(refused)),
+    };
+    if json {
+        if let Err(why) = s.want_json()? {
+            return Ok(Err(why));
         }
-        lines.push(l.trim_end_matches(['\n', '\r']).to_string());
+        s.send(request);
+        return Ok(s.read_json()?.map(Reply::Json));
     }
-    Ok(Ok(lines))
+    s.send(request);
+    Ok(s.read_text()?.map(Reply::Text))
 }

@@ -4,6 +4,7 @@
 //! Output lines are `kind key=value ...`, readable by people and by scripts.
 
 pub mod access;
+pub mod json;
 pub mod server;
 
 use crate::dispatch::Datapath;
@@ -188,7 +189,7 @@ impl Control {
                         out.push(v.describe());
                         v.render_conns(out);
                     }
-                    None => out.push("vtoe off".to_string()),
+                    None => out.push("vtoe enabled=no".to_string()),
                 }
                 list_ifaces(t, out);
                 list_links(t, out);
@@ -243,7 +244,7 @@ impl Control {
         if all || scope == StatsScope::Vtoe {
             match &self.vtoe {
                 Some(v) => v.render(out),
-                None if scope == StatsScope::Vtoe => out.push("vtoe off".to_string()),
+                None if scope == StatsScope::Vtoe => out.push("vtoe enabled=no".to_string()),
                 None => {}
             }
         }

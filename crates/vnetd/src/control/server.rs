@@ -9,6 +9,11 @@
 //! ERR <message>     one line; nothing was changed
 //! ```
 //!
+//! `FORMAT json` (outside BEGIN..COMMIT) asks for every later reply of the
+//! session, that one's included, as one line of JSON (`json`'s); `FORMAT
+//! text` asks for the lines above again. A vnetd that predates FORMAT
+//! answers it `ERR ... unknown command`, so a client knows to fall back.
+//!
 //! Who may connect, and as what, is `access`'s business: on the Unix socket
 //! the kernel's peer credentials decide; a TCP session's first line must be
 //! `AUTH <token>`, and anything else ends it. Every session has deadlines
@@ -17,6 +22,7 @@
 //! shut the others out; root's Unix sessions have slots of their own.
 
 use super::access::{self, Caller, Client, Gate, Lockout, RateLimit, Tokens, UnixPolicy};
+use super::json;
 use super::Control;
 use anyhow::{Context, Result};
 use std::io::{self, Read, Write};
@@ -276,9 +282,17 @@ enum End {
     TooLong,
 }
 
+/// How a session's replies are written (`FORMAT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Text,
+    Json,
+}
+
 /// One connection, read a line at a time against deadlines.
 struct Session<C> {
     conn: C,
+    format: Format,
     buf: Box<[u8]>,
     start: usize,
     end: usize,
@@ -288,7 +302,7 @@ struct Session<C> {
 
 impl<C: Conn> Session<C> {
     fn new(conn: C) -> Session<C> {
-        Session { conn, buf: vec![0; 64 * 1024].into_boxed_slice(), start: 0, end: 0, partial_since: None }
+        Session { conn, format: Format::Text, buf: vec![0; 64 * 1024].into_boxed_slice(), start: 0, end: 0, partial_since: None }
     }
 
     /// Reads the next line (without its newline) into `line`. `deadline`
@@ -330,8 +344,36 @@ impl<C: Conn> Session<C> {
         }
     }
 
-    /// Sends a reply; false when the client is gone or does not read.
+    /// Sends a one-line reply (`OK 0` or `ERR ...`) in the session's
+    /// format; false when the client is gone or does not read.
     fn reply(&mut self, msg: &str) -> bool {
+        match (self.format, msg.strip_prefix("ERR ")) {
+            (Format::Json, Some(e)) => self.send(&json::error(e)),
+            (Format::Json, None) => self.send(&json::reply(&Ok(vec![]), false)),
+            (Format::Text, _) => self.send(msg),
+        }
+    }
+
+    /// Sends a request's reply in the session's format.
+    fn answer(&mut self, reply: &Result<Vec<String>, String>, help: bool) -> bool {
+        if self.format == Format::Json {
+            return self.send(&json::reply(reply, help));
+        }
+        let mut msg = String::new();
+        match reply {
+            Ok(lines) => {
+                msg.push_str(&format!("OK {}\n", lines.len()));
+                for l in lines {
+                    msg.push_str(l);
+                    msg.push('\n');
+                }
+            }
+            Err(e) => msg.push_str(&format!("ERR {}\n", e.replace('\n', " "))),
+        }
+        self.send(&msg)
+    }
+
+    fn send(&mut self, msg: &str) -> bool {
         let mut text = String::with_capacity(msg.len() + 1);
         text.push_str(msg);
         if !msg.ends_with('\n') {
@@ -388,6 +430,7 @@ fn serve<C: Conn>(ctl: &Control, s: &mut Session<C>, caller: &Caller) {
         };
         let text = text.trim_end_matches('\r');
         let word = text.trim().to_ascii_lowercase();
+        let mut help = false;
         let reply = match (word.as_str(), pending.as_mut()) {
             ("begin", None) => {
                 pending = Some(Pending { lines: Vec::new(), bytes: 0, since: Instant::now() });
@@ -417,25 +460,30 @@ fn serve<C: Conn>(ctl: &Control, s: &mut Session<C>, caller: &Caller) {
             (w, None) if w.starts_with("auth ") || w == "auth" => {
                 Err(format!("already authenticated as {caller}"))
             }
-            (_, None) => ctl.execute(text, caller),
+            (w, None) if w.split_whitespace().next() == Some("format") => {
+                match w.split_whitespace().collect::<Vec<_>>()[..] {
+                    [_, "json"] => {
+                        s.format = Format::Json;
+                        Ok(vec![])
+                    }
+                    [_, "text"] => {
+                        s.format = Format::Text;
+                        Ok(vec![])
+                    }
+                    _ => Err(format!("FORMAT needs json or text: {text}")),
+                }
+            }
+            (w, None) => {
+                help = w == "help";
+                ctl.execute(text, caller)
+            }
         };
         // Requests are rate-bounded: past the limit, a session waits.
         let wait = limit.take(Instant::now());
         if !wait.is_zero() {
             std::thread::sleep(wait);
         }
-        let mut msg = String::new();
-        match reply {
-            Ok(lines) => {
-                msg.push_str(&format!("OK {}\n", lines.len()));
-                for l in lines {
-                    msg.push_str(&l);
-                    msg.push('\n');
-                }
-            }
-            Err(e) => msg.push_str(&format!("ERR {}\n", e.replace('\n', " "))),
-        }
-        if !s.reply(&msg) {
+        if !s.answer(&reply, help) {
             break;
         }
         idle_since = Instant::now();

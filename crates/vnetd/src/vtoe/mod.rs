@@ -527,7 +527,7 @@ impl Vtoe {
 
     /// `SHOW`'s line.
     pub fn describe(&self) -> String {
-        format!("vtoe socket={} port={} cgroup={}", self.socket.display(), self.local, self.guard.cgroup().display())
+        format!("vtoe enabled=yes socket={} port={} cgroup={}", self.socket.display(), self.local, self.guard.cgroup().display())
     }
 }
 
