@@ -7,13 +7,14 @@ mod control;
 mod dispatch;
 mod fast;
 mod link;
+mod metrics;
 mod nic;
 mod stats;
 mod topology;
 mod vtoe;
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use control::access::{Caller, Role, Tokens, UnixPolicy};
 use control::{server, Control};
 use dispatch::Datapath;
@@ -99,13 +100,57 @@ struct Args {
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
     #[arg(long, default_value = "info")]
     log_level: String,
+    /// Log as text for people, or as one JSON object per line for log
+    /// pipelines (journald, Loki, Elasticsearch).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// Serve Prometheus/OpenMetrics metrics at http://ADDR:PORT/metrics (a
+    /// bare PORT is on loopback). Off when not given. Anyone who can reach
+    /// it reads the counters: keep it on loopback or a management network.
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics: Option<String>,
+    /// Print a completion script for this shell and exit.
+    #[arg(long, value_name = "SHELL")]
+    completions: Option<clap_complete::Shell>,
+    /// Print vnetd's manual page (roff) and exit.
+    #[arg(long)]
+    man: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// `--metrics`: ADDR:PORT, or a bare PORT on loopback.
+fn metrics_addr(s: &str) -> Result<SocketAddr> {
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port));
+    }
+    s.parse::<SocketAddr>().with_context(|| format!("--metrics '{s}' is not ADDR:PORT or PORT"))
 }
 
 fn main() {
     let args = Args::parse();
+    if let Some(shell) = args.completions {
+        clap_complete::generate(shell, &mut Args::command(), "vnetd", &mut std::io::stdout());
+        return;
+    }
+    if args.man {
+        if let Err(e) = clap_mangen::Man::new(Args::command()).render(&mut std::io::stdout()) {
+            eprintln!("vnetd: cannot write the manual page: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&args.log_level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    let log = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
+    match args.log_format {
+        LogFormat::Text => log.init(),
+        LogFormat::Json => log.json().flatten_event(true).with_current_span(false).init(),
+    }
     if let Err(e) = run(args) {
         eprintln!("vnetd: {e:#}");
         std::process::exit(1);
@@ -168,6 +213,7 @@ fn run(args: Args) -> Result<()> {
             (v4, v6)
         }
     };
+    let metrics = args.metrics.as_deref().map(metrics_addr).transpose()?;
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
     let unix_listener = control_unix.as_deref().map(|p| server::bind_unix(p, control_group)).transpose()?;
 
@@ -256,6 +302,12 @@ fn run(args: Args) -> Result<()> {
     if let (Some(l), Some(p)) = (unix_listener, &control_unix) {
         server::spawn_unix(ctl.clone(), l, p.clone(), unix_policy);
     }
+    if let Some(addr) = metrics {
+        if let Err(e) = metrics::spawn(ctl.clone(), addr) {
+            cleanup(&dp);
+            return Err(e);
+        }
+    }
     tracing::info!(
         "vnetd ready: udp {}, control tcp {}, unix {}{}",
         dp.udp_addrs(),
@@ -263,10 +315,16 @@ fn run(args: Args) -> Result<()> {
         control_unix.as_ref().map_or("none".into(), |p| p.display().to_string()),
         control_group.map_or(String::new(), |g| format!(" (group {g}: {})", group_role.name()))
     );
+    // Under systemd (Type=notify): ready once the sockets listen and the
+    // config is in force. Elsewhere NOTIFY_SOCKET is unset and this does nothing.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!("cannot tell systemd vnetd is ready: {e}");
+    }
 
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!("signal {sig}: shutting down");
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     }
     cleanup(&dp);
     let joined: Vec<_> = dispatchers.into_iter().map(|h| h.join()).collect();

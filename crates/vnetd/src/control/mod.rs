@@ -277,6 +277,11 @@ impl Control {
         self.tear_down_retired(&mut state.retiring);
     }
 
+    /// Routes in force.
+    pub fn route_count(&self) -> usize {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).topo.routes.len()
+    }
+
     /// Drops of one reason over the whole daemon (for the log at exit).
     pub fn total_drops(&self, why: DropReason) -> u64 {
         self.dp.total_drops(why)
