@@ -359,6 +359,9 @@ pub enum Command {
     Stats(StatsScope),
     Show,
     Help,
+    /// `RELOAD`: apply vnetd's config file again (what changed in it since
+    /// it was last applied).
+    Reload,
 }
 
 impl Command {
@@ -375,7 +378,28 @@ impl Command {
                 | Command::LinkDel(_)
                 | Command::RouteAdd(..)
                 | Command::RouteDel(_)
+                | Command::Reload
         )
+    }
+
+    /// The command that takes back what this one added (`INTERFACE DEL`,
+    /// `LINK DEL`, `ROUTE DEL`), for a line gone from a reloaded config;
+    /// None for what has nothing to take back (settings, reports).
+    pub fn undo(&self) -> Option<String> {
+        match self {
+            Command::IfaceAdd { name, .. } => Some(format!("INTERFACE DEL {name}")),
+            Command::LinkAdd { ip, proto, name, .. } => {
+                let name = match (name, ip, proto) {
+                    (Some(n), _, _) => n.clone(),
+                    (None, _, LinkProto::Direct { device }) => device.clone(),
+                    (None, Some(ip), _) => ip.to_string(),
+                    (None, None, _) => return None,
+                };
+                Some(format!("LINK DEL {name}"))
+            }
+            Command::RouteAdd(rule, _) => Some(format!("ROUTE DEL {rule}")),
+            _ => None,
+        }
     }
 }
 
@@ -416,7 +440,10 @@ SET interrupts <plain | optimistic>                  how vhost-user NICs interru
 SET eoc-alpha <kB/s> | eoc-beta <kB/s>               optimistic interrupts' density thresholds
 SET cut-through <on | off>                           send vhost-user guests' frames uncopied
 SHOW                                                 settings and everything above
-BEGIN ... COMMIT                                     several lines, all or nothing";
+RELOAD                                               apply vnetd's --config file again: what was added by
+                                                     lines now gone is deleted, new lines are applied
+BEGIN ... COMMIT                                     several lines, all or nothing
+FORMAT <json | text>                                 replies from now on as one line of JSON, or as text";
 
 /// A parse error: which line (1-based, within the request) and why.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -531,6 +558,7 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
         },
         "show" if toks.len() == 1 => Ok(Some(Command::Show)),
         "help" if toks.len() == 1 => Ok(Some(Command::Help)),
+        "reload" if toks.len() == 1 => Ok(Some(Command::Reload)),
         "begin" | "commit" | "abort" => Err(format!("{first} is only allowed as a line of its own, outside a request")),
         _ => Err(format!("unknown command '{}' (try HELP)", toks.join(" "))),
     }

@@ -138,7 +138,7 @@ fn main() {
         return;
     }
     if args.man {
-        if let Err(e) = clap_mangen::Man::new(Args::command()).render(&mut std::io::stdout()) {
+        if let Err(e) = clap_mangen::Man::new(Args::command()).section("8").render(&mut std::io::stdout()) {
             eprintln!("vnetd: cannot write the manual page: {e}");
             std::process::exit(1);
         }
@@ -283,7 +283,7 @@ fn run(args: Args) -> Result<()> {
     };
     if let (Some(text), Some(path)) = (&config, &args.config) {
         let t0 = std::time::Instant::now();
-        match ctl.execute(text, &Caller::config(path)) {
+        match ctl.apply_config(path, text, &Caller::config(path)) {
             Ok(lines) => tracing::info!(
                 "config {}: {} changes applied in {:.3} s",
                 path.display(),

@@ -22,6 +22,9 @@ pub struct Control {
     settings: Settings,
     /// VTOE, when vnetd offers it (--vtoe-socket).
     vtoe: Option<Arc<crate::vtoe::Vtoe>>,
+    /// The config file (--config) and its changes as last applied, for
+    /// `RELOAD`.
+    config: Mutex<Option<(std::path::PathBuf, Vec<String>)>>,
 }
 
 /// The control plane's state, behind one lock.
@@ -38,7 +41,64 @@ impl Control {
     pub fn new(dp: Arc<Datapath>, settings: Settings, vtoe: Option<Arc<crate::vtoe::Vtoe>>) -> Control {
         let mut state = State::default();
         state.topo.kernel = dp.fast.as_ref().map(|f| f.kernel.clone());
-        Control { state: Mutex::new(state), dp, settings, vtoe }
+        Control { state: Mutex::new(state), dp, settings, vtoe, config: Mutex::new(None) }
+    }
+
+    /// Applies the config file (at start), and remembers what it holds for
+    /// `RELOAD`.
+    pub fn apply_config(&self, path: &std::path::Path, text: &str, caller: &Caller) -> Result<Vec<String>, String> {
+        let mut config = self.config.lock().unwrap_or_else(|p| p.into_inner());
+        let out = self.execute(text, caller)?;
+        *config = Some((path.to_path_buf(), config_changes(text)));
+        Ok(out)
+    }
+
+    /// `RELOAD`: reads the config file again and applies, all or nothing,
+    /// the difference from what was applied last: what lines now gone had
+    /// added is deleted (routes first, then links and interfaces), and new
+    /// lines are applied in the file's order. Lines still there are left
+    /// alone, and so is everything the config did not make (interfaces of
+    /// the CNI plugin, the agent's links and routes). A removed SET line
+    /// leaves its setting as it is.
+    fn reload(&self, caller: &Caller) -> Result<Vec<String>, String> {
+        let mut config = self.config.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((path, applied)) = config.as_ref() else {
+            return Err("line 1: vnetd was started without --config: there is nothing to reload: RELOAD".into());
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| format!("line 1: cannot read {}: {e}: RELOAD", path.display()))?;
+        // A config that does not parse changes nothing.
+        parse_request(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let now = config_changes(&text);
+        let gone: Vec<&String> = applied.iter().filter(|l| !now.contains(l)).collect();
+        let mut undo: Vec<(u8, String)> = gone
+            .iter()
+            .filter_map(|l| {
+                let cmd = vnet_core::command::parse_line(l).ok().flatten()?;
+                let rank = match cmd {
+                    Command::RouteAdd(..) => 0,
+                    Command::LinkAdd { .. } => 1,
+                    _ => 2,
+                };
+                cmd.undo().map(|u| (rank, u))
+            })
+            .collect();
+        undo.sort_by_key(|(rank, _)| *rank);
+        let new: Vec<&String> = now.iter().filter(|l| !applied.contains(l)).collect();
+        let request: Vec<&str> = undo.iter().map(|(_, u)| u.as_str()).chain(new.iter().map(|l| l.as_str())).collect();
+        let mut out = vec![format!(
+            "reload {}: {} line(s) gone, {} new, {} unchanged",
+            path.display(),
+            gone.len(),
+            new.len(),
+            now.len() - new.len()
+        )];
+        if !request.is_empty() {
+            let who = Caller { role: caller.role, who: format!("{caller} reloading {}", path.display()) };
+            out.extend(self.execute(&request.join("\n"), &who)?);
+        }
+        let path = path.clone();
+        *config = Some((path, now));
+        Ok(out)
     }
 
     /// Tears down, here on the control thread, the retired objects no
@@ -94,6 +154,15 @@ impl Control {
     pub fn execute(&self, request: &str, caller: &Caller) -> Result<Vec<String>, String> {
         let cmds = parse_request(request).map_err(|e| e.to_string())?;
         let line_text = |line: usize| request.lines().nth(line - 1).unwrap_or("").trim();
+        if let Some((line, _)) = cmds.iter().find(|(_, c)| *c == Command::Reload) {
+            if cmds.len() > 1 {
+                return Err(format!("line {line}: RELOAD must be a request of its own: {}", line_text(*line)));
+            }
+            if caller.role != Role::Admin {
+                return Err(format!("line {line}: permission denied: {caller} may only read (SHOW, STATS, LIST, HELP): RELOAD"));
+            }
+            return self.reload(caller);
+        }
         if caller.role != Role::Admin {
             if let Some((line, _)) = cmds.iter().find(|(_, c)| c.mutates()) {
                 tracing::warn!("control: {caller}: refused a change: {}", line_text(*line));
@@ -286,6 +355,15 @@ impl Control {
     pub fn total_drops(&self, why: DropReason) -> u64 {
         self.dp.total_drops(why)
     }
+}
+
+/// The changes a config file holds, one per line as written (comments and
+/// spacing aside): what `RELOAD` compares.
+fn config_changes(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|l| matches!(vnet_core::command::parse_line(l), Ok(Some(c)) if c.mutates()))
+        .collect()
 }
 
 /// Logs the changes a request applied, and who made them (the first few

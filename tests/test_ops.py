@@ -1,0 +1,450 @@
+"""Operating VNET with the tools its users already have: Prometheus metrics
+(checked by prometheus_client's OpenMetrics parser, values equal to STATS),
+JSON replies for every command, `vnetctl top`, and the service side: the
+systemd units (systemd-analyze verify), sd_notify readiness, RELOAD, JSON
+logs, man pages and completions, and vnetd under exactly the unit's
+capabilities."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+import netlab
+from netlab import REPO, VNETCTL, VNETD, guest_mac, run, wait_until
+
+UNIT_CAPS = None  # read from dist/systemd/vnetd.service by unit_caps()
+
+
+def two_hosts_veth(lab, *vnetd_args):
+    """Two hosts, a veth guest on each (the kernel fast path's kind), in a
+    full mesh; returns (d1, d2, g1, g2)."""
+    h1, h2 = lab.add_host(1), lab.add_host(2)
+    n1, n2 = lab.guest_ns("c1"), lab.guest_ns("c2")
+    guests = {1: [("g1", guest_mac(1))], 2: [("g2", guest_mac(2))]}
+    attach = {"g1": f"netns {n1} veth", "g2": f"netns {n2} veth"}
+    d1 = lab.start_vnetd(h1, netlab.mesh_config(1, guests, mtu=1458, attach=attach), *vnetd_args)
+    d2 = lab.start_vnetd(h2, netlab.mesh_config(2, guests, mtu=1458, attach=attach))
+    g1 = lab.veth_guest(h1, "g1", 1, n1)
+    g2 = lab.veth_guest(h2, "g2", 2, n2)
+    assert lab.reaches(g1, g2)
+    return d1, d2, g1, g2
+
+
+def scrape(lab, host, port=9190, path="/metrics"):
+    p = lab.x(host, "curl", "-sS", "-o", "-", "-w", "\n%{http_code} %{content_type}", f"http://127.0.0.1:{port}{path}")
+    body, _, status = p.stdout.rpartition("\n")
+    return body, status
+
+
+def samples(text):
+    """{(name, frozenset(labels)): value} from OpenMetrics text, parsed by
+    prometheus_client (which rejects what is not valid OpenMetrics)."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def text_records(lines):
+    """The text reply's `key=value` words per line (what JSON must match)."""
+    recs = []
+    for line in lines:
+        kv = {}
+        words = line.split()
+        for i, w in enumerate(words[1:], 1):
+            if w.startswith("rule="):
+                kv["rule"] = " ".join([w[5:], *words[i + 1:]])
+                break
+            m = re.fullmatch(r"([a-z0-9_-]+)=(.*)", w)
+            if m:
+                kv[m.group(1)] = m.group(2)
+        recs.append((words[0] if words else "", kv))
+    return recs
+
+
+# ---- metrics ----
+
+def test_metrics_parse_and_equal_stats(lab):
+    d1, d2, g1, g2 = two_hosts_veth(lab, "--metrics", "9190")
+    lab.ping(g1, g2, count=20, check=True)
+    # A frame to nobody: a drop with a reason, which the metrics must show.
+    lab.x(g1.ns, "ip", "neigh", "replace", "10.99.0.77", "lladdr", "02:00:00:00:00:77", "dev", "g1")
+    lab.x(g1.ns, "ip", "route", "add", "10.99.0.0/24", "dev", "g1")
+    lab.x(g1.ns, "ping", "-c", "3", "-i", "0.05", "-W", "1", "10.99.0.77", check=False)
+
+    before = d1.stats()
+    body, status = scrape(lab, d1.host)
+    after = d1.stats()
+    assert status.startswith("200 application/openmetrics-text"), status
+    assert body.rstrip().endswith("# EOF")
+    m = samples(body)
+
+    def between(name, labels, kind, field):
+        v = m[(name, frozenset(labels.items()))]
+        lo, hi = int(before[kind][field]), int(after[kind][field])
+        assert lo <= v <= hi, (name, labels, v, lo, hi)
+        return v
+
+    # Every counter of every interface and link, and the global ones.
+    checked = 0
+    for kind in [k for k in after if k.startswith(("interface ", "link "))]:
+        what, name = kind.split(" ", 1)
+        for field, v in after[kind].items():
+            if not isinstance(v, int) or field == "name":
+                continue
+            if field.startswith("drop_"):
+                between(f"vnet_{what}_drops_total", {what: name, "reason": field[5:]}, kind, field)
+            elif field not in ("id",):
+                between(f"vnet_{what}_{field}_total", {what: name}, kind, field)
+            checked += 1
+    levels = {"rx_batch_mean", "cache_entries", "entries", "loaded", "enabled"}
+    for kind in ("global", "paths", "offload", "dispatch", "fastpath"):
+        for field, v in after[kind].items():
+            if field in levels:
+                continue
+            if field.startswith("drop_"):
+                between(f"vnet_{kind}_drops_total", {"reason": field[5:]}, kind, field)
+            else:
+                between(f"vnet_{kind}_{field}_total", {}, kind, field)
+            checked += 1
+    assert checked > 70, checked
+    assert m[("vnet_fastpath_entries", frozenset())] >= 0 and ("vnet_dispatch_rx_batch_mean", frozenset()) in m
+    assert between("vnet_interface_in_frames_total", {"interface": "g1"}, "interface g1", "in_frames") >= 20
+    assert between("vnet_global_drops_total", {"reason": "no_route"}, "global", "drop_no_route") >= 1
+    assert m[("vnet_fastpath_enabled", frozenset())] == 1
+    assert m[("vnet_routes", frozenset())] == len([k for k in after if k.startswith("route ")])
+    assert m[("vnet_interface_mode", frozenset({"interface": "g1", "configured": "guest-driven", "running": "guest-driven"}.items()))] == 1
+    assert ("vnet_build_info", frozenset({"version": d1.ctl("SHOW").stdout.split("version=")[1].split()[0]}.items())) in m
+
+    # Bounded labels: no route or connection appears as a label.
+    assert not any(dict(labels).keys() - {"interface", "link", "reason", "configured", "running", "version"} for _, labels in m)
+
+    # Only GET /metrics; the rest is refused, and nothing listens without --metrics.
+    assert scrape(lab, d1.host, path="/nope")[1].startswith("404")
+    post = lab.x(d1.host, "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", "http://127.0.0.1:9190/metrics")
+    assert post.stdout == "405"
+    assert lab.x(d2.host, "curl", "-s", "http://127.0.0.1:9190/metrics", check=False).returncode != 0
+    # Loopback only, for a bare port.
+    listen = [l.split()[3] for l in lab.x(d1.host, "ss", "-Hltn", "sport = :9190").stdout.splitlines()]
+    assert listen == ["127.0.0.1:9190"], listen
+
+
+def test_metrics_endpoint_survives_hostile_clients(lab):
+    h1 = lab.add_host(1)
+    d = lab.start_vnetd(h1, None, "--metrics", "9190")
+    script = lab.tmp / "hostile.py"
+    script.write_text("""
+import socket, time
+def conn():
+    s = socket.create_connection(("127.0.0.1", 9190)); s.settimeout(5); return s
+held = [conn() for _ in range(20)]           # idle connections, never a request
+for s in held[:10]:
+    s.sendall(b"GET /metrics HTTP/1.1\\r\\nHost: x")   # half a request
+for junk in [b"\\x00\\xff" * 5000 + b"\\r\\n\\r\\n", b"GET " + b"/" * 100000 + b" HTTP/1.1\\r\\n\\r\\n",
+             b"GET /metrics HTTP/1.1\\r\\n" + b"X: " + b"y" * 200000 + b"\\r\\n\\r\\n", b"BREW /pot HTCPCP/1.0\\r\\n\\r\\n"]:
+    s = conn()
+    try:
+        s.sendall(junk); s.recv(100)
+    except OSError:
+        pass
+    s.close()
+print("done")
+""")
+    assert lab.x(h1, "python3", script, timeout=60).stdout.strip() == "done"
+    body, status = scrape(lab, h1)
+    assert status.startswith("200"), status
+    assert samples(body)
+    assert d.proc.poll() is None
+
+
+# ---- JSON ----
+
+def test_json_for_every_command_has_the_texts_fields(lab):
+    d1, d2, g1, g2 = two_hosts_veth(lab)
+    lab.ping(g1, g2, count=3, check=True)
+    reads = ["SHOW", "STATS", "STATS interfaces", "STATS links", "STATS routes", "STATS global", "STATS vtoe",
+             "INTERFACE LIST", "LINK LIST", "ROUTE LIST"]
+    for cmd in reads:
+        text = d1.ctl(*cmd.split()).stdout.splitlines()
+        out = d1.ctl("-j", *cmd.split())
+        recs = json.loads(out.stdout)
+        assert json.loads(d1.ctl("-p", *cmd.split()).stdout) is not None
+        assert len(recs) == len(text), cmd
+        for rec, (kind, kv) in zip(recs, text_records(text)):
+            assert rec["kind"] == kind, (cmd, rec)
+            for k, v in kv.items():
+                # Counters may move between the two readings; the rest is equal.
+                got = rec[k]
+                if isinstance(got, (int, float)) and not isinstance(got, bool):
+                    assert re.fullmatch(r"\d+(\.\d+)?", v), (cmd, k, v)
+                else:
+                    assert got == v, (cmd, k, got, v)
+    routes = json.loads(d1.ctl("-j", "ROUTE", "LIST").stdout)
+    assert {"kind": "route", "id": 0, "rule": f"any {guest_mac(1)} interface {guest_mac(1)} any"} in routes
+    help_ = json.loads(d1.ctl("-j", "HELP").stdout)
+    assert any("ROUTE ADD" in r["text"] for r in help_)
+
+    # Changes, and what they say.
+    add = json.loads(d1.ctl("-j", "ROUTE", "ADD", "any", "02:00:00:00:00:99", "edge", netlab.underlay_ip(2), "any").stdout)
+    assert add[0]["kind"] == "change" and add[0]["verb"] == "added" and add[0]["object"] == "route"
+    assert add[0]["rule"] == f"any 02:00:00:00:00:99 edge {netlab.underlay_ip(2)} any"
+    set_ = json.loads(d1.ctl("-j", "SET", "quota", "32").stdout)
+    assert set_[0]["kind"] == "set" and set_[0]["quota"] == 32
+    batch = lab.tmp / "batch.conf"
+    batch.write_text(f"ROUTE DEL {add[0]['id']}\nSET quota 64\n")
+    both = json.loads(d1.ctl("-j", "--file", batch).stdout)
+    assert [r["kind"] for r in both] == ["change", "set"] and both[0]["verb"] == "deleted"
+
+    # Errors: JSON too, exit 1, and nothing changed.
+    listing = d1.ctl("ROUTE", "LIST").stdout
+    bad = d1.ctl("-j", "ROUTE", "ADD", "any", "nonsense", check=False)
+    assert bad.returncode == 1
+    assert json.loads(bad.stdout)["error"].startswith("line 1: ")
+    assert d1.ctl("ROUTE", "LIST").stdout == listing
+    gone = run([VNETCTL, "-j", "--socket", lab.tmp / "nobody.sock", "SHOW"], check=False)
+    assert gone.returncode == 2 and "cannot connect" in json.loads(gone.stdout)["error"]
+
+
+def test_json_protocol_in_band(lab):
+    h1 = lab.add_host(1)
+    d = lab.start_vnetd(h1, None)
+    s = netlab.UnixSession(d.sock)
+    s.send("FORMAT json\n")
+    assert json.loads(s.readline()) == {"ok": True, "records": []}
+    s.send("LINK LIST\n")
+    assert json.loads(s.readline()) == {"ok": True, "records": []}
+    s.send("BEGIN\nFORMAT text\nCOMMIT\n")
+    err = json.loads(s.readline())
+    assert err["ok"] is False and "FORMAT" in err["error"]
+    s.send("FORMAT yaml\n")
+    assert "json or text" in json.loads(s.readline())["error"]
+    s.send("FORMAT text\n")
+    assert s.readline() == b"OK 0\n"
+    s.send("FORMAT json\n" + "x" * 5000 + "\n")
+    assert json.loads(s.readline())["ok"] is True
+    closing = json.loads(s.readline())
+    assert closing["ok"] is False and "longer than" in closing["error"]
+    s.close()
+
+
+def test_json_refused_clearly_by_an_older_vnetd(lab):
+    """A vnetd from before FORMAT answers it as any unknown command (its
+    exact words, taken from one): vnetctl -j says so, as JSON, and exits 1."""
+    sock = lab.tmp / "old.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(sock))
+    srv.listen(1)
+
+    def old_vnetd():
+        c, _ = srv.accept()
+        line = c.makefile("rb").readline().decode().strip()
+        c.sendall(f"ERR line 1: unknown command '{line}' (try HELP): {line}\n".encode())
+        c.close()
+
+    t = threading.Thread(target=old_vnetd)
+    t.start()
+    p = run([VNETCTL, "-j", "--socket", sock, "SHOW"], check=False)
+    t.join(5)
+    srv.close()
+    assert p.returncode == 1
+    err = json.loads(p.stdout)["error"]
+    assert "older than this vnetctl" in err and "unknown command 'FORMAT json'" in err
+
+
+# ---- top ----
+
+def test_top_shows_rates_paths_and_drops(lab):
+    d1, d2, g1, g2 = two_hosts_veth(lab)
+    lab.x(g2.ns, "ip", "link", "set", "g2", "mtu", "1458")
+    srv = lab.popen(g2.ns, "iperf3", "-s", "-1", "-p", "5201", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    netlab.wait_listening(lab, g2.ns, 5201)
+    cli = lab.popen(g1.ns, "iperf3", "-c", g2.ip, "-p", "5201", "-t", "4", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Unknown destination: no_route drops while top watches.
+    lab.x(g1.ns, "ip", "neigh", "replace", "10.99.0.77", "lladdr", "02:00:00:00:00:77", "dev", "g1")
+    lab.x(g1.ns, "ip", "route", "add", "10.99.0.0/24", "dev", "g1")
+    pinger = lab.popen(g1.ns, "ping", "-q", "-c", "40", "-i", "0.05", "10.99.0.77", stdout=subprocess.DEVNULL)
+    time.sleep(0.5)
+    out = d1.ctl("top", "-n", "2", "-i", "1").stdout
+    cli.wait(20)
+    pinger.wait(10)
+    srv.wait(10)
+    screens = out.strip().split("\n\n")
+    assert len(screens) == 2, out
+    last = screens[-1].splitlines()
+    assert "datapath: kernel fast path + vnetd" in last[0]
+    row = next(l for l in last if l.split()[1:2] == ["g1"])
+    cols = row.split()
+    assert cols[2:5] == ["veth", "kernel", "guest-driven"], row
+    in_fps, in_gbps = float(cols[5]), float(cols[6])
+    assert in_fps > 1000 and in_gbps > 0.05, row
+    assert int(cols[9]) > 50, row  # most frames in the kernel
+    assert re.search(r"drops: .*no_route=\d+/s", last[-1]), last[-1]
+    link = next(l for l in last if l.startswith("l0"))
+    assert link.split()[2] == "udp"
+
+
+# ---- service ----
+
+def unit_caps():
+    text = (REPO / "dist/systemd/vnetd.service").read_text()
+    caps = re.search(r"^CapabilityBoundingSet=(.*)$", text, re.M).group(1).split()
+    assert caps == re.search(r"^AmbientCapabilities=(.*)$", text, re.M).group(1).split()
+    return [c.removeprefix("CAP_").lower() for c in caps]
+
+
+def test_install_units_verify_and_docs_generate(tmp_path):
+    dest = tmp_path / "root"
+    env = dict(os.environ, DESTDIR=str(dest), PREFIX="/usr/local")
+    run([REPO / "scripts/install"], env=env, timeout=600)
+    prefix = dest / "usr/local"
+    units = dest / "etc/systemd/system"
+    for name in ("vnetd.service", "vnet-agent.service"):
+        # Verify the installed unit as it would run from the staged tree.
+        text = (units / name).read_text().replace("/usr/local/", f"{prefix}/")
+        (tmp_path / name).write_text(text)
+    p = run(["systemd-analyze", "verify", tmp_path / "vnetd.service", tmp_path / "vnet-agent.service"],
+            check=False, env=dict(os.environ, MANPATH=str(prefix / "share/man")))
+    assert p.returncode == 0 and p.stderr.strip() == "", p.stderr
+    unit = (units / "vnetd.service").read_text()
+    assert "Type=notify" in unit and "ExecReload=/usr/local/bin/vnetctl --socket /run/vnetd.sock RELOAD" in unit
+    for page, section in (("vnetd", "8"), ("vnetctl", "1")):
+        man = run(["man", "-l", "-P", "cat", prefix / f"share/man/man{section}/{page}.{section}"],
+                  env=dict(os.environ, MANWIDTH="100")).stdout
+        assert "--socket" in man or "--config" in man, man[:400]
+    bash = prefix / "share/bash-completion/completions/vnetctl"
+    assert run(["bash", "-n", bash]).returncode == 0
+    # The completion offers vnetctl's options.
+    probe = run(["bash", "-c", f"source {bash}; COMP_WORDS=(vnetctl --); COMP_CWORD=1; _vnetctl vnetctl -- vnetctl; "
+                 "printf '%s\\n' \"${COMPREPLY[@]}\""]).stdout.split()
+    assert "--json" in probe and "--socket" in probe
+    assert (prefix / "share/zsh/site-functions/_vnetd").read_text().startswith("#compdef vnetd")
+    assert "complete -c vnetctl" in (prefix / "share/fish/vendor_completions.d/vnetctl.fish").read_text()
+    assert os.access(prefix / "lib/cni/vnet-cni", os.X_OK)
+
+
+def test_sd_notify_ready_means_ready_and_json_logs(lab):
+    """READY=1 comes once the config is in force and the socket answers;
+    STOPPING=1 at SIGTERM; with --log-format json every log line is JSON."""
+    h1 = lab.add_host(1)
+    n1 = lab.guest_ns("c1")
+    notify = lab.tmp / "notify.sock"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(str(notify))
+    rx.settimeout(15)
+    conf = lab.tmp / "h1.conf"
+    conf.write_text(f"INTERFACE ADD g1 {guest_mac(1)} mtu 1458 netns {n1} veth\nROUTE ADD any {guest_mac(1)} interface {guest_mac(1)} any\n")
+    sock, log = lab.tmp / "h1.sock", lab.tmp / "h1.log"
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(["ip", "netns", "exec", h1, VNETD, "--control-unix", sock, "--config", conf,
+                                 "--log-format", "json"], stdout=lf, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, NOTIFY_SOCKET=str(notify)))
+    lab.other_procs.append(proc)
+    msg = rx.recv(4096).decode()
+    assert "READY=1" in msg.split("\n"), msg
+    # At READY, without waiting: the socket answers and the config is in force.
+    listing = run([VNETCTL, "--socket", sock, "INTERFACE", "LIST"]).stdout
+    assert "name=g1" in listing
+    proc.send_signal(signal.SIGTERM)
+    assert "STOPPING=1" in rx.recv(4096).decode()
+    assert proc.wait(10) == 0
+    rx.close()
+    lines = log.read_text().splitlines()
+    assert len(lines) >= 3
+    recs = [json.loads(l) for l in lines]
+    assert all({"timestamp", "level", "message"} <= r.keys() for r in recs)
+    assert any("vnetd ready" in r["message"] for r in recs)
+
+
+def test_reload_applies_what_changed_in_the_config(lab):
+    h1, h2 = lab.add_host(1), lab.add_host(2)
+    n1 = lab.guest_ns("c1")
+    conf = lab.tmp / "h1.conf"
+    base = [f"INTERFACE ADD g1 {guest_mac(1)} mtu 1458 netns {n1} veth",
+            f"LINK ADD {netlab.underlay_ip(2)}",
+            f"ROUTE ADD any {guest_mac(1)} interface {guest_mac(1)} any",
+            f"ROUTE ADD any {guest_mac(2)} edge {netlab.underlay_ip(2)} any"]
+    conf.write_text("\n".join(base) + "\n")
+    d = lab.start_vnetd(h1, conf)
+    # Something the config did not make: RELOAD leaves it alone.
+    d.ctl("ROUTE", "ADD", "any", "02:00:00:00:00:42", "edge", netlab.underlay_ip(2), "any", "owner", "cni")
+    ifindex = lab.x(n1, "cat", "/sys/class/net/g1/ifindex").stdout
+    # Unchanged reload: nothing to do.
+    assert "0 line(s) gone, 0 new, 4 unchanged" in d.ctl("RELOAD").stdout
+    # Drop a route, add a link and a route; reorder and comment the rest.
+    conf.write_text("# edited\n" + "\n".join([base[2], "  " + base[0] + "   # the guest", base[1],
+                                              f"LINK ADD {netlab.underlay_ip(3)} name h3",
+                                              f"ROUTE ADD any {guest_mac(3)} edge h3 any"]) + "\n")
+    out = d.ctl("RELOAD").stdout
+    assert "1 line(s) gone, 2 new, 3 unchanged" in out, out
+    routes = d.ctl("ROUTE", "LIST").stdout
+    assert guest_mac(2) not in routes and guest_mac(3) in routes and "02:00:00:00:00:42" in routes
+    assert "name=h3" in d.ctl("LINK", "LIST").stdout
+    # The guest was not touched.
+    assert lab.x(n1, "cat", "/sys/class/net/g1/ifindex").stdout == ifindex
+    # A config that does not parse changes nothing.
+    before = d.ctl("SHOW").stdout
+    conf.write_text(conf.read_text() + "ROUTE ADD any nonsense\n")
+    bad = d.ctl("RELOAD", check=False)
+    assert bad.returncode == 1 and "line 7: " in bad.stderr, bad.stderr
+    # One that parses but cannot apply changes nothing either.
+    conf.write_text(conf.read_text().replace("ROUTE ADD any nonsense\n", "ROUTE ADD any 02:00:00:00:00:07 edge nolink any\n"))
+    bad = d.ctl("RELOAD", check=False)
+    assert bad.returncode == 1 and "nolink" in bad.stderr, bad.stderr
+    assert d.ctl("SHOW").stdout == before
+    # RELOAD is a request of its own, for admins; without --config it says so.
+    assert "of its own" in d.ctl("--file", _write(lab, "RELOAD\nLINK LIST\n"), check=False).stderr
+    d0 = lab.start_vnetd(h2, None)
+    assert "started without --config" in d0.ctl("RELOAD", check=False).stderr
+
+
+def _write(lab, text):
+    p = lab.tmp / f"f{time.monotonic_ns()}.conf"
+    p.write_text(text)
+    return p
+
+
+def test_vnetd_runs_with_only_the_units_capabilities(lab):
+    """Under the unit's capability set and nothing else (bounding set,
+    ambient set; no other root powers), vnetd loads the kernel fast path,
+    makes veth guests in their namespaces and carries their traffic."""
+    caps = unit_caps()
+    h1, h2 = lab.add_host(1), lab.add_host(2)
+    n1, n2 = lab.guest_ns("c1"), lab.guest_ns("c2")
+    guests = {1: [("g1", guest_mac(1))], 2: [("g2", guest_mac(2))]}
+    attach = {"g1": f"netns {n1} veth", "g2": f"netns {n2} veth"}
+    conf = lab.tmp / "h1.conf"
+    conf.write_text(netlab.mesh_config(1, guests, mtu=1458, attach=attach))
+    sock, log = lab.tmp / "h1.sock", lab.tmp / "h1-caps.log"
+    bounding = ",".join(["-all"] + [f"+{c}" for c in caps])
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(["ip", "netns", "exec", h1, "setpriv", f"--bounding-set={bounding}",
+                                 f"--inh-caps={bounding}", f"--ambient-caps={bounding}", "--",
+                                 VNETD, "--control-unix", sock, "--config", conf],
+                                stdout=lf, stderr=subprocess.STDOUT)
+    lab.other_procs.append(proc)
+    d1 = netlab.Vnetd(lab, h1, sock, proc, log)
+    lab.wait_ready(d1)
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    # setpriv exec'd vnetd: its bounding set is the unit's.
+    bnd = int(re.search(r"CapBnd:\s+([0-9a-f]+)", status).group(1), 16)
+    assert bin(bnd).count("1") == len(caps), status
+    d2 = lab.start_vnetd(h2, netlab.mesh_config(2, guests, mtu=1458, attach=attach))
+    g1, g2 = lab.veth_guest(h1, "g1", 1, n1), lab.veth_guest(h2, "g2", 2, n2)
+    assert lab.reaches(g1, g2)
+    lab.ping(g1, g2, count=20, check=True)
+    st = d1.stats()
+    assert st["fastpath"]["loaded"] == "yes" and st["interface g1"]["fast_in_frames"] > 0, st["fastpath"]
+    assert "unavailable" not in log.read_text()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
