@@ -276,26 +276,20 @@ def tables(s: dict, ping: dict, hpcc_ranks: int) -> str:
     def row3(v, d):
         return " / ".join(f"{x:.{d}f}" for x in v) if v else "—"
 
-    lines += ["### MPI ping-pong: one-way latency, µs (min / median / max; × native, × vxlan)", "",
-              "| transport | " + " | ".join(size_label(n) for n in LAT_SIZES) + " |",
-              "|---|" + "---|" * len(LAT_SIZES)]
-    for t in s:
-        cells = []
-        for n in LAT_SIZES:
-            v = s[t]["lat"].get(n)
-            g = lambda x, n=n: x.get("lat", {}).get(n)  # noqa: E731
-            cells.append(f"{row3(v, 1)} ({ratio(s, t, 'native', g)}, {ratio(s, t, 'vxlan', g)})" if v else "—")
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
-    lines += ["", "### MPI ping-pong: bandwidth, Mbit/s (min / median / max; × native, × vxlan)", "",
-              "| transport | " + " | ".join(size_label(n) for n in BW_SIZES) + " |",
-              "|---|" + "---|" * len(BW_SIZES)]
-    for t in s:
-        cells = []
-        for n in BW_SIZES:
-            v = s[t]["bw"].get(n)
-            g = lambda x, n=n: x.get("bw", {}).get(n)  # noqa: E731
-            cells.append(f"{row3(v, 0)} ({ratio(s, t, 'native', g)}, {ratio(s, t, 'vxlan', g)})" if v else "—")
-        lines.append(f"| {t} | " + " | ".join(cells) + " |")
+    def by_size(title, key, sizes, d):
+        out = ["", f"### MPI ping-pong: {title} (min / median / max; × native, × vxlan)", "",
+               "| transport | " + " | ".join(size_label(n) for n in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        for t in s:
+            cells = []
+            for n in sizes:
+                v = s[t][key].get(n)
+                g = lambda x, n=n: x.get(key, {}).get(n)  # noqa: E731
+                cells.append(f"{row3(v, d)} ({ratio(s, t, 'native', g)}, {ratio(s, t, 'vxlan', g)})" if v else "—")
+            out.append(f"| {t} | " + " | ".join(cells) + " |")
+        return out
+
+    lines += by_size("one-way latency, µs", "lat", LAT_SIZES, 1)[1:]
+    lines += by_size("bandwidth, Mbit/s", "bw", BW_SIZES, 0)
     lines += ["", f"### HPCC, {hpcc_ranks} ranks (min / median / max; × native, × vxlan; ↑ higher or ↓ lower is better)", "",
               "| transport | " + " | ".join(f"{lab} {unit} {'↑' if up else '↓'}" for _, lab, unit, up in HPCC_KEYS) + " |",
               "|---|" + "---|" * len(HPCC_KEYS)]

@@ -259,7 +259,7 @@ def test_json_refused_clearly_by_an_older_vnetd(lab):
     srv.close()
     assert p.returncode == 1
     err = json.loads(p.stdout)["error"]
-    assert "older than this vnetctl" in err and "unknown command 'FORMAT json'" in err
+    assert "older than this client" in err and "unknown command 'FORMAT json'" in err
 
 
 # ---- top ----

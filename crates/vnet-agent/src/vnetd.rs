@@ -3,19 +3,18 @@
 //! The agent reads vnetd's interfaces, links and routes, and applies its
 //! changes as one BEGIN..COMMIT request, all or nothing.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use vnet_client::{Error, Session};
 
 use crate::model::{LINK_PREFIX, OWNER};
 
 pub struct Vnetd {
     path: PathBuf,
-    conn: Option<(BufReader<UnixStream>, UnixStream)>,
+    session: Option<Session>,
 }
 
 /// What vnetd has, as the agent sees it.
@@ -33,51 +32,24 @@ pub struct State {
 
 impl Vnetd {
     pub fn new(path: &Path) -> Vnetd {
-        Vnetd { path: path.to_path_buf(), conn: None }
+        Vnetd { path: path.to_path_buf(), session: None }
     }
 
     /// One request; its output lines, or vnetd's error. A broken session is
     /// dropped, to be opened again by the next request.
     pub fn request(&mut self, text: &str) -> Result<Vec<String>> {
-        let r = self.try_request(text);
-        if r.as_ref().is_err_and(|e| e.downcast_ref::<std::io::Error>().is_some()) {
-            self.conn = None;
-        }
-        r
+        self.with_session(|s| s.request(text))
     }
 
-    fn try_request(&mut self, text: &str) -> Result<Vec<String>> {
-        if self.conn.is_none() {
-            let s = UnixStream::connect(&self.path)?;
-            s.set_read_timeout(Some(Duration::from_secs(30)))?;
-            self.conn = Some((BufReader::new(s.try_clone()?), s));
+    fn with_session(&mut self, f: impl FnOnce(&mut Session) -> Result<Vec<String>, Error>) -> Result<Vec<String>> {
+        if self.session.is_none() {
+            self.session = Some(Session::unix(&self.path, Some(Duration::from_secs(30)))?);
         }
-        let (r, w) = self.conn.as_mut().expect("connected above");
-        w.write_all(text.as_bytes())?;
-        if !text.ends_with('\n') {
-            w.write_all(b"\n")?;
+        let r = f(self.session.as_mut().expect("opened above"));
+        if matches!(r, Err(Error::Unreachable(_))) {
+            self.session = None;
         }
-        let mut status = String::new();
-        if r.read_line(&mut status)? == 0 {
-            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
-        }
-        let status = status.trim_end();
-        if let Some(n) = status.strip_prefix("OK ") {
-            let n: usize = n.parse().map_err(|_| anyhow!("vnetd answered '{status}'"))?;
-            let mut out = Vec::with_capacity(n);
-            for _ in 0..n {
-                let mut l = String::new();
-                if r.read_line(&mut l)? == 0 {
-                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
-                }
-                out.push(l.trim_end().to_string());
-            }
-            Ok(out)
-        } else if let Some(e) = status.strip_prefix("ERR ") {
-            bail!("vnetd refused: {e}")
-        } else {
-            bail!("vnetd answered '{status}'")
-        }
+        Ok(r?)
     }
 
     /// Interfaces, the agent's links and all routes, read in one request
@@ -95,13 +67,7 @@ impl Vnetd {
 
     /// Applies `changes` as one request (all or nothing).
     pub fn apply(&mut self, changes: &[String]) -> Result<Vec<String>> {
-        let mut text = String::from("BEGIN\n");
-        for c in changes {
-            text.push_str(c);
-            text.push('\n');
-        }
-        text.push_str("COMMIT\n");
-        self.request(&text)
+        self.with_session(|s| s.apply(changes))
     }
 }
 

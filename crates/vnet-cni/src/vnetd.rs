@@ -4,19 +4,12 @@
 //! reply is `OK <n>` and n lines, or `ERR <message>`.
 
 use crate::error::{code, CniError};
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-/// Why a request did not go through.
-#[derive(Debug)]
-pub enum VnetdError {
-    /// No vnetd answered (not running, socket missing, connection broken).
-    Unreachable(String),
-    /// vnetd answered `ERR`: its reason.
-    Refused(String),
-}
+/// Why a request did not go through: no vnetd answered (`Unreachable`), or
+/// it refused (`Refused`, with its reason).
+pub use vnet_client::Error as VnetdError;
 
 impl From<VnetdError> for CniError {
     fn from(e: VnetdError) -> CniError {
@@ -29,11 +22,7 @@ impl From<VnetdError> for CniError {
     }
 }
 
-pub struct Vnetd {
-    path: PathBuf,
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
+pub struct Vnetd(vnet_client::Session);
 
 /// One line of `INTERFACE LIST`, the fields the plugin looks at.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -48,55 +37,19 @@ pub struct Iface {
 
 impl Vnetd {
     pub fn connect(path: &Path) -> Result<Vnetd, VnetdError> {
-        let unreachable = |e: std::io::Error| VnetdError::Unreachable(format!("vnetd does not answer on {}: {e}", path.display()));
-        let s = UnixStream::connect(path).map_err(unreachable)?;
         // A vnetd that accepts but never answers must not hang the runtime.
-        s.set_read_timeout(Some(Duration::from_secs(30))).map_err(unreachable)?;
-        let reader = BufReader::new(s.try_clone().map_err(unreachable)?);
-        Ok(Vnetd { path: path.to_path_buf(), reader, writer: s })
+        vnet_client::Session::unix(path, Some(Duration::from_secs(30))).map(Vnetd)
     }
 
-    /// Sends one request (text ending in a newline) and reads its reply.
+    /// Sends one request and reads its reply.
     pub fn request(&mut self, text: &str) -> Result<Vec<String>, VnetdError> {
-        let broken = |e: String| VnetdError::Unreachable(format!("the session with vnetd on {} broke: {e}", self.path.display()));
-        // vnetd may refuse a session before reading it: its one-line reason
-        // is then the answer, not the broken pipe.
-        let sent = self.writer.write_all(text.as_bytes()).and_then(|_| self.writer.flush());
-        let mut status = String::new();
-        match self.reader.read_line(&mut status) {
-            Ok(0) => return Err(broken(sent.err().map_or("closed without a reply".into(), |e| e.to_string()))),
-            Err(e) => return Err(broken(e.to_string())),
-            Ok(_) => {}
-        }
-        let status = status.trim_end();
-        if let Some(msg) = status.strip_prefix("ERR ") {
-            return Err(VnetdError::Refused(msg.to_string()));
-        }
-        let n: usize = status
-            .strip_prefix("OK ")
-            .and_then(|n| n.parse().ok())
-            .ok_or_else(|| broken(format!("unexpected reply '{status}'")))?;
-        let mut lines = Vec::with_capacity(n.min(1024));
-        for _ in 0..n {
-            let mut l = String::new();
-            if self.reader.read_line(&mut l).map_err(|e| broken(e.to_string()))? == 0 {
-                return Err(broken("the reply ended early".into()));
-            }
-            lines.push(l.trim_end_matches(['\n', '\r']).to_string());
-        }
-        Ok(lines)
+        self.0.request(text)
     }
 
     /// Applies `lines` as one request: all of them or, if vnetd refuses
     /// one, none.
     pub fn apply(&mut self, lines: &[String]) -> Result<Vec<String>, VnetdError> {
-        let mut text = String::from("BEGIN\n");
-        for l in lines {
-            text.push_str(l);
-            text.push('\n');
-        }
-        text.push_str("COMMIT\n");
-        self.request(&text)
+        self.0.apply(lines)
     }
 
     pub fn interfaces(&mut self) -> Result<Vec<Iface>, VnetdError> {

@@ -3,11 +3,10 @@
 //! the traffic. Exits 0 on OK, 1 when vnetd refused the request, 2 when it
 //! could not be reached.
 
-mod client;
 mod top;
 
 use clap::{CommandFactory, Parser};
-use client::{Session, Target, Unreachable};
+use vnet_client::{Error, Session, Target};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -83,8 +82,8 @@ fn main() -> ExitCode {
         let top = top::Args::parse_from(std::iter::once("vnetctl top").chain(args.command[1..].iter().map(String::as_str)));
         return match top::run(&target, top.interval, top.count) {
             Ok(()) => ExitCode::SUCCESS,
-            Err(top::Error::Refused(e)) => fail(1, &format!("vnetd refused the request: {e}"), None),
-            Err(top::Error::Unreachable(Unreachable(e))) => fail(2, &e, None),
+            Err(e @ Error::Refused(_)) => fail(1, &e.to_string(), None),
+            Err(Error::Unreachable(e)) => fail(2, &e, None),
         };
     }
     let request = match request(&args) {
@@ -92,7 +91,7 @@ fn main() -> ExitCode {
         Err(e) => return fail(2, &e, json.then_some(&e)),
     };
     match exchange(&target, &request, json) {
-        Ok(Ok(out)) => {
+        Ok(out) => {
             let mut stdout = std::io::stdout().lock();
             let text = match out {
                 Reply::Text(lines) => lines.into_iter().map(|l| l + "\n").collect::<String>(),
@@ -102,8 +101,8 @@ fn main() -> ExitCode {
             let _ = stdout.write_all(text.as_bytes());
             ExitCode::SUCCESS
         }
-        Ok(Err(e)) => fail(1, &format!("vnetd refused the request: {e}"), json.then_some(&e)),
-        Err(Unreachable(e)) => fail(2, &e, json.then_some(&e)),
+        Err(Error::Refused(e)) => fail(1, &format!("vnetd refused the request: {e}"), json.then_some(&e)),
+        Err(Error::Unreachable(e)) => fail(2, &e, json.then_some(&e)),
     }
 }
 
@@ -144,19 +143,15 @@ enum Reply {
     Json(serde_json::Value),
 }
 
-/// Sends the request and reads its one reply.
-fn exchange(target: &Target, request: &str, json: bool) -> Result<Result<Reply, String>, Unreachable> {
-    let mut s = match Session::open(target)? {
-        Ok(s) => s,
-        Err(refused) => return Ok(Err(refused)),
-    };
+/// Sends the request and reads its one reply. No read timeout: a request
+/// may take as long as vnetd needs (a large config, say).
+fn exchange(target: &Target, request: &str, json: bool) -> Result<Reply, Error> {
+    let mut s = Session::open(target, None)?;
     if json {
-        if let Err(why) = s.want_json()? {
-            return Ok(Err(why));
-        }
+        s.want_json()?;
         s.send(request);
-        return Ok(s.read_json()?.map(Reply::Json));
+        return s.read_json().map(Reply::Json);
     }
     s.send(request);
-    Ok(s.read_text()?.map(Reply::Text))
+    s.read_text().map(Reply::Text)
 }

@@ -4,7 +4,7 @@
 //! `iftop`/`bmon`. One session, in JSON, reads the counters every interval;
 //! rates are differences between two readings over the time between them.
 
-use crate::client::{Session, Target, Unreachable};
+use vnet_client::{Error, Session, Target};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -21,17 +21,6 @@ pub struct Args {
     /// Stop after this many refreshes (default: until interrupted).
     #[arg(short = 'n', long)]
     pub count: Option<u64>,
-}
-
-pub enum Error {
-    Refused(String),
-    Unreachable(Unreachable),
-}
-
-impl From<Unreachable> for Error {
-    fn from(u: Unreachable) -> Error {
-        Error::Unreachable(u)
-    }
 }
 
 pub fn parse_interval(s: &str) -> Result<f64, String> {
@@ -58,7 +47,7 @@ fn read(s: &mut Session) -> Result<Reading, Error> {
     s.send(REQUEST);
     let mut replies = Vec::new();
     for _ in 0..5 {
-        replies.push(s.read_json()?.map_err(Error::Refused)?);
+        replies.push(s.read_json()?);
     }
     let at = Instant::now();
     let records = |v: &Value| v.as_array().cloned().unwrap_or_default();
@@ -70,8 +59,8 @@ fn read(s: &mut Session) -> Result<Reading, Error> {
 }
 
 pub fn run(target: &Target, interval: f64, count: Option<u64>) -> Result<(), Error> {
-    let mut s = Session::open(target)?.map_err(Error::Refused)?;
-    s.want_json()?.map_err(Error::Refused)?;
+    let mut s = Session::open(target, Some(Duration::from_secs(30)))?;
+    s.want_json()?;
     let tty = std::io::stdout().is_terminal();
     let mut before = read(&mut s)?;
     let mut shown = 0;
