@@ -213,7 +213,7 @@ fn run(args: Args) -> Result<()> {
             (v4, v6)
         }
     };
-    let metrics = args.metrics.as_deref().map(metrics_addr).transpose()?;
+    let metrics = args.metrics.as_deref().map(metrics_addr).transpose()?.map(metrics::bind).transpose()?;
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
     let unix_listener = control_unix.as_deref().map(|p| server::bind_unix(p, control_group)).transpose()?;
 
@@ -302,8 +302,8 @@ fn run(args: Args) -> Result<()> {
     if let (Some(l), Some(p)) = (unix_listener, &control_unix) {
         server::spawn_unix(ctl.clone(), l, p.clone(), unix_policy);
     }
-    if let Some(addr) = metrics {
-        if let Err(e) = metrics::spawn(ctl.clone(), addr) {
+    if let Some(server) = metrics {
+        if let Err(e) = metrics::spawn(ctl.clone(), server) {
             cleanup(&dp);
             return Err(e);
         }

@@ -33,14 +33,20 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// STATS fields that are levels, not counts.
-const GAUGES: &[&str] = &["entries", "cache_entries", "rx_batch_mean", "open", "listeners"];
+/// STATS fields that are levels, not counts, though whole numbers (every
+/// fraction, a mean or a ratio, is a level too).
+const GAUGES: &[&str] = &["entries", "cache_entries", "open", "listeners"];
 /// The request a scrape makes (routes are counted, not listed).
 const REQUEST: &str = "STATS global\nSTATS interfaces\nSTATS links\nSTATS vtoe";
 
-/// Serves `/metrics` on `addr` from a thread of its own.
-pub fn spawn(ctl: Arc<Control>, addr: SocketAddr) -> Result<()> {
-    let server = tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("cannot bind --metrics {addr}: {e}"))?;
+/// Binds `addr` (before anything runs, as vnetd's other sockets are).
+pub fn bind(addr: SocketAddr) -> Result<tiny_http::Server> {
+    tiny_http::Server::http(addr).map_err(|e| anyhow::anyhow!("cannot bind --metrics {addr}: {e}"))
+}
+
+/// Serves `/metrics` from a thread of its own.
+pub fn spawn(ctl: Arc<Control>, server: tiny_http::Server) -> Result<()> {
+    let addr = server.server_addr();
     let mut registry = Registry::default();
     registry.register_collector(Box::new(Collector { ctl }));
     std::thread::Builder::new().name("metrics".into()).spawn(move || {
@@ -152,7 +158,8 @@ impl Gathered {
                 }
                 None => {
                     let help = format!("STATS: {kind} {k}{}", if yes_no { " (yes 1, no 0)" } else { "" });
-                    self.add(format!("vnet_{kind}_{name}"), help, yes_no || GAUGES.contains(&k.as_str()), base.clone(), value)
+                    let level = yes_no || matches!(value, Num::Float(_)) || GAUGES.contains(&k.as_str());
+                    self.add(format!("vnet_{kind}_{name}"), help, level, base.clone(), value)
                 }
             }
         }
@@ -191,5 +198,53 @@ impl prometheus_client::collector::Collector for Collector {
         }
         g.add("vnet_routes".into(), "routes in the rule table (ROUTE LIST)".into(), true, vec![], Num::Int(self.ctl.route_count() as u64));
         g.encode(&mut encoder)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_are_counters_and_levels_fractions_and_yes_no_are_gauges() {
+        let mut g = Gathered::default();
+        g.record(&json::record(
+            "interface 3 name=vm1 mode=adaptive running=vmm-driven in_frames=7 drop_no_route=2 vhost_rx_interrupts_per_frame=0.250 vhost_features=0x3",
+        ));
+        g.record(&json::record("fastpath loaded=yes enabled=no entries=5 installs=9"));
+        g.record(&json::record("route 0 frames=1 bytes=2 rule=any any edge x any"));
+        let fam = |n: &str| g.0.get(n).map(|f| (f.gauge, f.samples.clone()));
+        let vm1 = vec![("interface".to_string(), "vm1".to_string())];
+        assert_eq!(fam("vnet_interface_in_frames"), Some((false, vec![(vm1.clone(), Num::Int(7))])));
+        let mut reason = vm1.clone();
+        reason.push(("reason".into(), "no_route".into()));
+        assert_eq!(fam("vnet_interface_drops"), Some((false, vec![(reason, Num::Int(2))])));
+        assert_eq!(fam("vnet_interface_vhost_rx_interrupts_per_frame"), Some((true, vec![(vm1.clone(), Num::Float(0.25))])));
+        assert!(fam("vnet_interface_vhost_features").is_none(), "hex is not a number");
+        assert!(fam("vnet_interface_id").is_none());
+        assert_eq!(fam("vnet_fastpath_enabled"), Some((true, vec![(vec![], Num::Int(0))])));
+        assert_eq!(fam("vnet_fastpath_entries").map(|f| f.0), Some(true));
+        assert_eq!(fam("vnet_fastpath_installs").map(|f| f.0), Some(false));
+        // No per-route series.
+        assert!(g.0.keys().all(|k| !k.starts_with("vnet_route_")));
+        let mut text = String::new();
+        let mut reg = Registry::default();
+        #[derive(Debug)]
+        struct Fixed(std::sync::Mutex<Option<Gathered>>);
+        impl prometheus_client::collector::Collector for Fixed {
+            fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+                self.0.lock().unwrap().as_ref().unwrap().encode(&mut e)
+            }
+        }
+        impl std::fmt::Debug for Gathered {
+            fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("Gathered")
+            }
+        }
+        reg.register_collector(Box::new(Fixed(std::sync::Mutex::new(Some(g)))));
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(text.contains("vnet_interface_in_frames_total{interface=\"vm1\"} 7\n"), "{text}");
+        assert!(text.contains("# TYPE vnet_interface_vhost_rx_interrupts_per_frame gauge\n"), "{text}");
+        assert!(text.contains("vnet_build_info{version="), "{text}");
     }
 }
