@@ -13,6 +13,7 @@ use crate::link::Rx;
 use crate::topology::{Retired, Settings, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use access::{Caller, Role};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use vnet_core::command::{parse_request, Attach, Command, Mode, StatsScope, HELP};
 
@@ -22,9 +23,9 @@ pub struct Control {
     settings: Settings,
     /// VTOE, when vnetd offers it (--vtoe-socket).
     vtoe: Option<Arc<crate::vtoe::Vtoe>>,
-    /// The config file (--config) and its changes as last applied, for
-    /// `RELOAD`.
-    config: Mutex<Option<(std::path::PathBuf, Vec<String>)>>,
+    /// The config file (--config) and its changes (line number, text) as
+    /// last applied, for `RELOAD`.
+    config: Mutex<Option<(std::path::PathBuf, Vec<(usize, String)>)>>,
 }
 
 /// The control plane's state, behind one lock.
@@ -69,8 +70,11 @@ impl Control {
         // A config that does not parse changes nothing.
         parse_request(&text).map_err(|e| format!("{}: {e}", path.display()))?;
         let now = config_changes(&text);
-        let gone: Vec<&String> = applied.iter().filter(|l| !now.contains(l)).collect();
-        let mut undo: Vec<(u8, String)> = gone
+        let (was, is): (HashSet<&str>, HashSet<&str>) =
+            (applied.iter().map(|(_, l)| l.as_str()).collect(), now.iter().map(|(_, l)| l.as_str()).collect());
+        let gone: Vec<&str> = applied.iter().map(|(_, l)| l.as_str()).filter(|l| !is.contains(l)).collect();
+        // What a gone line added goes: routes first, then links and interfaces.
+        let mut undo: Vec<(u8, String, &str)> = gone
             .iter()
             .filter_map(|l| {
                 let cmd = vnet_core::command::parse_line(l).ok().flatten()?;
@@ -79,12 +83,17 @@ impl Control {
                     Command::LinkAdd { .. } => 1,
                     _ => 2,
                 };
-                cmd.undo().map(|u| (rank, u))
+                cmd.undo().map(|u| (rank, u, *l))
             })
             .collect();
-        undo.sort_by_key(|(rank, _)| *rank);
-        let new: Vec<&String> = now.iter().filter(|l| !applied.contains(l)).collect();
-        let request: Vec<&str> = undo.iter().map(|(_, u)| u.as_str()).chain(new.iter().map(|l| l.as_str())).collect();
+        undo.sort_by_key(|(rank, ..)| *rank);
+        let new: Vec<&(usize, String)> = now.iter().filter(|(_, l)| !was.contains(l.as_str())).collect();
+        // Each line of the request, and what it is in the file's terms.
+        let request: Vec<(&str, String)> = undo
+            .iter()
+            .map(|(_, u, l)| (u.as_str(), format!("taking back '{l}'")))
+            .chain(new.iter().map(|(n, l)| (l.as_str(), format!("line {n}"))))
+            .collect();
         let mut out = vec![format!(
             "reload {}: {} line(s) gone, {} new, {} unchanged",
             path.display(),
@@ -94,7 +103,16 @@ impl Control {
         )];
         if !request.is_empty() {
             let who = Caller { role: caller.role, who: format!("{caller} reloading {}", path.display()) };
-            out.extend(self.execute(&request.join("\n"), &who)?);
+            let text: Vec<&str> = request.iter().map(|(l, _)| *l).collect();
+            // A refusal names the request's line: say which line of the file that is.
+            let applied = self.execute(&text.join("\n"), &who).map_err(|e| {
+                let at = e.strip_prefix("line ").and_then(|r| r.split_once(": ")).and_then(|(n, why)| Some((n.parse::<usize>().ok()?, why)));
+                match at.and_then(|(n, why)| Some((&request.get(n.checked_sub(1)?)?.1, why))) {
+                    Some((origin, why)) => format!("{}: {origin}: {why}", path.display()),
+                    None => format!("{}: {e}", path.display()),
+                }
+            })?;
+            out.extend(applied);
         }
         let path = path.clone();
         *config = Some((path, now));
@@ -357,12 +375,13 @@ impl Control {
     }
 }
 
-/// The changes a config file holds, one per line as written (comments and
-/// spacing aside): what `RELOAD` compares.
-fn config_changes(text: &str) -> Vec<String> {
+/// The changes a config file holds, with their line numbers, each as
+/// written (comments and spacing aside): what `RELOAD` compares.
+fn config_changes(text: &str) -> Vec<(usize, String)> {
     text.lines()
-        .map(|l| l.split('#').next().unwrap_or("").split_whitespace().collect::<Vec<_>>().join(" "))
-        .filter(|l| matches!(vnet_core::command::parse_line(l), Ok(Some(c)) if c.mutates()))
+        .enumerate()
+        .map(|(i, l)| (i + 1, l.split('#').next().unwrap_or("").split_whitespace().collect::<Vec<_>>().join(" ")))
+        .filter(|(_, l)| matches!(vnet_core::command::parse_line(l), Ok(Some(c)) if c.mutates()))
         .collect()
 }
 
