@@ -94,11 +94,13 @@ class Vnetd:
             kind = words[0]
             kv = dict(w.split("=", 1) for w in words[1:] if "=" in w and not w.startswith("rule="))
             vals = {k: int(v) if v.isdigit() else v for k, v in kv.items()}
-            if kind in ("global", "offload", "dispatch", "fastpath", "paths"):
+            if kind in ("global", "offload", "dispatch", "fastpath", "paths", "vtoe"):
                 out[kind] = vals
             elif kind == "route":
                 vals["rule"] = line.split(" rule=", 1)[1].strip()
                 out[f"route {words[1]}"] = vals
+            elif kind == "vtoe_conn":
+                out[f"vtoe_conn {vals['cookie']}"] = vals
             else:
                 out[f"{kind} {vals['name']}"] = vals
         return out

@@ -425,8 +425,9 @@ def _write(lab, text):
 
 def test_vnetd_runs_with_only_the_units_capabilities(lab):
     """Under the unit's capability set and nothing else (bounding set,
-    ambient set; no other root powers), vnetd loads the kernel fast path,
-    makes veth guests in their namespaces and carries their traffic."""
+    ambient set; no other root powers), vnetd starts VTOE (its cgroup and
+    eBPF guard), loads the kernel fast path, makes veth guests in their
+    namespaces and carries their traffic in the kernel."""
     caps = unit_caps()
     h1, h2 = lab.add_host(1), lab.add_host(2)
     n1, n2 = lab.guest_ns("c1"), lab.guest_ns("c2")
@@ -439,7 +440,8 @@ def test_vnetd_runs_with_only_the_units_capabilities(lab):
     with open(log, "w") as lf:
         proc = subprocess.Popen(["ip", "netns", "exec", h1, "setpriv", f"--bounding-set={bounding}",
                                  f"--inh-caps={bounding}", f"--ambient-caps={bounding}", "--",
-                                 VNETD, "--control-unix", sock, "--config", conf],
+                                 VNETD, "--control-unix", sock, "--config", conf,
+                                 "--vtoe-socket", lab.tmp / "vtoe-h1.sock"],
                                 stdout=lf, stderr=subprocess.STDOUT)
     lab.other_procs.append(proc)
     d1 = netlab.Vnetd(lab, h1, sock, proc, log)
@@ -455,5 +457,6 @@ def test_vnetd_runs_with_only_the_units_capabilities(lab):
     st = d1.stats()
     assert st["fastpath"]["loaded"] == "yes" and st["interface g1"]["fast_in_frames"] > 0, st["fastpath"]
     assert "unavailable" not in log.read_text()
+    assert "vtoe enabled=yes" in d1.ctl("SHOW").stdout
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
