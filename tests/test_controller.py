@@ -389,12 +389,16 @@ def test_a_mac_published_by_two_hosts_goes_to_the_later_claim(overlay):
     assert o.ping(11, 13, count=2)
 
 
+def routes_and_links(o):
+    """Every host's routes and links, as listed (ids included)."""
+    return {i: o.routes(i) for i in o.hosts}, {i: o.d[i].ctl("LINK", "LIST").stdout for i in o.hosts}
+
+
 def test_an_agent_restarted_within_its_lease_changes_nothing_anywhere(overlay):
     o = overlay
     converged(o)
     time.sleep(0.5)
-    before = {i: o.routes(i) for i in o.hosts}
-    links = {i: o.d[i].ctl("LINK", "LIST").stdout for i in o.hosts}
+    before, links = routes_and_links(o)
     pinger = o.lab.popen(o.guest_ns[12], "ping", "-n", "-q", "-i", "0.02", "-c", "150", overlay_ip(11),
                          stdout=subprocess.PIPE, text=True)
     time.sleep(0.5)
@@ -404,8 +408,7 @@ def test_an_agent_restarted_within_its_lease_changes_nothing_anywhere(overlay):
     time.sleep(TTL + 1.0)
     # Every route and link on every host is the one that was there (same
     # ids): nothing was withdrawn or made again, and no ping was lost.
-    assert {i: o.routes(i) for i in o.hosts} == before
-    assert {i: o.d[i].ctl("LINK", "LIST").stdout for i in o.hosts} == links
+    assert routes_and_links(o) == (before, links)
     out = pinger.communicate(timeout=30)[0]
     assert " 0% packet loss" in out, out
 
@@ -418,8 +421,7 @@ def test_hostile_values_in_etcd_are_ignored_and_inject_nothing(overlay):
     o = overlay
     converged(o)
     time.sleep(0.5)
-    before = {i: o.routes(i) for i in o.hosts}
-    links = {i: o.d[i].ctl("LINK", "LIST").stdout for i in o.hosts}
+    before, links = routes_and_links(o)
     # Each value is one a guest of network a would be routed by, so each
     # would reach a control line if the agent did not check it.
     evil_host = "h9\nLINK DEL agent.h2"
