@@ -40,8 +40,35 @@ def lab(request):
         pytest.fail("lab teardown: " + "; ".join(problems), pytrace=False)
 
 
+# A test skipped because something is missing is a test that did not run: in
+# the test command (scripts/test sets VNET_STRICT_SKIPS=1) and under CI=true it
+# fails the run, so that a missing dependency cannot pass unnoticed. A skip
+# whose reason holds on every machine of this project stays a skip; its
+# reason says so by starting with EVERY_MACHINE.
+EVERY_MACHINE = "on every machine here: "
+
+
+def strict_skips() -> bool:
+    return os.environ.get("CI", "").lower() == "true" or os.environ.get("VNET_STRICT_SKIPS") == "1"
+
+
+def skip_reason(rep) -> str:
+    lr = rep.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:
+        return str(lr[2])
+    return str(lr)
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
+    if rep.skipped and not hasattr(rep, "wasxfail") and strict_skips():
+        reason = skip_reason(rep).removeprefix("Skipped: ")
+        if not reason.startswith(EVERY_MACHINE):
+            rep.outcome = "failed"
+            rep.longrepr = (
+                f"skipped for a missing dependency, which fails the test command: {reason} "
+                "(scripts/setup installs every dependency; VNET_STRICT_SKIPS=0 outside CI lets it skip)"
+            )
     setattr(item, "rep_" + rep.when, rep)
