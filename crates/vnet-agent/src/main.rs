@@ -6,12 +6,15 @@
 //! goes on forwarding with the routes it has. docs/controller.md has the
 //! keys, the rules and the failure handling.
 
+mod etcd;
 mod model;
+mod records;
 mod show;
 mod store;
 mod vnetd;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
+use etcd::EtcdArgs;
 use clap::Parser;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -39,45 +42,6 @@ enum Cmd {
     /// Show the overlay as etcd holds it: hosts, networks, guests, and the
     /// traffic between hosts and between guests.
     Show(show::ShowArgs),
-}
-
-/// Where etcd is, and how to reach it.
-#[derive(clap::Args, Debug, Clone)]
-pub struct EtcdArgs {
-    /// etcd endpoints, comma-separated (http://127.0.0.1:2379 or https://...).
-    #[arg(long = "etcd", value_delimiter = ',', required = true)]
-    pub endpoints: Vec<String>,
-    /// Key prefix in etcd (several overlays can share one etcd).
-    #[arg(long, default_value = "/vnet")]
-    pub prefix: String,
-    /// CA certificate for etcd over TLS.
-    #[arg(long)]
-    pub cacert: Option<PathBuf>,
-    /// Client certificate and key for etcd over TLS.
-    #[arg(long, requires = "key")]
-    pub cert: Option<PathBuf>,
-    #[arg(long, requires = "cert")]
-    pub key: Option<PathBuf>,
-}
-
-impl EtcdArgs {
-    pub async fn connect(&self) -> Result<etcd_client::Client> {
-        use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
-        let mut o = ConnectOptions::new().with_timeout(store::OP_TIMEOUT).with_connect_timeout(store::OP_TIMEOUT);
-        if self.cacert.is_some() || self.cert.is_some() {
-            let mut tls = TlsOptions::new();
-            if let Some(ca) = &self.cacert {
-                tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(ca).with_context(|| format!("{}", ca.display()))?));
-            }
-            if let (Some(c), Some(k)) = (&self.cert, &self.key) {
-                let cert = std::fs::read(c).with_context(|| format!("{}", c.display()))?;
-                let key = std::fs::read(k).with_context(|| format!("{}", k.display()))?;
-                tls = tls.identity(Identity::from_pem(cert, key));
-            }
-            o = o.with_tls(tls);
-        }
-        Ok(etcd_client::Client::connect(&self.endpoints, Some(o)).await?)
-    }
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -128,7 +92,8 @@ fn main() {
 async fn run(args: Args) -> Result<()> {
     model::check_host_name(&args.host)?;
     let mut vnetd = vnetd::Vnetd::new(&args.socket);
-    let mut store = store::Store::new(&args);
+    let me = store::Registration { host: args.host.clone(), underlay: args.underlay, port: args.port, ttl: args.ttl };
+    let mut store = store::Store::new(&args.etcd, me);
     let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;

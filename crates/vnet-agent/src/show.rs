@@ -11,12 +11,11 @@
 //! and so starts its guest's cells again).
 
 use crate::model::{check_host_name, check_mac, LINK_PREFIX};
-use crate::store::{GuestValue, HostValue};
+use crate::etcd::EtcdArgs;
+use crate::records::{GuestValue, HostValue, Traffic};
 use crate::vnetd::State;
-use crate::EtcdArgs;
 use anyhow::Result;
 use etcd_client::GetOptions;
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 #[derive(clap::Args, Debug)]
@@ -26,30 +25,6 @@ pub struct ShowArgs {
     /// Print JSON instead of tables.
     #[arg(short, long)]
     json: bool,
-}
-
-#[derive(Serialize, Deserialize, Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Counts {
-    pub frames: u64,
-    pub bytes: u64,
-}
-
-impl Counts {
-    fn add(&mut self, frames: u64, bytes: u64) {
-        self.frames += frames;
-        self.bytes += bytes;
-    }
-}
-
-/// One host's published counters.
-#[derive(Serialize, Deserialize, Debug, Default, PartialEq, Eq)]
-pub struct Traffic {
-    /// Unix seconds when read.
-    pub at: u64,
-    /// Sent to each other host (unicast and broadcast).
-    pub to_hosts: BTreeMap<String, Counts>,
-    /// Sent from each local guest to each guest, by "src>dst" MAC.
-    pub guests: BTreeMap<String, Counts>,
 }
 
 /// Builds this host's traffic from `STATS routes` lines and the agent's
@@ -156,6 +131,7 @@ pub async fn show(args: ShowArgs) -> Result<()> {
 mod tests {
     use super::*;
     use crate::vnetd::parse_state;
+    use crate::records::Counts;
 
     #[test]
     fn route_counters_become_matrix_cells() {

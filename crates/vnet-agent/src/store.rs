@@ -25,29 +25,17 @@
 //! cannot go on (etcd compacted past it, or restarted), the agent lists the
 //! prefix again and watches from there.
 
+use crate::etcd::{EtcdArgs, OP_TIMEOUT};
 use crate::model::{Guest, Host};
-use crate::Args;
+use crate::records::{key, GuestValue, HostValue, Traffic};
 use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, LeaseKeeper, LeaseKeepAliveStream, PutOptions, Txn, TxnOp, WatchOptions,
     WatchStream,
 };
-use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-#[derive(Serialize, Deserialize)]
-pub struct HostValue {
-    pub underlay: IpAddr,
-    pub port: u16,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug)]
-pub struct GuestValue {
-    pub host: String,
-    pub network: String,
-    pub seq: u64,
-}
 
 /// A guest key as last seen.
 #[derive(Clone, Debug)]
@@ -75,8 +63,21 @@ pub struct View<'a> {
     pub revision: i64,
 }
 
+/// This host as the store registers it.
+#[derive(Clone, Debug)]
+pub struct Registration {
+    /// This host's name in the overlay (unique).
+    pub host: String,
+    /// Where other hosts' vnetds reach this one's links.
+    pub underlay: IpAddr,
+    pub port: u16,
+    /// Seconds the registration lives without the agent.
+    pub ttl: i64,
+}
+
 pub struct Store {
-    args: Args,
+    etcd: EtcdArgs,
+    me: Registration,
     client: Option<Client>,
     lease: Option<(i64, LeaseKeeper, LeaseKeepAliveStream, Instant)>,
     watch: Option<WatchStream>,
@@ -96,17 +97,11 @@ pub struct Store {
     seqs: BTreeMap<String, u64>,
 }
 
-/// `<prefix>/<kind>/<name>`: a key of the overlay.
-fn key(prefix: &str, kind: &str, name: &str) -> String {
-    format!("{prefix}/{kind}/{name}")
-}
-
-pub const OP_TIMEOUT: Duration = Duration::from_secs(3);
-
 impl Store {
-    pub fn new(args: &Args) -> Store {
+    pub fn new(etcd: &EtcdArgs, me: Registration) -> Store {
         Store {
-            args: args.clone(),
+            etcd: etcd.clone(),
+            me,
             client: None,
             lease: None,
             watch: None,
@@ -142,14 +137,14 @@ impl Store {
 
     async fn try_maintain(&mut self) -> anyhow::Result<()> {
         if self.client.is_none() {
-            let c = self.args.etcd.connect().await?;
-            tracing::info!("etcd: connected to {}", self.args.etcd.endpoints.join(","));
+            let c = self.etcd.connect().await?;
+            tracing::info!("etcd: connected to {}", self.etcd.endpoints.join(","));
             self.client = Some(c);
         }
         // The lease: kept alive at a third of its life; a lost one (etcd
         // down longer than the TTL) is granted again and everything of ours
         // written again under it.
-        let ttl = self.args.ttl;
+        let ttl = self.me.ttl;
         let mut lost = false;
         if let Some((_, keeper, stream, last)) = &mut self.lease {
             if last.elapsed() >= Duration::from_millis(ttl as u64 * 1000 / 3) {
@@ -170,8 +165,8 @@ impl Store {
         if self.lease.is_none() {
             let id = client.lease_grant(ttl, None).await?.id();
             let (keeper, stream) = client.lease_keep_alive(id).await?;
-            let v = serde_json::to_string(&HostValue { underlay: self.args.underlay, port: self.args.port })?;
-            let key = key(&self.args.etcd.prefix, "hosts", &self.args.host);
+            let v = serde_json::to_string(&HostValue { underlay: self.me.underlay, port: self.me.port })?;
+            let key = key(&self.etcd.prefix, "hosts", &self.me.host);
             client.put(key, v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
             // Our claims are to be written again under the new lease.
@@ -179,7 +174,7 @@ impl Store {
                 c.written = None;
                 c.lost = false;
             }
-            tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.args.host);
+            tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.me.host);
         }
         if self.watch.is_none() {
             self.relist().await?;
@@ -189,7 +184,7 @@ impl Store {
 
     /// Lists the prefix and watches from the revision after it.
     async fn relist(&mut self) -> anyhow::Result<()> {
-        let prefix = format!("{}/", self.args.etcd.prefix);
+        let prefix = format!("{}/", self.etcd.prefix);
         let client = self.client.as_mut().expect("connected");
         let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
         let rev = resp.header().map_or(0, |h| h.revision());
@@ -211,7 +206,7 @@ impl Store {
     /// Takes a key into the cache. A value that does not parse is ignored
     /// (and logged): one bad writer cannot stop the overlay.
     fn put_cached(&mut self, key: &str, value: &[u8], mod_revision: i64) {
-        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.etcd.prefix)) else { return };
+        let Some(rest) = key.strip_prefix(&format!("{}/", self.etcd.prefix)) else { return };
         if let Some(name) = rest.strip_prefix("hosts/") {
             match serde_json::from_slice::<HostValue>(value) {
                 Ok(h) if crate::model::check_host_name(name).is_ok() => {
@@ -232,7 +227,7 @@ impl Store {
     }
 
     fn delete_cached(&mut self, key: &str) {
-        let Some(rest) = key.strip_prefix(&format!("{}/", self.args.etcd.prefix)) else { return };
+        let Some(rest) = key.strip_prefix(&format!("{}/", self.etcd.prefix)) else { return };
         if let Some(name) = rest.strip_prefix("hosts/") {
             self.hosts.remove(name);
         } else if let Some(mac) = rest.strip_prefix("guests/") {
@@ -267,7 +262,7 @@ impl Store {
                 continue;
             }
             if let (Some(w), Some(e)) = (c.written, self.guests.get(mac)) {
-                if e.mod_revision != w && e.value.host != self.args.host && !c.lost {
+                if e.mod_revision != w && e.value.host != self.me.host && !c.lost {
                     c.lost = true;
                     tracing::warn!(
                         "guest {mac}: host {} claimed it after us (seq {}): our interface is stale and not routed",
@@ -312,8 +307,8 @@ impl Store {
                     self.watch = None;
                     return;
                 }
-                let overlay = format!("{}/hosts/", self.args.etcd.prefix);
-                let guests = format!("{}/guests/", self.args.etcd.prefix);
+                let overlay = format!("{}/hosts/", self.etcd.prefix);
+                let guests = format!("{}/guests/", self.etcd.prefix);
                 let mut changed = false;
                 for ev in resp.events() {
                     let Some(kv) = ev.kv() else { continue };
@@ -350,7 +345,7 @@ impl Store {
         for mac in gone {
             let c = self.claims.remove(&mac).expect("listed above");
             if let (Some(w), false) = (c.written, c.lost) {
-                let key = key(&self.args.etcd.prefix, "guests", &mac);
+                let key = key(&self.etcd.prefix, "guests", &mac);
                 let txn = Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, w)]).and_then([TxnOp::delete(key, None)]);
                 match self.client.as_mut().expect("connected").txn(txn).await {
                     Ok(r) if r.succeeded() => tracing::info!("guest {mac}: withdrawn (its interface is gone)"),
@@ -384,16 +379,16 @@ impl Store {
             if c.written.is_some() || c.lost {
                 continue;
             }
-            let key = key(&self.args.etcd.prefix, "guests", mac);
+            let key = key(&self.etcd.prefix, "guests", mac);
             let seen = self.guests.get(mac);
             // Ours already (a restarted agent, or a new lease): written again
             // with its seq; another host's: the next seq; none: 1.
             let (seq, cmp) = match seen {
-                Some(e) if e.value.host == self.args.host => (e.value.seq, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
+                Some(e) if e.value.host == self.me.host => (e.value.seq, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
                 Some(e) => (e.value.seq + 1, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
                 None => (self.seqs.get(mac).map_or(1, |s| s + 1), Compare::version(key.clone(), CompareOp::Equal, 0)),
             };
-            let v = GuestValue { host: self.args.host.clone(), network: c.network.clone(), seq };
+            let v = GuestValue { host: self.me.host.clone(), network: c.network.clone(), seq };
             let txn = Txn::new()
                 .when([cmp])
                 .and_then([TxnOp::put(key.clone(), serde_json::to_string(&v).expect("plain struct"), Some(PutOptions::new().with_lease(lease)))]);
@@ -401,7 +396,7 @@ impl Store {
                 Ok(r) if r.succeeded() => {
                     let rev = r.header().map_or(0, |h| h.revision());
                     c.written = Some(rev);
-                    if let Some(prev) = seen.filter(|e| e.value.host != self.args.host) {
+                    if let Some(prev) = seen.filter(|e| e.value.host != self.me.host) {
                         tracing::info!("guest {mac}: claimed from host {} (seq {seq})", prev.value.host);
                     } else {
                         tracing::info!("guest {mac}: published in network {} (seq {seq})", c.network);
@@ -419,9 +414,9 @@ impl Store {
 
     /// Publishes this host's traffic counters (on its lease, so they go
     /// with the host).
-    pub async fn publish_traffic(&mut self, t: crate::show::Traffic) {
+    pub async fn publish_traffic(&mut self, t: Traffic) {
         let (Some((lease, ..)), Some(client)) = (self.lease.as_ref(), self.client.as_mut()) else { return };
-        let key = key(&self.args.etcd.prefix, "traffic", &self.args.host);
+        let key = key(&self.etcd.prefix, "traffic", &self.me.host);
         let v = serde_json::to_string(&t).expect("plain struct");
         if let Err(e) = client.put(key, v, Some(PutOptions::new().with_lease(*lease))).await {
             tracing::warn!("etcd: cannot publish traffic: {e}");
@@ -440,7 +435,7 @@ impl Store {
             .iter()
             .filter(|(m, (id, _))| {
                 self.claims.get(*m).is_some_and(|c| c.iface == *id && c.written.is_some() && !c.lost)
-                    && self.routed.get(*m).is_some_and(|g| g.host == self.args.host)
+                    && self.routed.get(*m).is_some_and(|g| g.host == self.me.host)
             })
             .map(|(m, (_, n))| (m.clone(), n.clone()))
             .collect()

@@ -1,0 +1,48 @@
+//! How an agent reaches etcd: the command-line arguments every subcommand
+//! shares, and the client connection (TLS when given certificates).
+
+use anyhow::{Context, Result};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// The longest one etcd operation may take.
+pub const OP_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Where etcd is, and how to reach it.
+#[derive(clap::Args, Debug, Clone)]
+pub struct EtcdArgs {
+    /// etcd endpoints, comma-separated (http://127.0.0.1:2379 or https://...).
+    #[arg(long = "etcd", value_delimiter = ',', required = true)]
+    pub endpoints: Vec<String>,
+    /// Key prefix in etcd (several overlays can share one etcd).
+    #[arg(long, default_value = "/vnet")]
+    pub prefix: String,
+    /// CA certificate for etcd over TLS.
+    #[arg(long)]
+    pub cacert: Option<PathBuf>,
+    /// Client certificate and key for etcd over TLS.
+    #[arg(long, requires = "key")]
+    pub cert: Option<PathBuf>,
+    #[arg(long, requires = "cert")]
+    pub key: Option<PathBuf>,
+}
+
+impl EtcdArgs {
+    pub async fn connect(&self) -> Result<etcd_client::Client> {
+        use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
+        let mut o = ConnectOptions::new().with_timeout(OP_TIMEOUT).with_connect_timeout(OP_TIMEOUT);
+        if self.cacert.is_some() || self.cert.is_some() {
+            let mut tls = TlsOptions::new();
+            if let Some(ca) = &self.cacert {
+                tls = tls.ca_certificate(Certificate::from_pem(std::fs::read(ca).with_context(|| format!("{}", ca.display()))?));
+            }
+            if let (Some(c), Some(k)) = (&self.cert, &self.key) {
+                let cert = std::fs::read(c).with_context(|| format!("{}", c.display()))?;
+                let key = std::fs::read(k).with_context(|| format!("{}", k.display()))?;
+                tls = tls.identity(Identity::from_pem(cert, key));
+            }
+            o = o.with_tls(tls);
+        }
+        Ok(etcd_client::Client::connect(&self.endpoints, Some(o)).await?)
+    }
+}
