@@ -117,7 +117,7 @@ fn run(args: &Args) -> Result<i32> {
         drop(here);
         let code = match notify::install() {
             Ok(notif) => {
-                if let Err(e) = send_fd(there.as_raw_fd(), notif.as_raw_fd()) {
+                if let Err(e) = vnet_sys::cmsg::send_fd(there.as_raw_fd(), notif.as_raw_fd()) {
                     eprintln!("vtoe: cannot hand the filter over: {e}");
                     127
                 } else {
@@ -228,47 +228,10 @@ fn wait_child(child: i32) -> i32 {
     exit_code(st)
 }
 
-fn send_fd(sock: RawFd, fd: RawFd) -> std::io::Result<()> {
-    let mut cbuf = [0u64; 4];
-    let byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_ptr() as *mut libc::c_void, iov_len: 1 };
-    // SAFETY: building an SCM_RIGHTS message in buffers we own.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr().cast();
-        msg.msg_controllen = libc::CMSG_SPACE(4) as usize;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(4) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut RawFd, fd);
-        if libc::sendmsg(sock, &msg, 0) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
 fn recv_fd(sock: RawFd) -> std::io::Result<OwnedFd> {
-    let mut cbuf = [0u64; 4];
     let mut byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_mut_ptr().cast(), iov_len: 1 };
-    // SAFETY: recvmsg into buffers we own, then reading its SCM_RIGHTS.
-    unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&cbuf);
-        if libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) <= 0 {
-            return Err(std::io::Error::other("the program exited before its filter was in place"));
-        }
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        if c.is_null() || (*c).cmsg_type != libc::SCM_RIGHTS {
-            return Err(std::io::Error::other("no filter descriptor"));
-        }
-        Ok(OwnedFd::from_raw_fd(std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd)))
+    match vnet_sys::cmsg::recv_with_fds(sock, &mut byte)? {
+        (0, _) => Err(std::io::Error::other("the program exited before its filter was in place")),
+        (_, fds) => fds.into_iter().next().ok_or_else(|| std::io::Error::other("no filter descriptor")),
     }
 }

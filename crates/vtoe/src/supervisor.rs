@@ -36,6 +36,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddrV4;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use vnet_core::vtoe::{FromVnetd, ToVnetd};
+use vnet_sys::epoll::Epoll;
 
 const T_NOTIF: u64 = 0;
 const T_VNETD: u64 = 1;
@@ -96,7 +97,7 @@ pub struct Supervisor {
     vnetd: Option<Vnetd>,
     socket: std::path::PathBuf,
     retry_at: std::time::Instant,
-    epoll: OwnedFd,
+    epoll: Epoll,
     defaults: Defaults,
     own_netns: Option<u64>,
     /// The runner's network namespace (device, inode): only calls of
@@ -128,13 +129,7 @@ fn errno() -> i32 {
 
 impl Supervisor {
     pub fn new(notif: OwnedFd, vnetd: Vnetd, socket: &std::path::Path, signals: RawFd, verbose: bool) -> std::io::Result<Supervisor> {
-        // SAFETY: epoll_create1 returns a new descriptor or -1.
-        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if ep < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: ep is ours.
-        let epoll = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(ep) };
+        let epoll = Epoll::new(32)?;
         let own_netns = std::net::UdpSocket::bind("0.0.0.0:0").ok().and_then(|u| sock::netns_cookie(u.as_raw_fd()));
         let s = Supervisor {
             notif,
@@ -164,17 +159,11 @@ impl Supervisor {
     }
 
     fn watch(&self, fd: RawFd, token: u64, events: u32) -> std::io::Result<()> {
-        let mut ev = libc::epoll_event { events, u64: token };
-        // SAFETY: epoll_ctl with an event we own.
-        if unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        self.epoll.add(fd, events, token)
     }
 
     fn unwatch(&self, fd: RawFd) {
-        // SAFETY: EPOLL_CTL_DEL needs no event.
-        unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+        self.epoll.delete(fd);
     }
 
     fn say(&self, what: impl FnOnce() -> String) {
@@ -186,26 +175,24 @@ impl Supervisor {
     /// Runs until no process under the filter is left; `on_signal` is called
     /// when the signal descriptor is readable.
     pub fn run(&mut self, mut on_signal: impl FnMut()) {
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 32];
         loop {
             // Without vnetd, look for it again every second (its listeners
             // registered again as soon as it is back).
-            let timeout = if self.vnetd.is_none() { 1000 } else { -1 };
-            // SAFETY: epoll_wait into an array we own.
-            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
-            if n == 0 {
-                self.session();
-                continue;
-            }
-            if n < 0 {
-                if errno() == libc::EINTR {
+            let timeout = if self.vnetd.is_none() { Some(std::time::Duration::from_secs(1)) } else { None };
+            let n = match self.epoll.wait(timeout) {
+                Ok(0) => {
+                    self.session();
                     continue;
                 }
-                eprintln!("vtoe: epoll: {}", std::io::Error::last_os_error());
-                return;
-            }
-            for ev in &events[..n as usize] {
-                let (token, flags) = (ev.u64, ev.events);
+                Ok(n) => n,
+                Err(e) => {
+                    eprintln!("vtoe: epoll: {e}");
+                    return;
+                }
+            };
+            for i in 0..n {
+                let ev = self.epoll.event(i);
+                let (token, flags) = (ev.token, ev.events);
                 match token {
                     T_NOTIF => {
                         if flags & libc::EPOLLIN as u32 != 0 {

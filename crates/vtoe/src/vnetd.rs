@@ -78,41 +78,13 @@ impl Vnetd {
     /// closed the session.
     pub fn recv(&self) -> Result<Option<(FromVnetd, Option<OwnedFd>)>> {
         let mut buf = [0u8; 4 * MAX_MSG];
-        let mut cbuf = [0u64; 8];
-        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-        // SAFETY: msghdr is plain old data.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&cbuf);
-        let n = loop {
-            // SAFETY: recvmsg into the buffers above.
-            let n = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-            if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            break n;
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error()).context("vnetd session");
-        }
-        let mut fd = None;
-        // SAFETY: walking the control messages recvmsg filled in.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(&msg);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                    let got = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const RawFd);
-                    fd = Some(OwnedFd::from_raw_fd(got));
-                }
-                c = libc::CMSG_NXTHDR(&msg, c);
-            }
-        }
+        let (n, fds) = vnet_sys::cmsg::recv_with_fds(self.sock.as_raw_fd(), &mut buf).context("vnetd session")?;
+        // One socket comes with a message at most; any more are closed here.
+        let fd = fds.into_iter().next();
         if n == 0 {
             return Ok(None);
         }
-        let m = FromVnetd::decode(&buf[..n as usize]).map_err(|e| anyhow!("vnetd sent a bad message: {e}"))?;
+        let m = FromVnetd::decode(&buf[..n]).map_err(|e| anyhow!("vnetd sent a bad message: {e}"))?;
         Ok(Some((m, fd)))
     }
 }
