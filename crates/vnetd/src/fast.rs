@@ -18,7 +18,7 @@
 //! So the kernel only ever holds answers the rule table gives now; the rule
 //! semantics stay in `vnet-core`.
 
-use crate::nic::rtnl;
+use crate::sys::rtnl;
 use crate::topology::Snapshot;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -141,7 +141,7 @@ impl Finisher {
         if std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/rp_filter").map(|s| s.trim() == "1").unwrap_or(false) {
             tracing::warn!("net.ipv4.conf.all.rp_filter is 1 (strict): unfinished datagrams from fast-path peers over a veth underlay will be dropped; set it to 0 or 2");
         }
-        crate::nic::tap::tx_checksum_off(&a).with_context(|| format!("cannot turn checksum offload off on {a}"))?;
+        crate::sys::netdev::tx_checksum_off(&a).with_context(|| format!("cannot turn checksum offload off on {a}"))?;
         rtnl::set_up(f.send)?;
         rtnl::set_up(recv)?;
         kernel.set_finisher(f.send, recv, Self::MAC)?;

@@ -205,6 +205,12 @@ impl prometheus_client::collector::Collector for Collector {
 mod tests {
     use super::*;
 
+    impl std::fmt::Debug for Gathered {
+        fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("Gathered")
+        }
+    }
+
     #[test]
     fn counts_are_counters_and_levels_fractions_and_yes_no_are_gauges() {
         let mut g = Gathered::default();
@@ -234,11 +240,6 @@ mod tests {
         impl prometheus_client::collector::Collector for Fixed {
             fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
                 self.0.lock().unwrap().as_ref().unwrap().encode(&mut e)
-            }
-        }
-        impl std::fmt::Debug for Gathered {
-            fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("Gathered")
             }
         }
         reg.register_collector(Box::new(Fixed(std::sync::Mutex::new(Some(g)))));

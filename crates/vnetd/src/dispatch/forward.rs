@@ -16,7 +16,8 @@
 
 use crate::fast::{FastPath, InstallBudget};
 use crate::link::{Segments, Sent, TxCtx, TxQueue, SEG_PARTS};
-use crate::nic::{IrqPolicy, MAX_PARTS};
+use crate::settings::IrqPolicy;
+use crate::sys::netdev::MAX_PARTS;
 use crate::stats::{Counters, DropReason, ThreadStats};
 use crate::topology::{Link, Route, Slot, Snapshot};
 use std::io;

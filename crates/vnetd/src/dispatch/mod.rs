@@ -11,7 +11,8 @@ pub mod worker;
 
 
 use crate::link::tcp::TcpAcceptor;
-use crate::link::UdpEndpoint;
+use crate::sys::udp::UdpEndpoint;
+use crate::settings::Sched;
 use crate::topology::LinkEnv;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::OnceLock;
@@ -19,7 +20,7 @@ use crate::stats::{render_totals, DropReason, ThreadStats};
 use crate::topology::Snapshot;
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
-use nix::sys::eventfd::{EfdFlags, EventFd};
+use crate::sys::eventfd::EventFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -54,7 +55,7 @@ pub struct Datapath {
     /// The kernel fast path, if it loaded.
     pub fast: Option<Arc<crate::fast::FastPath>>,
     /// How dispatcher threads are scheduled.
-    pub sched: worker::Sched,
+    pub sched: Sched,
 }
 
 /// The control plane's handle on one dispatcher thread.
@@ -82,8 +83,7 @@ impl Datapath {
         let workers = (0..workers.max(1))
             .map(|i| {
                 Ok(WorkerLink {
-                    wake: EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
-                        .context("eventfd")?,
+                    wake: EventFd::new().context("eventfd")?,
                     stats: Arc::new(ThreadStats::default()),
                     running: AtomicU64::new(0),
                     cpu: cpus.get(i).copied(),
@@ -105,7 +105,7 @@ impl Datapath {
             publisher: std::sync::Mutex::new(None),
             stop: AtomicBool::new(false),
             fast: None,
-            sched: worker::Sched::Realtime,
+            sched: Sched::Realtime,
         })
     }
 
@@ -137,7 +137,7 @@ impl Datapath {
         *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Some(std::thread::current());
         self.snapshot.store(Arc::new(snap));
         for w in &self.workers {
-            let _ = w.wake.write(1);
+            let _ = w.wake.notify();
         }
         let deadline = Instant::now() + Duration::from_secs(2);
         while self.workers.iter().any(|w| w.running.load(Ordering::Acquire) < generation) {
@@ -177,7 +177,7 @@ impl Datapath {
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Release);
         for w in &self.workers {
-            let _ = w.wake.write(1);
+            let _ = w.wake.notify();
         }
     }
 
@@ -215,7 +215,7 @@ pub fn spawn(dp: &Arc<Datapath>, on_failure: fn()) -> Result<Vec<JoinHandle<Resu
                 .name(format!("dispatcher-{i}"))
                 .spawn(move || {
                     if let Some(cpu) = dp.workers[i].cpu {
-                        worker::pin_to(cpu);
+                        crate::sys::thread::pin_to(cpu);
                     }
                     let r = worker::run(dp, i);
                     if let Err(e) = &r {
@@ -293,7 +293,7 @@ impl LinkEnv for Arc<Datapath> {
             return None; // IPv6 links take the slow path (see docs/datapath.md)
         };
         let sport = self.udp4.first()?.local_addr().port();
-        let (ifindex, src) = match crate::nic::rtnl::route_to(dst) {
+        let (ifindex, src) = match crate::sys::rtnl::route_to(dst) {
             Ok(r) => r,
             Err(e) => {
                 tracing::info!("link {id} to {remote}: no route for the fast path ({e}); it takes the slow path");

@@ -25,12 +25,15 @@
 use super::forward::Forwarder;
 use super::Datapath;
 use crate::link::tcp::{Conn, TcpLink};
-use crate::link::udp::{RxBatch, UdpEndpoint};
+use crate::sys::epoll::{self, Epoll};
+use crate::sys::thread::set_realtime;
+use crate::sys::udp::{RxBatch, UdpEndpoint};
+use crate::settings::{IfaceDispatch, Sched};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
 use crate::link::Rx;
 use crate::nic::{Frame, InPlace};
-use crate::topology::{IfaceDispatch, Slot, Snapshot};
+use crate::topology::{Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 use anyhow::{bail, Result};
 use std::io::{self, Read};
@@ -54,133 +57,6 @@ const KIND_MASK: u64 = 0xff << 32;
 const BUF_LEN: usize = 65536 + 128;
 /// Bytes read from one TCP link per event (then the other sources get a turn).
 const TCP_READ_BATCH: usize = 256 << 10;
-
-/// Pins the calling thread to one CPU.
-pub fn pin_to(cpu: usize) {
-    if cpu >= libc::CPU_SETSIZE as usize {
-        tracing::warn!("cannot pin dispatcher to CPU {cpu}: beyond the kernel's CPU set");
-        return;
-    }
-    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it; cpu is in range.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            tracing::warn!("cannot pin dispatcher to CPU {cpu}: {}", io::Error::last_os_error());
-        }
-    }
-}
-
-/// How dispatcher threads are scheduled against busy applications on the
-/// same CPUs (`--dispatcher-sched`; measured in docs/datapath.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Sched {
-    /// A normal task throughout: a woken dispatcher may wait for a busy
-    /// task's slice to end (milliseconds).
-    Normal,
-    /// Real-time (FIFO, priority 1) while the thread is event-driven (it
-    /// sleeps until a frame, as an interrupt handler would): a woken
-    /// dispatcher runs at once. A normal task while it polls (VMM-driven),
-    /// so that polling never holds a CPU against applications.
-    Realtime,
-}
-
-/// Puts the calling thread in the real-time class (FIFO, priority 1) or
-/// back in the normal one; false if the kernel refused.
-pub fn set_realtime(on: bool) -> bool {
-    let param = libc::sched_param { sched_priority: if on { 1 } else { 0 } };
-    let policy = if on { libc::SCHED_FIFO } else { libc::SCHED_OTHER };
-    // SAFETY: sched_setscheduler(2) on the calling thread reads `param`.
-    if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
-        tracing::warn!("dispatcher: cannot switch to {}: {}", if on { "SCHED_FIFO" } else { "SCHED_OTHER" }, io::Error::last_os_error());
-        return false;
-    }
-    true
-}
-
-/// A minimal epoll with microsecond timeouts (`epoll_pwait2`), falling back
-/// to millisecond `epoll_wait` where the kernel (before 5.11) or a seccomp
-/// profile lacks it.
-struct Epoll {
-    fd: RawFd,
-    events: Vec<libc::epoll_event>,
-    pwait2: bool,
-}
-
-impl Epoll {
-    fn new() -> Result<Epoll> {
-        // SAFETY: plain epoll_create1; closed in Drop.
-        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if fd < 0 {
-            bail!("epoll_create1: {}", io::Error::last_os_error());
-        }
-        Ok(Epoll { fd, events: vec![libc::epoll_event { events: 0, u64: 0 }; 64], pwait2: true })
-    }
-
-    fn ctl(&self, op: libc::c_int, fd: RawFd, events: u32, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event { events, u64: token };
-        // SAFETY: ev is a valid epoll_event.
-        if unsafe { libc::epoll_ctl(self.fd, op, fd, &mut ev) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    fn add(&self, fd: RawFd, token: u64) -> io::Result<()> {
-        self.ctl(libc::EPOLL_CTL_ADD, fd, libc::EPOLLIN as u32, token)
-    }
-
-    fn del(&self, fd: RawFd) {
-        // SAFETY: a null event is allowed for EPOLL_CTL_DEL.
-        unsafe { libc::epoll_ctl(self.fd, libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
-    }
-
-    /// Waits up to `timeout` (None: forever); returns how many events.
-    fn wait(&mut self, timeout: Option<Duration>) -> io::Result<usize> {
-        loop {
-            let n = if self.pwait2 {
-                let ts = timeout.map(|d| libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ });
-                let tsp = ts.as_ref().map_or(std::ptr::null(), |t| t as *const libc::timespec);
-                // SAFETY: events has room for len entries; tsp is null or valid.
-                unsafe {
-                    libc::syscall(
-                        libc::SYS_epoll_pwait2,
-                        self.fd,
-                        self.events.as_mut_ptr(),
-                        self.events.len() as libc::c_int,
-                        tsp,
-                        std::ptr::null::<libc::sigset_t>(),
-                        0usize,
-                    ) as libc::c_int
-                }
-            } else {
-                // Round up, so that a short sleep is not a busy spin.
-                let ms = timeout.map_or(-1, |d| d.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int);
-                // SAFETY: events has room for len entries.
-                unsafe { libc::epoll_wait(self.fd, self.events.as_mut_ptr(), self.events.len() as libc::c_int, ms) }
-            };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EINTR) => return Ok(0),
-                Some(libc::ENOSYS | libc::EPERM) if self.pwait2 => {
-                    tracing::info!("epoll_pwait2 unavailable ({e}); waiting with epoll_wait (millisecond timeouts)");
-                    self.pwait2 = false;
-                }
-                _ => return Err(e),
-            }
-        }
-    }
-}
-
-impl Drop for Epoll {
-    fn drop(&mut self) {
-        // SAFETY: fd is ours.
-        unsafe { libc::close(self.fd) };
-    }
-}
 
 /// This thread's view of one interface it owns.
 #[derive(Clone)]
@@ -235,8 +111,8 @@ struct Worker {
 }
 
 pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
-    let epoll = Epoll::new()?;
-    epoll.add(dp.workers[index].wake.as_raw_fd(), TOKEN_WAKE)?;
+    let epoll = Epoll::new(64)?;
+    epoll.add(dp.workers[index].wake.as_raw_fd(), epoll::IN, TOKEN_WAKE)?;
     let snap = Arc::new(Snapshot::empty());
     let st = dp.worker_stats(index);
     let mut w = Worker {
@@ -322,13 +198,16 @@ impl Worker {
                 Ok(n) => n,
                 Err(e) => bail!("epoll wait failed: {e}"),
             };
+            if let Some(e) = self.epoll.take_fallback() {
+                tracing::info!("epoll_pwait2 unavailable ({e}); waiting with epoll_wait (millisecond timeouts)");
+            }
             if n > 0 {
                 self.st.dispatch.wakeups.fetch_add(1, Relaxed);
             }
             let mut woken = false;
             for i in 0..n {
-                let ev = self.epoll.events[i];
-                let token = ev.u64;
+                let ev = self.epoll.event(i);
+                let token = ev.token;
                 if token == TOKEN_WAKE {
                     woken = true;
                     continue;
@@ -353,10 +232,10 @@ impl Worker {
                         }
                     }
                     KIND_TCP => {
-                        if ev.events & libc::EPOLLOUT as u32 != 0 {
+                        if ev.events & epoll::OUT != 0 {
                             self.tcp_writable(at);
                         }
-                        if ev.events & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR | libc::EPOLLRDHUP) as u32 != 0 {
+                        if ev.events & (epoll::IN | epoll::HUP | epoll::ERR | epoll::RDHUP) != 0 {
                             self.drain_tcp(at);
                         }
                     }
@@ -366,9 +245,7 @@ impl Worker {
             }
             self.fwd.flush(&self.snap);
             if woken {
-                let mut v = [0u8; 8];
-                // SAFETY: reading the eventfd's 8-byte counter.
-                unsafe { libc::read(self.dp.workers[self.index].wake.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+                self.dp.workers[self.index].wake.drain();
                 self.reload();
             }
             self.adapt();
@@ -622,13 +499,13 @@ impl Worker {
         let same = matches!((&port.conn, &live), (Some(a), Some(b)) if a.id == b.id);
         if !same {
             if let Some(old) = port.conn.take() {
-                self.epoll.del(old.stream.as_raw_fd());
+                self.epoll.delete(old.stream.as_raw_fd());
             }
             port.framer.reset();
             port.want_out = false;
             if let Some(c) = live {
-                let ev = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-                if self.epoll.ctl(libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
+                let ev = epoll::IN | epoll::RDHUP;
+                if self.epoll.add(c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
                     port.conn = Some(c);
                 }
             }
@@ -636,11 +513,11 @@ impl Worker {
         let Some(c) = &port.conn else { return };
         let want_out = port.link.has_pending();
         if want_out != port.want_out {
-            let mut ev = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
+            let mut ev = epoll::IN | epoll::RDHUP;
             if want_out {
-                ev |= libc::EPOLLOUT as u32;
+                ev |= epoll::OUT;
             }
-            if self.epoll.ctl(libc::EPOLL_CTL_MOD, c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
+            if self.epoll.modify(c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
                 port.want_out = want_out;
             }
         }
@@ -652,7 +529,7 @@ impl Worker {
         let next = self.dp.snapshot();
         for o in &self.owned {
             if !o.polled {
-                self.epoll.del(o.fd);
+                self.epoll.delete(o.fd);
             }
         }
         let workers = self.dp.worker_count();
@@ -674,7 +551,7 @@ impl Worker {
             };
             let fd = iface.nic.event_fd();
             iface.nic.set_notify(!polled);
-            if !polled && self.epoll.add(fd, KIND_NIC | owned.len() as u64).is_err() {
+            if !polled && self.epoll.add(fd, epoll::IN, KIND_NIC | owned.len() as u64).is_err() {
                 tracing::warn!(iface = %iface.name, "cannot watch NIC");
             }
             iface.running_mode.store(if polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);
@@ -685,14 +562,14 @@ impl Worker {
         self.owned = owned;
         // Direct links, spread over threads like interfaces.
         for &(_, fd) in &self.direct {
-            self.epoll.del(fd);
+            self.epoll.delete(fd);
         }
         self.direct.clear();
         for (slot, link) in next.links.iter().enumerate() {
             if let Rx::Device(port) = link.transport.rx() {
                 if mine(link.id) {
                     let fd = port.as_raw_fd();
-                    if self.epoll.add(fd, KIND_DIRECT | self.direct.len() as u64).is_ok() {
+                    if self.epoll.add(fd, epoll::IN, KIND_DIRECT | self.direct.len() as u64).is_ok() {
                         self.direct.push((slot as u32, fd));
                     }
                 }
@@ -701,9 +578,9 @@ impl Worker {
         // TCP links: keep each one's stream state while the link stays.
         let mut old = std::mem::take(&mut self.tcp);
         for p in &old {
-            self.epoll.del(p.link.event_fd());
+            self.epoll.delete(p.link.event_fd());
             if let Some(c) = &p.conn {
-                self.epoll.del(c.stream.as_raw_fd());
+                self.epoll.delete(c.stream.as_raw_fd());
             }
         }
         for (slot, link) in next.links.iter().enumerate() {
@@ -727,14 +604,14 @@ impl Worker {
             // Re-added below with this thread's new token.
             let conn = port.conn.take();
             port.want_out = false;
-            if self.epoll.add(t.event_fd(), KIND_TCP_EVENT | at as u64).is_err() {
+            if self.epoll.add(t.event_fd(), epoll::IN, KIND_TCP_EVENT | at as u64).is_err() {
                 tracing::warn!(link = %link.name, "cannot watch TCP link");
             }
             self.tcp.push(port);
             if let Some(c) = conn {
                 // Same connection: keep its partial frame.
-                let ev = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
-                if self.epoll.ctl(libc::EPOLL_CTL_ADD, c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
+                let ev = epoll::IN | epoll::RDHUP;
+                if self.epoll.add(c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
                     self.tcp[at].conn = Some(c);
                 }
             }
@@ -745,7 +622,7 @@ impl Worker {
         for i in 0..4 {
             if !self.sockets[i] {
                 if let Some(fd) = socket(&self.dp, i, self.index).map(|e| e.as_raw_fd()) {
-                    self.sockets[i] = self.epoll.add(fd, TOKEN_SOCKET + i as u64).is_ok();
+                    self.sockets[i] = self.epoll.add(fd, epoll::IN, TOKEN_SOCKET + i as u64).is_ok();
                 }
             }
         }
@@ -778,8 +655,8 @@ impl Worker {
             o.polled = !o.polled;
             iface.nic.set_notify(!o.polled);
             if o.polled {
-                self.epoll.del(o.fd);
-            } else if self.epoll.add(o.fd, KIND_NIC | at as u64).is_err() {
+                self.epoll.delete(o.fd);
+            } else if self.epoll.add(o.fd, epoll::IN, KIND_NIC | at as u64).is_err() {
                 tracing::warn!(iface = %iface.name, "cannot watch NIC");
             }
             iface.running_mode.store(if o.polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);

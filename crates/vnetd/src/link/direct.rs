@@ -4,7 +4,8 @@
 //! and finishes checksums, so frames go as they are, offload metadata and all.
 
 use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
-use crate::nic::{send_vnet, PacketPort};
+use crate::sys::netdev::send_vnet;
+use crate::sys::packet::PacketPort;
 use crate::stats::DropReason;
 use std::os::fd::AsRawFd;
 use vnet_core::offload::{Pieces, VnetHdr};

@@ -5,7 +5,7 @@
 //!
 //! - `udp`: VNET/P's encapsulation (the bare frame as a UDP datagram) and
 //!   VXLAN (RFC 7348, an 8-byte header first), on the daemon's shared UDP
-//!   sockets, with the socket machinery (GSO, GRO, batches).
+//!   sockets (`crate::sys::udp`: GSO, GRO, batches).
 //! - `tcp`: frames over a TCP connection opened by a key handshake, for
 //!   networks where UDP does not pass.
 //! - `direct`: raw onto a host device's LAN, through a packet socket.
@@ -15,17 +15,17 @@
 //! has, which decides how a dispatcher reads it.
 
 pub mod direct;
+pub mod dummy;
 pub mod tcp;
 pub mod udp;
 
-use crate::nic::PacketPort;
+use crate::sys::packet::PacketPort;
+use crate::sys::udp::{TxBatch, UdpEndpoint};
 use crate::stats::{DropReason, OffloadCounters};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-pub use udp::UdpEndpoint;
-use udp::TxBatch;
 use vnet_core::offload::{Pieces, SegmentPlan, VnetHdr, MAX_PIECES};
 
 /// How a link's frames arrive.

@@ -31,7 +31,7 @@
 //! `TcpTransport` is the link kind the forwarder sees.
 
 use anyhow::{Context, Result};
-use nix::sys::eventfd::{EfdFlags, EventFd};
+use crate::sys::eventfd::EventFd;
 use socket2::{SockRef, TcpKeepalive};
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -186,8 +186,7 @@ pub struct TcpLink {
 
 impl TcpLink {
     pub fn new(remote: SocketAddr, key: LinkKey) -> Result<Arc<TcpLink>, String> {
-        let event = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
-            .map_err(|e| format!("eventfd: {e}"))?;
+        let event = EventFd::new().map_err(|e| format!("eventfd: {e}"))?;
         Ok(Arc::new(TcpLink {
             remote,
             key,
@@ -270,13 +269,11 @@ impl TcpLink {
 
     /// Clears the event fd (the owning dispatcher, before looking).
     pub fn clear_event(&self) {
-        let mut v = [0u8; 8];
-        // SAFETY: reading the eventfd's 8-byte counter into a local.
-        unsafe { libc::read(self.event.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+        self.event.drain();
     }
 
     fn signal(&self) {
-        let _ = self.event.write(1);
+        let _ = self.event.notify();
     }
 
     /// The live connection, if any.

@@ -14,23 +14,20 @@
 //! Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
 //! only marked ones are taken over, un-persisted or deleted.
 
-pub mod packet;
-pub mod rtnl;
+pub mod dummy;
+pub mod qemu;
 pub mod tap;
 pub mod upcall;
 pub mod veth;
 pub mod vhost_user;
 
-use anyhow::Result;
-use std::io::{self, IoSlice};
-use std::os::fd::{AsRawFd, RawFd};
+use crate::settings::IrqPolicy;
+use std::io;
+use std::os::fd::RawFd;
 use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 
-pub use packet::PacketPort;
-
-/// Most pieces one frame is sent in (a merged super-frame: its headers and
-/// up to `vnet_core::offload::MAX_RUN` payloads).
-pub const MAX_PARTS: usize = 64;
+pub use dummy::DummyNic;
+pub use qemu::QemuNic;
 pub use tap::{QemuTap, Tap};
 pub use veth::VethNic;
 pub use vhost_user::VhostUserNic;
@@ -106,26 +103,6 @@ pub trait VirtualNic: Send + Sync {
     /// Counters of this NIC kind, for `STATS` (` key=value` pairs).
     fn extra_stats(&self) -> String {
         String::new()
-    }
-}
-
-/// How NICs with shared rings interrupt their guests (`SET interrupts`,
-/// `eoc-alpha`, `eoc-beta`).
-#[derive(Clone, Copy, Debug)]
-pub struct IrqPolicy {
-    pub optimistic: bool,
-    /// Receive-density thresholds α and β, bytes per second.
-    pub alpha: u64,
-    pub beta: u64,
-}
-
-impl IrqPolicy {
-    pub fn of(d: &crate::topology::DispatchSettings) -> IrqPolicy {
-        IrqPolicy {
-            optimistic: d.interrupts == vnet_core::command::Interrupts::Optimistic,
-            alpha: u64::from(d.eoc_alpha) * 1000,
-            beta: u64::from(d.eoc_beta) * 1000,
-        }
     }
 }
 
@@ -217,86 +194,7 @@ pub struct Received {
     pub vnet: VnetHdr,
 }
 
-fn parse_received(buf: &[u8], n: usize) -> io::Result<Received> {
+pub(crate) fn parse_received(buf: &[u8], n: usize) -> io::Result<Received> {
     let vnet = VnetHdr::parse(&buf[..n]).ok_or_else(|| io::Error::from_raw_os_error(libc::EPROTO))?;
     Ok(Received { start: VNET_HDR_LEN, end: n, vnet })
-}
-
-/// vnetd holds the TAP's file side; the network device is the guest's NIC
-/// (moved into a guest namespace or container). Persistent when made in a
-/// guest's namespace: it then stays when vnetd exits.
-impl VirtualNic for Tap {
-    #[inline]
-    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        let n = Tap::recv(self, buf)?;
-        parse_received(buf, n)
-    }
-
-    #[inline]
-    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        send_vnet(self.as_raw_fd(), vnet, parts)
-    }
-
-    fn event_fd(&self) -> RawFd {
-        self.as_raw_fd()
-    }
-
-    fn in_force(&self) {
-        self.keep();
-    }
-
-    fn deleted(&self, detach: bool) {
-        if !detach {
-            self.remove_on_close();
-        }
-    }
-
-    /// The TAP's own queue: frames the guest sent while vnetd was behind.
-    fn upcall_dropped(&self) -> u64 {
-        self.queue_dropped().unwrap_or(0)
-    }
-}
-
-/// QEMU holds the TAP's file side (`-netdev tap,ifname=..`); vnetd meets
-/// the TAP device through the fast path's upcall TAP, or without the fast
-/// path through a packet socket (`upcall.rs`).
-pub type QemuNic = upcall::PortNic<QemuTap>;
-
-impl upcall::PortNic<QemuTap> {
-    /// A QEMU TAP: made (or, if vnetd made it earlier, taken over) and
-    /// attached. If attaching fails, a TAP made here goes again and one
-    /// taken over stays.
-    pub fn new(device: &str, mtu: u32, iface: u32, kernel: Option<&std::sync::Arc<vnet_fastpath::Kernel>>) -> Result<QemuNic> {
-        let tap = Tap::create_for_qemu(device, mtu)?;
-        let upcall = format!("vu{}", upcall::tag(&format!("qemu/{device}")));
-        let port = upcall::GuestPort::attach(kernel, iface, device, tap.index(), &upcall, mtu, false)?;
-        Ok(upcall::PortNic { port, device: tap })
-    }
-}
-
-/// A QEMU TAP in force goes when vnetd exits, as with its interface.
-impl upcall::PortDevice for QemuTap {
-    fn in_force(&self) {
-        self.remove_on_drop(true);
-    }
-
-    fn deleted(&self, detach: bool) {
-        self.remove_on_drop(!detach);
-    }
-}
-
-/// Writes one frame made of `parts`, preceded by its virtio-net header, to a
-/// TAP or packet socket `fd`; returns the frame's length.
-#[inline]
-pub fn send_vnet(fd: RawFd, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-    let mut hdr = [0u8; VNET_HDR_LEN];
-    vnet.write(&mut hdr);
-    let mut iov = [IoSlice::new(&[]); MAX_PARTS + 1];
-    iov[0] = IoSlice::new(&hdr);
-    let n_parts = parts.len().min(MAX_PARTS);
-    for (slot, p) in iov[1..].iter_mut().zip(&parts[..n_parts]) {
-        *slot = IoSlice::new(p);
-    }
-    let n = tap::writev(fd, &iov[..1 + n_parts])?;
-    Ok(n.saturating_sub(VNET_HDR_LEN))
 }

@@ -12,7 +12,10 @@
 //! is this port's alone. A packet socket cannot be used beside the fast
 //! path: it sees every frame before TC ingress runs.
 
-use super::{parse_received, rtnl, send_vnet, PacketPort, Received, Tap, VirtualNic};
+use super::{parse_received, Received, Tap, VirtualNic};
+use crate::sys::netdev::send_vnet;
+use crate::sys::packet::PacketPort;
+use crate::sys::rtnl;
 use anyhow::{anyhow, Context, Result};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};

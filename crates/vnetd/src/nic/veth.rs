@@ -20,7 +20,7 @@
 //! `INTERFACE DEL` (not with `detach`).
 
 use super::upcall::{tag, GuestPort, PortDevice, PortNic};
-use super::{rtnl, tap};
+use crate::sys::{netdev, rtnl};
 use anyhow::{anyhow, bail, Context, Result};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -59,7 +59,7 @@ impl PortNic<VethPair> {
             Some(d) if d.is_vnetds_veth() => (d.index, false),
             Some(_) => bail!("a device named {host} exists on this host and is not a veth vnetd made; vnetd leaves it alone"),
             None => {
-                let ns = tap::open_netns(netns)?;
+                let ns = netdev::open_netns(netns)?;
                 rtnl::create_veth(&host, name, ns.as_raw_fd(), mac.0, mtu).map_err(|e| match e.raw_os_error() {
                     Some(libc::EEXIST) => anyhow!("cannot make veth {name} in {netns}: a device named {name} exists there"),
                     _ => anyhow!("cannot make veth {name} in {netns}: {e}"),

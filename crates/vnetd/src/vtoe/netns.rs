@@ -7,8 +7,8 @@
 //! Namespaces are found by the names interfaces were made with (`netns
 //! <name>`, a file in /run/netns) and kept while that file stays the same.
 
-use crate::nic::rtnl::{RouteTo, Rtnl};
-use crate::nic::tap::open_netns;
+use crate::sys::rtnl::{RouteTo, Rtnl};
+use crate::sys::netdev::open_netns;
 use anyhow::{anyhow, bail, Context, Result};
 use netlink_packet_route::neighbour::NeighbourState;
 use netlink_packet_route::route::RouteType;

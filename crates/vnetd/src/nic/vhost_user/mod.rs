@@ -20,13 +20,16 @@
 mod frontend;
 pub mod ring;
 
-use super::{Frame, InPlace, IrqPolicy, Received, VirtualNic};
+use super::{Frame, InPlace, Received, VirtualNic};
+use crate::settings::IrqPolicy;
+use crate::sys::epoll::{self, Epoll};
+use crate::sys::eventfd::EventFd;
 use anyhow::{bail, Context, Result};
 use frontend::{feature, Frontend, RX, TX};
 use ring::{Popped, Ring};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -42,8 +45,8 @@ pub struct Shared {
     /// The features the frontend acknowledged.
     acked: AtomicU64,
     /// The dispatcher's descriptor: the transmit kick and `poke_fd` in it.
-    epoll: OwnedFd,
-    poke_fd: OwnedFd,
+    epoll: Epoll,
+    poke: EventFd,
     /// The dispatcher wants kicks (guest-driven) or polls (VMM-driven).
     kicks_on: AtomicBool,
     connected: AtomicBool,
@@ -93,23 +96,18 @@ struct Counters {
 
 impl Shared {
     fn new() -> Result<Shared> {
-        // SAFETY: plain epoll_create1 / eventfd; both owned below.
-        let (ep, poke) = unsafe { (libc::epoll_create1(libc::EPOLL_CLOEXEC), libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK)) };
-        if ep < 0 || poke < 0 {
-            bail!("epoll/eventfd: {}", io::Error::last_os_error());
-        }
-        // SAFETY: fresh descriptors, owned from here on.
-        let (epoll, poke_fd) = unsafe { (OwnedFd::from_raw_fd(ep), OwnedFd::from_raw_fd(poke)) };
+        let epoll = Epoll::new(0).context("epoll")?;
+        let poke = EventFd::new().context("eventfd")?;
         let s = Shared {
             rings: [Mutex::new(Ring::new()), Mutex::new(Ring::new())],
             acked: AtomicU64::new(0),
             epoll,
-            poke_fd,
+            poke,
             kicks_on: AtomicBool::new(true),
             connected: AtomicBool::new(false),
             counters: Counters::default(),
         };
-        s.epoll_ctl(libc::EPOLL_CTL_ADD, s.poke_fd.as_raw_fd());
+        s.epoll.add(s.poke.as_raw_fd(), epoll::IN, 0).context("epoll")?;
         Ok(s)
     }
 
@@ -117,33 +115,24 @@ impl Shared {
         &self.rings[i]
     }
 
-    fn epoll_ctl(&self, op: libc::c_int, fd: RawFd) {
-        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: fd as u64 };
-        // SAFETY: ev is valid; a failure (already there, gone) changes nothing.
-        unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), op, fd, &mut ev) };
-    }
-
     /// The transmit queue's kick descriptor changed from `old` to `new`.
     fn watch_kick(&self, old: Option<&File>, new: Option<&File>) {
         if let Some(o) = old {
-            self.epoll_ctl(libc::EPOLL_CTL_DEL, o.as_raw_fd());
+            self.epoll.delete(o.as_raw_fd());
         }
         if let Some(n) = new {
-            self.epoll_ctl(libc::EPOLL_CTL_ADD, n.as_raw_fd());
+            // A failure (already there) changes nothing.
+            let _ = self.epoll.add(n.as_raw_fd(), epoll::IN, 0);
         }
     }
 
     /// Wakes the dispatcher (a ring started with frames perhaps waiting).
     fn poke(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writing 8 bytes to our eventfd.
-        unsafe { libc::write(self.poke_fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        let _ = self.poke.notify();
     }
 
     fn clear_poke(&self) {
-        let mut v = [0u8; 8];
-        // SAFETY: reading our eventfd's counter into v.
-        unsafe { libc::read(self.poke_fd.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+        self.poke.drain();
     }
 
     fn hdr_len(&self) -> usize {

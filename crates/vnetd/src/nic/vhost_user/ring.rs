@@ -424,9 +424,7 @@ impl Ring {
     /// Interrupts the guest (its call descriptor).
     pub fn signal(&self) -> bool {
         let Some(call) = &self.call else { return false };
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writing 8 bytes to an eventfd we hold.
-        unsafe { libc::write(call.as_raw_fd(), one.as_ptr().cast(), 8) == 8 }
+        crate::sys::eventfd::write_one(call.as_raw_fd()).is_ok()
     }
 
     /// Whether the last interrupt is still unread by the frontend (its call
@@ -441,9 +439,7 @@ impl Ring {
     /// Consumes pending kicks (the kick descriptor is non-blocking).
     pub fn clear_kick(&self) {
         if let Some(k) = &self.kick {
-            let mut v = [0u8; 8];
-            // SAFETY: reading an eventfd's 8-byte counter into v.
-            unsafe { libc::read(k.as_raw_fd(), v.as_mut_ptr().cast(), 8) };
+            crate::sys::eventfd::drain(k.as_raw_fd());
         }
     }
 
@@ -475,7 +471,6 @@ mod tests {
     //! The ring against a split virtqueue laid out by hand in anonymous
     //! memory, as a driver would: what the guest sees in its used ring.
     use super::*;
-    use std::os::fd::FromRawFd;
 
     const DESC: u64 = 0x1000;
     const AVAIL: u64 = 0x2000;
@@ -492,8 +487,7 @@ mod tests {
         r.queue.try_set_used_ring_address(GuestAddress(USED)).unwrap();
         r.queue.set_event_idx(event_idx);
         r.mem = Some(mem.clone());
-        // SAFETY: a fresh eventfd, owned by the File.
-        r.kick = Some(unsafe { File::from_raw_fd(libc::eventfd(0, libc::EFD_NONBLOCK)) });
+        r.kick = Some(File::from(crate::sys::eventfd::EventFd::new().unwrap().into_owned()));
         assert!(r.try_start() && r.running());
         (r, mem)
     }

@@ -8,6 +8,9 @@
 //! kept (`Vnetd::request`).
 
 use super::*;
+use crate::link::Rx;
+use crate::sys::udp::UdpEndpoint;
+use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc;
 use vnet_core::command::parse_request;
@@ -718,4 +721,46 @@ fn a_udp_link_to_an_ipv4_mapped_address_is_found_by_its_peer() {
     let slot = snap.link_for_sender(addr("198.18.0.2:9000"));
     assert_eq!(slot.map(|s| snap.links[s as usize].name.as_str()), Some("m"));
     assert!(v.request("LINK ADD 198.18.0.2 name v4").is_err(), "a second link to the same peer and port");
+}
+
+
+fn settings_allowing(direct: &[&str]) -> Settings {
+    Settings {
+        default_link_port: 9000,
+        default_mtu: 1500,
+        direct_devices: direct.iter().map(|d| d.to_string()).collect(),
+        link_key_dir: PathBuf::from("/nonexistent"),
+    }
+}
+
+#[test]
+fn only_allowed_devices_take_direct_links() {
+    let s = settings_allowing(&["eth1", "lan0"]);
+    assert_eq!(direct_allowed(&s, "eth1"), Ok(()));
+    assert_eq!(direct_allowed(&s, "lan0"), Ok(()));
+    assert_eq!(
+        direct_allowed(&s, "eth0"),
+        Err("device eth0 is not allowed for direct links (start vnetd with --allow-direct eth0)".into())
+    );
+    // Exact names only: no prefixes, no case folding.
+    assert!(direct_allowed(&s, "eth").is_err());
+    assert!(direct_allowed(&s, "ETH1").is_err());
+    assert!(direct_allowed(&settings_allowing(&[]), "lo").is_err());
+}
+
+#[test]
+fn a_direct_link_to_a_device_not_allowed_is_refused_before_the_device_is_touched() {
+    let mut t = Topology::default();
+    // "lo" exists everywhere: the refusal must come from the allow-list.
+    let cmd = Command::LinkAdd {
+        ip: None,
+        port: None,
+        proto: LinkProto::Direct { device: "lo".into() },
+        name: None,
+        mtu: None,
+        vtoe: None,
+    };
+    let err = t.apply(&cmd, &settings_allowing(&["eth1"]), &FakeEnv::default()).expect_err("refused");
+    assert_eq!(err, "device lo is not allowed for direct links (start vnetd with --allow-direct lo)");
+    assert!(t.links.is_empty());
 }

@@ -6,6 +6,7 @@
 //! (`PACKET_VNET_HDR`), so a guest's TSO super-frames and partial checksums
 //! arrive labelled and can be finished in software.
 
+use super::netdev::setsockopt_int;
 use anyhow::{bail, Result};
 use std::ffi::CString;
 use std::io;
@@ -95,16 +96,4 @@ impl AsRawFd for PacketPort {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
     }
-}
-
-/// `setsockopt` of an int option (the one copy in vnetd; UDP sockets use it too).
-pub(crate) fn setsockopt_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, val: libc::c_int) -> io::Result<()> {
-    // SAFETY: setsockopt with an int value.
-    let r = unsafe {
-        libc::setsockopt(fd, level, opt, (&val as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as u32)
-    };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }

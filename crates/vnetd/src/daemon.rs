@@ -1,0 +1,325 @@
+//! vnetd's start and stop: the command line (`Args`), binding every socket
+//! before anything runs, loading the kernel fast path, starting the
+//! dispatchers, VTOE, the control servers and metrics, applying the config,
+//! and tearing it all down on SIGTERM. The binary (`main.rs`) only parses
+//! the command line and sets up logging.
+
+use crate::control::access::{Caller, Role, Tokens, UnixPolicy};
+use crate::control::{server, Control};
+use crate::dispatch::{self, Datapath};
+use crate::settings::{self, Settings};
+use crate::sys::udp::UdpEndpoint;
+use crate::{fast, metrics, stats, vtoe};
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "VNET overlay daemon: one per host")]
+pub struct Args {
+    /// Control-language file applied (all or nothing) at start.
+    #[arg(short, long)]
+    pub config: Option<PathBuf>,
+    /// Address the UDP link socket binds to (default: 0.0.0.0 and ::, each
+    /// family if the host has it).
+    #[arg(long)]
+    pub udp_bind: Option<IpAddr>,
+    /// Port for UDP and TCP links (ours, and the default remote port of a link).
+    #[arg(long, default_value_t = 9000)]
+    pub udp_port: u16,
+    /// Local UDP port of VXLAN links (bound when the first one is added).
+    #[arg(long, default_value_t = vnet_core::command::VXLAN_PORT)]
+    pub vxlan_port: u16,
+    /// Control over TCP on this ADDR:PORT (off by default). Every TCP
+    /// session must begin with `AUTH <token>`, on loopback too: give
+    /// --control-token-file and/or --control-read-token-file.
+    #[arg(long, default_value = "none", value_name = "ADDR:PORT")]
+    pub control_tcp: String,
+    /// A file (mode 600) holding the token that TCP sessions give to change
+    /// vnetd (`AUTH <token>`; at least 16 characters).
+    #[arg(long, value_name = "FILE")]
+    pub control_token_file: Option<PathBuf>,
+    /// A file (mode 600) holding the token that TCP sessions give to read
+    /// vnetd's state only (SHOW, STATS, LIST), e.g. for monitoring.
+    #[arg(long, value_name = "FILE")]
+    pub control_read_token_file: Option<PathBuf>,
+    /// Control Unix socket path, or "none". Only root (and vnetd's own user)
+    /// may use it, unless --control-group names a group.
+    #[arg(long, default_value = "/run/vnetd.sock")]
+    pub control_unix: String,
+    /// A group (name or gid) whose members may use the Unix socket too (it
+    /// is then mode 0660, that group's), with --control-group-role.
+    #[arg(long, value_name = "GROUP")]
+    pub control_group: Option<String>,
+    /// What --control-group's members may do: read (SHOW, STATS, LIST,
+    /// HELP) or admin (everything).
+    #[arg(long, default_value = "read", value_name = "read|admin")]
+    pub control_group_role: String,
+    /// A host device that `LINK ADD direct <device>` may use (repeat, or
+    /// comma-separate). No other device can be bridged onto the overlay.
+    #[arg(long = "allow-direct", value_name = "DEVICE", value_delimiter = ',')]
+    pub allow_direct: Vec<String>,
+    /// Where TCP links' key files are: `LINK ADD <ip> tcp key <name>` reads
+    /// <dir>/<name> (mode 600, owned by vnetd's user, 16 bytes at least;
+    /// both ends of a link hold the same key).
+    #[arg(long, default_value = "/etc/vnet/link-keys", value_name = "DIR")]
+    pub link_key_dir: PathBuf,
+    /// MTU of interfaces added without one.
+    #[arg(long, default_value_t = 1500)]
+    pub default_mtu: u32,
+    /// Dispatcher threads (interfaces and links are spread over them; each
+    /// reads its own UDP socket, peers spread over them by the kernel).
+    #[arg(long, default_value_t = 1)]
+    pub dispatchers: usize,
+    /// Pin dispatcher thread i to the i-th CPU of this list, e.g. 1 or 2,3.
+    #[arg(long, value_delimiter = ',')]
+    pub cpus: Vec<usize>,
+    /// How dispatcher threads compete with busy applications for a CPU
+    /// (docs/datapath.md: the slow path under contention).
+    #[arg(long, value_enum, default_value = "realtime")]
+    pub dispatcher_sched: settings::Sched,
+    /// Offer VTOE (virtual TCP offload, docs/vtoe.md): `vtoe` runners in
+    /// guest namespaces reach vnetd on this Unix socket. Off when not given.
+    #[arg(long, value_name = "PATH")]
+    pub vtoe_socket: Option<PathBuf>,
+    /// TCP port of VTOE's shadow connections between hosts (the same on
+    /// every host; bound on --udp-bind's address if given).
+    #[arg(long, default_value_t = 9002)]
+    pub vtoe_port: u16,
+    /// Log level: error, warn, info, debug or trace (RUST_LOG overrides).
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+    /// Log as text for people, or as one JSON object per line for log
+    /// pipelines (journald, Loki, Elasticsearch).
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// Serve Prometheus/OpenMetrics metrics at http://ADDR:PORT/metrics (a
+    /// bare PORT is on loopback). Off when not given. Anyone who can reach
+    /// it reads the counters: keep it on loopback or a management network.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics: Option<String>,
+    /// Print a completion script for this shell and exit.
+    #[arg(long, value_name = "SHELL")]
+    pub completions: Option<clap_complete::Shell>,
+    /// Print vnetd's manual page (roff) and exit.
+    #[arg(long)]
+    pub man: bool,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// `--metrics`: ADDR:PORT, or a bare PORT on loopback.
+fn metrics_addr(s: &str) -> Result<SocketAddr> {
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(SocketAddr::new(Ipv4Addr::LOCALHOST.into(), port));
+    }
+    s.parse::<SocketAddr>().with_context(|| format!("--metrics '{s}' is not ADDR:PORT or PORT"))
+}
+
+
+/// Runs vnetd until SIGINT or SIGTERM.
+pub fn run(args: Args) -> Result<()> {
+    if !(vnet_core::command::MIN_MTU..=vnet_core::command::MAX_MTU).contains(&args.default_mtu) {
+        bail!("--default-mtu {} is out of range", args.default_mtu);
+    }
+    let control_tcp = match args.control_tcp.as_str() {
+        "none" => None,
+        s => Some(s.parse::<SocketAddr>().with_context(|| format!("--control-tcp '{s}' is not ADDR:PORT"))?),
+    };
+    let admin_token = args.control_token_file.as_deref().map(server::read_token).transpose()?;
+    let read_token = args.control_read_token_file.as_deref().map(server::read_token).transpose()?;
+    let tokens = match (control_tcp, admin_token.is_some() || read_token.is_some()) {
+        (Some(a), false) => bail!(
+            "--control-tcp {a} needs --control-token-file and/or --control-read-token-file: \
+             every TCP control session must authenticate, on loopback too"
+        ),
+        (None, true) => bail!("--control-token-file and --control-read-token-file are for --control-tcp, which is not given"),
+        (None, false) => None,
+        (Some(_), true) => Some(Tokens::new(admin_token, read_token).map_err(|e| anyhow::anyhow!("control tokens: {e}"))?),
+    };
+    let control_unix = (args.control_unix != "none").then(|| PathBuf::from(&args.control_unix));
+    let group_role = Role::parse(&args.control_group_role).map_err(|e| anyhow::anyhow!("--control-group-role: {e}"))?;
+    let control_group = args.control_group.as_deref().map(lookup_group).transpose()?;
+    let unix_policy = UnixPolicy {
+        daemon_uid: nix::unistd::geteuid().as_raw(),
+        group: control_group.map(|gid| (gid, group_role)),
+    };
+    let config = match &args.config {
+        Some(p) => Some(std::fs::read_to_string(p).with_context(|| format!("cannot read config {}", p.display()))?),
+        None => None,
+    };
+
+    if !(1..=64).contains(&args.dispatchers) {
+        bail!("--dispatchers {} is out of range 1..64", args.dispatchers);
+    }
+    if let Some(c) = args.cpus.iter().find(|&&c| c >= libc::CPU_SETSIZE as usize) {
+        bail!("--cpus {c} is beyond the kernel's CPU set ({})", libc::CPU_SETSIZE);
+    }
+    // Bind everything first, so a busy port is reported before anything runs.
+    // One UDP socket per dispatcher and family, on the same port.
+    let n = args.dispatchers;
+    let (udp4, udp6) = match args.udp_bind {
+        Some(ip) if ip.is_ipv4() => (UdpEndpoint::bind_group(SocketAddr::new(ip, args.udp_port), n)?, Vec::new()),
+        Some(ip) => (Vec::new(), UdpEndpoint::bind_group(SocketAddr::new(ip, args.udp_port), n)?),
+        None => {
+            let v4 = UdpEndpoint::bind_group(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), args.udp_port), n)?;
+            // IPv6 is optional: a host without it still runs IPv4 links.
+            let v6 = match UdpEndpoint::bind_group(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), args.udp_port), n) {
+                Ok(g) => g,
+                Err(e) => {
+                    tracing::warn!("no IPv6 links: {e:#}");
+                    Vec::new()
+                }
+            };
+            (v4, v6)
+        }
+    };
+    let metrics = args.metrics.as_deref().map(metrics_addr).transpose()?.map(metrics::bind).transpose()?;
+    let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
+    let unix_listener = control_unix.as_deref().map(|p| server::bind_unix(p, control_group)).transpose()?;
+
+    for dev in &args.allow_direct {
+        vnet_core::command::check_ifname(dev).map_err(|e| anyhow::anyhow!("--allow-direct: {e}"))?;
+    }
+    let settings = Settings {
+        default_link_port: args.udp_port,
+        default_mtu: args.default_mtu,
+        direct_devices: args.allow_direct.clone(),
+        link_key_dir: args.link_key_dir.clone(),
+    };
+    let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
+    dp.sched = args.dispatcher_sched;
+    dp.fast = match vnet_fastpath::Kernel::load(args.udp_port) {
+        Ok(k) => match fast::FastPath::new(k) {
+            Ok(f) => {
+                tracing::info!("kernel fast path loaded (eBPF, TCX); SET datapath user turns it off");
+                Some(Arc::new(f))
+            }
+            Err(e) => {
+                tracing::warn!("kernel fast path unavailable ({e:#}); every frame takes the user-level datapath");
+                None
+            }
+        },
+        Err(e) => {
+            tracing::warn!("kernel fast path unavailable ({e:#}); every frame takes the user-level datapath");
+            None
+        }
+    };
+    let dp = Arc::new(dp);
+    // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
+    let dispatchers = dispatch::spawn(&dp, || {
+        let _ = signal_hook::low_level::raise(SIGTERM);
+    })?;
+    // After the datapath's sockets exist: VTOE puts vnetd in a cgroup of
+    // its own, whose eBPF guard watches the sockets made from then on.
+    let vtoe = match &args.vtoe_socket {
+        Some(path) => {
+            let cfg = vtoe::Config { socket: path.clone(), port: args.vtoe_port, bind: args.udp_bind };
+            match vtoe::Vtoe::start(dp.clone(), cfg) {
+                Ok(v) => Some(v),
+                Err(e) => {
+                    dp.shutdown();
+                    if let Some(f) = &dp.fast {
+                        f.shutdown();
+                    }
+                    return Err(e.context("VTOE"));
+                }
+            }
+        }
+        None => None,
+    };
+    let ctl = Arc::new(Control::new(dp.clone(), settings, vtoe.clone()));
+
+    let cleanup = |dp: &Datapath| {
+        dp.shutdown();
+        if let Some(f) = &dp.fast {
+            f.shutdown();
+        }
+        if let Some(v) = &vtoe {
+            v.shutdown();
+        }
+        if let Some(p) = &control_unix {
+            let _ = std::fs::remove_file(p);
+        }
+    };
+    if let (Some(text), Some(path)) = (&config, &args.config) {
+        let t0 = std::time::Instant::now();
+        match ctl.apply_config(path, text, &Caller::config(path)) {
+            Ok(lines) => tracing::info!(
+                "config {}: {} changes applied in {:.3} s",
+                path.display(),
+                lines.len(),
+                t0.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                cleanup(&dp);
+                bail!("config {}: {e}", path.display());
+            }
+        }
+    }
+    if let (Some(l), Some(tokens)) = (tcp_listener, tokens) {
+        server::spawn_tcp(ctl.clone(), l, tokens);
+    }
+    if let (Some(l), Some(p)) = (unix_listener, &control_unix) {
+        server::spawn_unix(ctl.clone(), l, p.clone(), unix_policy);
+    }
+    if let Some(server) = metrics {
+        if let Err(e) = metrics::spawn(ctl.clone(), server) {
+            cleanup(&dp);
+            return Err(e);
+        }
+    }
+    tracing::info!(
+        "vnetd ready: udp {}, control tcp {}, unix {}{}",
+        dp.udp_addrs(),
+        control_tcp.map_or("none".into(), |a| a.to_string()),
+        control_unix.as_ref().map_or("none".into(), |p| p.display().to_string()),
+        control_group.map_or(String::new(), |g| format!(" (group {g}: {})", group_role.name()))
+    );
+    // Under systemd (Type=notify): ready once the sockets listen and the
+    // config is in force. Elsewhere NOTIFY_SOCKET is unset and this does nothing.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!("cannot tell systemd vnetd is ready: {e}");
+    }
+
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    if let Some(sig) = signals.forever().next() {
+        tracing::info!("signal {sig}: shutting down");
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    }
+    cleanup(&dp);
+    let joined: Vec<_> = dispatchers.into_iter().map(|h| h.join()).collect();
+    ctl.shutdown();
+    for j in joined {
+        match j {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => bail!("dispatcher failed: {e:#}"),
+            Err(_) => bail!("dispatcher panicked"),
+        }
+    }
+    tracing::info!(
+        "stopped; drops: no_route={} unknown_sender={}",
+        ctl.total_drops(stats::DropReason::NoRoute),
+        ctl.total_drops(stats::DropReason::UnknownSender)
+    );
+    Ok(())
+}
+
+/// A group given by name or number, as its gid.
+fn lookup_group(g: &str) -> Result<u32> {
+    if let Ok(gid) = g.parse::<u32>() {
+        return Ok(gid);
+    }
+    match nix::unistd::Group::from_name(g) {
+        Ok(Some(group)) => Ok(group.gid.as_raw()),
+        Ok(None) => bail!("--control-group: no group named {g}"),
+        Err(e) => bail!("--control-group: cannot look up {g}: {e}"),
+    }
+}

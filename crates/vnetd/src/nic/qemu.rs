@@ -1,0 +1,37 @@
+//! A TAP that QEMU opens by name (`-netdev tap,ifname=..`): QEMU holds the
+//! file side; vnetd makes (or takes over) the device and meets it through
+//! the fast path's upcall TAP, or without the fast path through a packet
+//! socket (`upcall.rs`).
+
+use super::tap::{QemuTap, Tap};
+use super::upcall::{tag, GuestPort, PortDevice, PortNic};
+use anyhow::Result;
+use std::sync::Arc;
+
+/// QEMU holds the TAP's file side (`-netdev tap,ifname=..`); vnetd meets
+/// the TAP device through the fast path's upcall TAP, or without the fast
+/// path through a packet socket (`upcall.rs`).
+pub type QemuNic = PortNic<QemuTap>;
+
+impl PortNic<QemuTap> {
+    /// A QEMU TAP: made (or, if vnetd made it earlier, taken over) and
+    /// attached. If attaching fails, a TAP made here goes again and one
+    /// taken over stays.
+    pub fn new(device: &str, mtu: u32, iface: u32, kernel: Option<&Arc<vnet_fastpath::Kernel>>) -> Result<QemuNic> {
+        let tap = Tap::create_for_qemu(device, mtu)?;
+        let upcall = format!("vu{}", tag(&format!("qemu/{device}")));
+        let port = GuestPort::attach(kernel, iface, device, tap.index(), &upcall, mtu, false)?;
+        Ok(PortNic { port, device: tap })
+    }
+}
+
+/// A QEMU TAP in force goes when vnetd exits, as with its interface.
+impl PortDevice for QemuTap {
+    fn in_force(&self) {
+        self.remove_on_drop(true);
+    }
+
+    fn deleted(&self, detach: bool) {
+        self.remove_on_drop(!detach);
+    }
+}
