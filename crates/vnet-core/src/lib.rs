@@ -6,6 +6,7 @@
 //!   split horizon).
 //! - [`cache`]: the per-thread route cache in front of the table.
 //! - [`command`]: the control language.
+//! - [`setting`]: the dispatcher's tunables (`SET`, `INTERFACE SET`).
 //! - [`wire`]: VXLAN headers, TCP-link framing, GRO runs.
 //! - [`linkauth`]: the key handshake that opens a TCP link connection (and a
 //!   VTOE shadow connection).
@@ -18,6 +19,7 @@ pub mod linkauth;
 pub mod mac;
 pub mod offload;
 pub mod rule;
+pub mod setting;
 pub mod table;
 pub mod vtoe;
 pub mod wire;

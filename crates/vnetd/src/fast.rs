@@ -20,7 +20,7 @@
 
 use crate::sys::rtnl;
 use crate::topology::Snapshot;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 use vnet_core::table::{Hit, Port};
@@ -31,14 +31,22 @@ use vnet_fastpath::{Action, CounterKind, Flow, FlowKey, Kernel, LINK_BIT};
 /// with them.
 pub struct FastPath {
     pub kernel: Arc<Kernel>,
-    pub installs: AtomicU64,
-    /// Installs the map refused (full).
-    pub install_failures: AtomicU64,
-    /// Installs skipped by the rate limit (the frames went by the slow path).
-    pub rate_limited: AtomicU64,
-    /// Entries taken back because a change altered their answer.
-    pub revoked: AtomicU64,
+    pub counters: InstallCounters,
     finisher: std::sync::Mutex<Option<Finisher>>,
+}
+
+crate::stats::counter_set! {
+    /// What vnetd did with the fast path's flow map.
+    pub struct InstallCounters {
+        /// Entries installed.
+        installs,
+        /// Installs the map refused (full).
+        install_failures,
+        /// Installs skipped by the rate limit (the frames went by the slow path).
+        rate_limited,
+        /// Entries taken back because a change altered their answer.
+        revoked,
+    }
 }
 
 /// Installs per second one dispatcher may make, and its burst.
@@ -163,10 +171,7 @@ impl FastPath {
         let finisher = Finisher::make(&kernel)?;
         Ok(FastPath {
             kernel,
-            installs: AtomicU64::new(0),
-            install_failures: AtomicU64::new(0),
-            rate_limited: AtomicU64::new(0),
-            revoked: AtomicU64::new(0),
+            counters: InstallCounters::default(),
             finisher: std::sync::Mutex::new(Some(finisher)),
         })
     }
@@ -224,15 +229,15 @@ impl FastPath {
     pub fn offer(&self, budget: &mut InstallBudget, snap: &Snapshot, origin: Port, src: Mac, dst: Mac, hits: &[Hit]) {
         let Some(flow) = Self::flow_for(snap, origin, dst, hits) else { return };
         if !budget.take() {
-            self.rate_limited.fetch_add(1, Relaxed);
+            self.counters.rate_limited.fetch_add(1, Relaxed);
             return;
         }
         let key = FlowKey { origin: code(origin), dst: dst.0, src: src.0 };
         match self.kernel.install(&key, flow) {
-            Ok(()) => self.installs.fetch_add(1, Relaxed),
+            Ok(()) => self.counters.installs.fetch_add(1, Relaxed),
             Err(e) => {
                 tracing::debug!("fast path: cannot install {key:?}: {e:#}");
-                self.install_failures.fetch_add(1, Relaxed)
+                self.counters.install_failures.fetch_add(1, Relaxed)
             }
         };
     }
@@ -247,7 +252,7 @@ impl FastPath {
             snap.table.lookup(origin, Mac(key.src), Mac(key.dst), &mut scratch);
             if held.is_none() || Self::flow_for(snap, origin, Mac(key.dst), &scratch) != held {
                 self.kernel.remove_flow(&key);
-                self.revoked.fetch_add(1, Relaxed);
+                self.counters.revoked.fetch_add(1, Relaxed);
             }
         }
     }
@@ -256,15 +261,8 @@ impl FastPath {
     /// the programs did with frames.
     pub fn render(&self, datapath: vnet_core::command::Datapath) -> String {
         let on = datapath != vnet_core::command::Datapath::User;
-        let mut s = format!(
-            "fastpath loaded=yes enabled={} entries={} installs={} install_failures={} rate_limited={} revoked={}",
-            if on { "yes" } else { "no" },
-            self.kernel.flow_count(),
-            self.installs.load(Relaxed),
-            self.install_failures.load(Relaxed),
-            self.rate_limited.load(Relaxed),
-            self.revoked.load(Relaxed)
-        );
+        let mut s = format!("fastpath loaded=yes enabled={} entries={}", if on { "yes" } else { "no" }, self.kernel.flow_count());
+        self.counters.render_into(&mut s);
         for (name, v) in vnet_fastpath::STAT_NAMES.iter().zip(self.kernel.stats()) {
             s.push_str(&format!(" {name}={v}"));
         }

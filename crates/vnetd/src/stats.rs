@@ -8,6 +8,57 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+/// Declares a set of counters whose names are written once: each field is
+/// an `AtomicU64` (relaxed: readers want totals, not ordering), and
+/// `fields()` gives every counter as (name, value) in declaration order for
+/// `STATS` (and so for `/metrics`). A field shown under another name than
+/// its own says so: `connects as "vhost_connects"`.
+///
+/// ```ignore
+/// counter_set! {
+///     /// What software offload work the datapath did.
+///     pub struct OffloadCounters {
+///         /// Super-frames cut into segments.
+///         segmented,
+///     }
+/// }
+/// ```
+macro_rules! counter_set {
+    (@name $field:ident) => { stringify!($field) };
+    (@name $field:ident $shown:literal) => { $shown };
+    (
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident {
+            $( $(#[$fmeta:meta])* $field:ident $(as $shown:literal)? ),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Default, Debug)]
+        $vis struct $name {
+            $( $(#[$fmeta])* pub $field: ::std::sync::atomic::AtomicU64, )*
+        }
+
+        impl $name {
+            /// How many counters the set has.
+            pub const LEN: usize = [$(stringify!($field)),*].len();
+
+            /// Every counter as (name, value), in declaration order.
+            pub fn fields(&self) -> [(&'static str, u64); Self::LEN] {
+                [$( ($crate::stats::counter_set!(@name $field $($shown)?), self.$field.load(::std::sync::atomic::Ordering::Relaxed)) ),*]
+            }
+
+            /// ` name=value` for every counter, appended to `out`.
+            pub fn render_into(&self, out: &mut String) {
+                use ::std::fmt::Write;
+                for (n, v) in self.fields() {
+                    let _ = write!(out, " {n}={v}");
+                }
+            }
+        }
+    };
+}
+pub(crate) use counter_set;
+
 /// Why a frame or datagram was dropped. Every drop has exactly one reason.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum DropReason {
@@ -111,82 +162,50 @@ pub struct Fast {
     pub out_bytes: u64,
 }
 
-/// What software offload work the datapath did.
-#[derive(Default)]
-pub struct OffloadCounters {
-    /// Super-frames (TSO/GSO) cut into segments to fit a link.
-    pub segmented: AtomicU64,
-    /// Segments those produced.
-    pub segments: AtomicU64,
-    /// UDP GSO sends (many datagrams in one call).
-    pub gso_sends: AtomicU64,
-    /// Partial checksums finished in software.
-    pub checksums: AtomicU64,
-    /// Runs of received TCP segments merged into one super-frame for a guest.
-    pub coalesced: AtomicU64,
-    /// Segments merged into them.
-    pub coalesced_segments: AtomicU64,
-    /// GRO runs received (several datagrams in one buffer).
-    pub gro_runs: AtomicU64,
-    /// Frames larger than their link's MTU, left to IP fragmentation.
-    pub fragmented: AtomicU64,
-}
-
-impl OffloadCounters {
-    fn values(&self) -> [(&'static str, u64); 8] {
-        let v = |a: &AtomicU64| a.load(Relaxed);
-        [
-            ("segmented", v(&self.segmented)),
-            ("segments", v(&self.segments)),
-            ("gso_sends", v(&self.gso_sends)),
-            ("checksums", v(&self.checksums)),
-            ("coalesced", v(&self.coalesced)),
-            ("coalesced_segments", v(&self.coalesced_segments)),
-            ("gro_runs", v(&self.gro_runs)),
-            ("fragmented", v(&self.fragmented)),
-        ]
+counter_set! {
+    /// What software offload work the datapath did.
+    pub struct OffloadCounters {
+        /// Super-frames (TSO/GSO) cut into segments to fit a link.
+        segmented,
+        /// Segments those produced.
+        segments,
+        /// UDP GSO sends (many datagrams in one call).
+        gso_sends,
+        /// Partial checksums finished in software.
+        checksums,
+        /// Runs of received TCP segments merged into one super-frame for a guest.
+        coalesced,
+        /// Segments merged into them.
+        coalesced_segments,
+        /// GRO runs received (several datagrams in one buffer).
+        gro_runs,
+        /// Frames larger than their link's MTU, left to IP fragmentation.
+        fragmented,
     }
 }
 
-/// How the dispatcher threads spent their passes.
-#[derive(Default)]
-pub struct DispatchCounters {
-    /// Polling passes that found work / found none.
-    pub busy_passes: AtomicU64,
-    pub idle_passes: AtomicU64,
-    /// Idle passes that yielded the CPU (immediate) / slept T_sleep (timed).
-    pub yields: AtomicU64,
-    pub sleeps: AtomicU64,
-    /// Event waits that returned with work.
-    pub wakeups: AtomicU64,
-    /// `sendmmsg` batches and the datagrams in them.
-    pub tx_batches: AtomicU64,
-    pub tx_batched: AtomicU64,
-    /// Frames read per NIC read pass: sum and count, for the mean batch.
-    pub rx_frames: AtomicU64,
-    pub rx_passes: AtomicU64,
-    /// Extra copies made by fan-out (a frame to n destinations counts n-1).
-    pub fanout_copies: AtomicU64,
-    /// Entries in the route cache (a gauge; summed over threads).
-    pub cache_entries: AtomicU64,
-}
-
-impl DispatchCounters {
-    fn values(&self) -> [(&'static str, u64); 11] {
-        let v = |a: &AtomicU64| a.load(Relaxed);
-        [
-            ("busy_passes", v(&self.busy_passes)),
-            ("idle_passes", v(&self.idle_passes)),
-            ("yields", v(&self.yields)),
-            ("sleeps", v(&self.sleeps)),
-            ("wakeups", v(&self.wakeups)),
-            ("tx_batches", v(&self.tx_batches)),
-            ("tx_batched", v(&self.tx_batched)),
-            ("rx_frames", v(&self.rx_frames)),
-            ("rx_passes", v(&self.rx_passes)),
-            ("fanout_copies", v(&self.fanout_copies)),
-            ("cache_entries", v(&self.cache_entries)),
-        ]
+counter_set! {
+    /// How the dispatcher threads spent their passes.
+    pub struct DispatchCounters {
+        /// Polling passes that found work / found none.
+        busy_passes,
+        idle_passes,
+        /// Idle passes that yielded the CPU (immediate) / slept T_sleep (timed).
+        yields,
+        sleeps,
+        /// Event waits that returned with work.
+        wakeups,
+        /// `sendmmsg` batches and the datagrams in them.
+        tx_batches,
+        tx_batched,
+        /// Frames read per NIC read pass: sum and count, for the mean batch
+        /// (shown as `rx_batch_mean` only).
+        rx_frames,
+        rx_passes,
+        /// Extra copies made by fan-out (a frame to n destinations counts n-1).
+        fanout_copies,
+        /// Entries in the route cache (a gauge; summed over threads).
+        cache_entries,
     }
 }
 
@@ -216,9 +235,8 @@ impl ThreadStats {
 /// lines of `STATS`.
 pub fn render_totals(threads: &[&ThreadStats]) -> [String; 3] {
     let mut global = [0u64; 4 + DropReason::ALL.len()];
-    let mut offload = [0u64; 8];
-    let mut dispatch = [0u64; 11];
-    let (mut onames, mut dnames) = ([""; 8], [""; 11]);
+    let mut offload = [0u64; OffloadCounters::LEN];
+    let mut dispatch = [0u64; DispatchCounters::LEN];
     for t in threads {
         let g = &t.global;
         for (i, v) in [&g.in_frames, &g.in_bytes, &g.out_frames, &g.out_bytes].iter().enumerate() {
@@ -227,20 +245,22 @@ pub fn render_totals(threads: &[&ThreadStats]) -> [String; 3] {
         for (i, d) in DropReason::ALL.iter().enumerate() {
             global[4 + i] += g.drops(*d);
         }
-        for (i, (n, v)) in t.offload.values().into_iter().enumerate() {
-            onames[i] = n;
-            offload[i] += v;
+        for (sum, (_, v)) in offload.iter_mut().zip(t.offload.fields()) {
+            *sum += v;
         }
-        for (i, (n, v)) in t.dispatch.values().into_iter().enumerate() {
-            dnames[i] = n;
-            dispatch[i] += v;
+        for (sum, (_, v)) in dispatch.iter_mut().zip(t.dispatch.fields()) {
+            *sum += v;
         }
     }
     let mut g = format!("in_frames={} in_bytes={} out_frames={} out_bytes={}", global[0], global[1], global[2], global[3]);
     for (i, d) in DropReason::ALL.iter().enumerate() {
         g.push_str(&format!(" drop_{}={}", d.name(), global[4 + i]));
     }
+    let names = |f: &[(&'static str, u64)]| f.iter().map(|(n, _)| *n).collect::<Vec<_>>();
+    let onames = names(&OffloadCounters::default().fields());
     let o: Vec<String> = onames.iter().zip(offload).map(|(n, v)| format!("{n}={v}")).collect();
+    let dnames = names(&DispatchCounters::default().fields());
+    let at = |name: &str| dnames.iter().position(|n| *n == name).expect("a dispatch counter");
     let mut d = Vec::new();
     for (n, v) in dnames.iter().zip(dispatch) {
         match *n {
@@ -249,7 +269,7 @@ pub fn render_totals(threads: &[&ThreadStats]) -> [String; 3] {
         }
         if *n == "tx_batched" {
             // The mean NIC read batch, where the old line had it.
-            d.push(format!("rx_batch_mean={:.1}", dispatch[7] as f64 / dispatch[8].max(1) as f64));
+            d.push(format!("rx_batch_mean={:.1}", dispatch[at("rx_frames")] as f64 / dispatch[at("rx_passes")].max(1) as f64));
         }
     }
     [g, o.join(" "), d.join(" ")]

@@ -53,45 +53,47 @@ pub struct Shared {
     counters: Counters,
 }
 
-#[derive(Default)]
-struct Counters {
-    connects: AtomicU64,
-    /// Interrupts sent to the guest, for frames received and for frames
-    /// sent (transmit buffers returned).
-    rx_interrupts: AtomicU64,
-    tx_interrupts: AtomicU64,
-    /// Chains the guest queued that could not be read (returned unread).
-    bad_chains: AtomicU64,
-    /// Optimistic interrupts: early virtual interrupts sent, and found the
-    /// guest's interrupts off; end-of-coalescing decisions by reason.
-    evi_sent: AtomicU64,
-    evi_suppressed: AtomicU64,
-    eoc_not_needed: AtomicU64,
-    eoc_masked: AtomicU64,
-    eoc_cold: AtomicU64,
-    eoc_density: AtomicU64,
-    eoc_hot: AtomicU64,
-    /// An EoC interrupt not sent because the last one was still unread.
-    eoc_pending: AtomicU64,
-    idle_interrupts: AtomicU64,
-    /// Frames written into the guest's receive buffers.
-    rx_frames: AtomicU64,
-    /// Cut-through: frames from the guest sent from where they lay (bytes:
-    /// those not copied).
-    tx_in_place_frames: AtomicU64,
-    tx_in_place_bytes: AtomicU64,
-    /// Of those in place, frames spread over several buffers (gathered),
-    /// and their header bytes copied.
-    tx_gathered_frames: AtomicU64,
-    tx_head_copied_bytes: AtomicU64,
-    /// Copied although cut-through was on: frames in several buffers but
-    /// no longer than `ring::MAX_HEAD` (an iovec would cost more), and
-    /// frames that could not be gathered (more than `MAX_PIECES` buffers,
-    /// a buffer across memory regions).
-    tx_copied_small_frames: AtomicU64,
-    tx_copied_small_bytes: AtomicU64,
-    tx_copied_scattered_frames: AtomicU64,
-    tx_copied_scattered_bytes: AtomicU64,
+crate::stats::counter_set! {
+    /// What a vhost-user NIC did, for `STATS`.
+    struct Counters {
+        connects as "vhost_connects",
+        /// Chains the guest queued that could not be read (returned unread).
+        bad_chains as "vhost_bad_chains",
+        /// Interrupts sent to the guest, for frames received and for frames
+        /// sent (transmit buffers returned).
+        rx_interrupts as "vhost_rx_interrupts",
+        tx_interrupts as "vhost_tx_interrupts",
+        /// Frames written into the guest's receive buffers.
+        rx_frames as "vhost_rx_frames",
+        /// Optimistic interrupts: early virtual interrupts sent, and found the
+        /// guest's interrupts off; end-of-coalescing decisions by reason.
+        evi_sent,
+        evi_suppressed,
+        eoc_not_needed,
+        eoc_masked,
+        eoc_cold,
+        eoc_density,
+        eoc_hot,
+        /// An EoC interrupt not sent because the last one was still unread.
+        eoc_pending,
+        idle_interrupts,
+        /// Cut-through: frames from the guest sent from where they lay (bytes:
+        /// those not copied).
+        tx_in_place_frames,
+        tx_in_place_bytes,
+        /// Of those in place, frames spread over several buffers (gathered),
+        /// and their header bytes copied.
+        tx_gathered_frames,
+        tx_head_copied_bytes,
+        /// Copied although cut-through was on: frames in several buffers but
+        /// no longer than `ring::MAX_HEAD` (an iovec would cost more), and
+        /// frames that could not be gathered (more than `MAX_PIECES` buffers,
+        /// a buffer across memory regions).
+        tx_copied_small_frames,
+        tx_copied_small_bytes,
+        tx_copied_scattered_frames,
+        tx_copied_scattered_bytes,
+    }
 }
 
 impl Shared {
@@ -518,37 +520,12 @@ impl VirtualNic for VhostUserNic {
 
     fn extra_stats(&self) -> String {
         let c = &self.shared.counters;
-        let v = |a: &AtomicU64| a.load(Relaxed);
-        let frames = v(&c.rx_frames);
-        let per_frame = if frames == 0 { 0.0 } else { v(&c.rx_interrupts) as f64 / frames as f64 };
-        format!(
-            " vhost_connects={} vhost_features={:#x} vhost_bad_chains={} vhost_rx_interrupts={} vhost_tx_interrupts={} \
-             vhost_rx_interrupts_per_frame={per_frame:.3} evi_sent={} evi_suppressed={} eoc_not_needed={} eoc_masked={} \
-             eoc_cold={} eoc_density={} eoc_hot={} eoc_pending={} idle_interrupts={} \
-             tx_in_place_frames={} tx_in_place_bytes={} tx_gathered_frames={} tx_head_copied_bytes={} \
-             tx_copied_small_frames={} tx_copied_small_bytes={} tx_copied_scattered_frames={} tx_copied_scattered_bytes={}",
-            v(&c.connects),
-            self.shared.acked.load(Relaxed),
-            v(&c.bad_chains),
-            v(&c.rx_interrupts),
-            v(&c.tx_interrupts),
-            v(&c.evi_sent),
-            v(&c.evi_suppressed),
-            v(&c.eoc_not_needed),
-            v(&c.eoc_masked),
-            v(&c.eoc_cold),
-            v(&c.eoc_density),
-            v(&c.eoc_hot),
-            v(&c.eoc_pending),
-            v(&c.idle_interrupts),
-            v(&c.tx_in_place_frames),
-            v(&c.tx_in_place_bytes),
-            v(&c.tx_gathered_frames),
-            v(&c.tx_head_copied_bytes),
-            v(&c.tx_copied_small_frames),
-            v(&c.tx_copied_small_bytes),
-            v(&c.tx_copied_scattered_frames),
-            v(&c.tx_copied_scattered_bytes),
-        )
+        let frames = c.rx_frames.load(Relaxed);
+        let per_frame = if frames == 0 { 0.0 } else { c.rx_interrupts.load(Relaxed) as f64 / frames as f64 };
+        let mut s = format!(" vhost_features={:#x}", self.shared.acked.load(Relaxed));
+        c.render_into(&mut s);
+        s.push_str(&format!(" vhost_rx_interrupts_per_frame={per_frame:.3}"));
+        s
     }
+
 }
