@@ -477,3 +477,7 @@ fn account(st: &ThreadStats, stats: &Counters, r: io::Result<usize>) {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "forward_tests.rs"]
+mod tests;

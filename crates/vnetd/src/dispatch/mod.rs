@@ -6,7 +6,8 @@
 //! plane swaps whole, so the hot path takes no lock; each has its own route
 //! cache, buffers and batches.
 
-mod forward;
+pub mod forward;
+pub mod rig;
 pub mod worker;
 
 
