@@ -10,8 +10,11 @@
 //!   fast path attaches to the host's end (`veth.rs`).
 //! - `VhostUserNic`: the VMM shares the guest's memory and virtio rings
 //!   over a vhost-user socket; dispatchers work the rings (`vhost_user/`).
+//! - `DummyNic`: no device; frames injected and kept by hand, for driving
+//!   the datapath in unit tests and fuzz targets (`dummy.rs`).
 //!
-//! Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
+//! Which kind an interface gets is decided in one place,
+//! `topology/factory.rs`. Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
 //! only marked ones are taken over, un-persisted or deleted.
 
 pub mod dummy;
@@ -32,9 +35,11 @@ pub use tap::{QemuTap, Tap};
 pub use veth::VethNic;
 pub use vhost_user::VhostUserNic;
 
-/// A guest's virtual NIC, as the dispatcher uses it. A new kind (say, a
-/// vhost-user NIC) is one more implementation; the dispatcher never asks
-/// which kind it has.
+/// A guest's virtual NIC, as the dispatcher uses it; the dispatcher never
+/// asks which kind it has. The first three methods (and `event_fd`) are
+/// what a NIC behind a file descriptor needs; the vhost-user NIC added the
+/// ones shared rings need (`recv_in_place`, `arriving`, `flush`, `idle`,
+/// `takes_offloads`), each a no-op by default.
 pub trait VirtualNic: Send + Sync {
     /// Reads one frame without blocking: `buf[start..end]`, with its offload
     /// metadata (every NIC kind here speaks virtio-net headers, so a guest's
@@ -151,6 +156,14 @@ impl InPlace {
     }
 
     /// The frame, if it lies in one piece.
+    ///
+    /// # Safety (why this is sound only in part)
+    /// The slice is memory the guest shares and may write while vnetd reads
+    /// it (another process's writes under a `&mut [u8]`: Rust's aliasing
+    /// rules do not hold for it). What vnetd decides from it can change
+    /// under it: the security review (S1) had a guest flip a frame's
+    /// destination MAC after vnetd routed it. Making vnetd route on a copy
+    /// it owns (and typing guest memory apart) is the hostile-guest work.
     #[inline]
     pub fn whole(&mut self) -> Option<&mut [u8]> {
         match (self.head, &self.mapping, self.pieces.first()) {
@@ -164,9 +177,12 @@ impl InPlace {
     /// The frame as a head that may be written (checksums are finished
     /// there) and the pieces after it, in `rest` (how many: the second
     /// value); `buf` is the dispatcher's buffer the head was copied to.
-    /// The guest may still write its buffers (it should not, and can only
-    /// change its own frame): they are read as untrusted input like every
-    /// frame, and routed by the MACs read once.
+    ///
+    /// # Safety (why this is sound only in part)
+    /// With `head` 0 the head itself is the guest's memory, as for `whole`;
+    /// otherwise the head is vnetd's copy and only the pieces after it are
+    /// the guest's, which it may still write while they are sent (it can
+    /// change the payload vnetd sends, not the headers it routed by).
     pub fn split<'a>(&'a mut self, buf: &'a mut [u8], rest: &mut [&'a [u8]; MAX_PIECES]) -> (&'a mut [u8], usize) {
         assert!(self.mapping.is_some(), "no frame in place");
         // SAFETY: every piece is inside the mapping held (the setters'
