@@ -197,7 +197,7 @@ fn add(conf: &NetConf, env: &CniEnv) -> CniResult<Value> {
     let store = Store::new(&conf.state_dir);
     let _lock = store.lock()?;
     let ns = netns::resolve(sandbox, &names::netns_mount_name(&env.container_id, &env.ifname))?;
-    let mut undo = Undo { conf, bound: ns.bound.then(|| ns.name.clone()), interface: None, ipam: None };
+    let mut undo = Undo { conf, bound: ns.made.then(|| ns.name.clone()), interface: None, ipam: None };
     match add_steps(conf, env, &ns, mac, prev, &store, &mut undo) {
         Ok(v) => Ok(v),
         Err(e) => {
