@@ -4,6 +4,7 @@ TCP across hosts, checked by what the guests see and by STATS saying which
 path carried the frames."""
 
 import shutil
+import signal
 import subprocess
 import time
 
@@ -12,6 +13,7 @@ import pytest
 from netlab import Guest, Lab, REPO, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
+UNDERLAY = REPO / "tests" / "tools" / "underlay.py"
 
 # Guest MTU that lets every frame cross a 1500-byte underlay whole (the
 # VNET/P wire adds 42 bytes: outer IPv4, UDP, and the frame's own Ethernet).
@@ -61,6 +63,19 @@ def transfer(lab, src: Guest, dst: Guest, n: int, port=5001):
 
 def tx_packets(lab, g: Guest) -> int:
     return int(lab.x(g.ns, "cat", f"/sys/class/net/{g.tap}/statistics/tx_packets").stdout)
+
+
+def rx_packets(lab, g: Guest) -> int:
+    return int(lab.x(g.ns, "cat", f"/sys/class/net/{g.tap}/statistics/rx_packets").stdout)
+
+
+def from_peer(lab, hosts, kind: str, count: int, inner_dst: str, inner_src: str, rate: float = 0):
+    """`count` VNET/P datagrams of `kind` (tools/underlay.py) written onto
+    host 2's underlay device as if its vnetd sent them to host 1."""
+    h1_mac = lab.x(hosts[1], "cat", "/sys/class/net/eth0/address").stdout.strip()
+    out = lab.x(hosts[2], "python3", UNDERLAY, "eth0", h1_mac, underlay_ip(2), underlay_ip(1), kind, count,
+                inner_dst, inner_src, rate, timeout=120).stdout
+    assert out.split() == ["sent", str(count)], out
 
 
 def test_veth_guests_ping_across_hosts_in_the_kernel(lab):
@@ -284,7 +299,10 @@ def test_hostile_traffic_at_a_fast_path_host_is_dropped_and_counted_while_legit_
     """test_hostile's attack, at a host whose guests are on the kernel fast
     path: what the kernel does not take reaches vnetd and is counted exactly
     as before; the forged frames to g3 are each delivered once (by either
-    path); the flood of made-up MACs cannot pin the kernel's map."""
+    path), and each of their 20 000 made-up flows is offered to the kernel
+    once: installed, or counted `rate_limited` (how many depends on how fast
+    vnetd runs; test_more_flows_than_the_map_holds_... pins the limit and
+    the map's eviction down)."""
     from test_hostile import BATCHES, STREAM, rss_kb, run_hostile, rx_packets
     layout = {1: [1, 3], 2: [2]}
     _, d, g = veth_mesh(lab, layout, mtu=1000, extra={1: "LINK ADD 198.18.0.2 vxlan vni 42 name vx\n"})
@@ -324,12 +342,80 @@ def test_hostile_traffic_at_a_fast_path_host_is_dropped_and_counted_while_legit_
     counted = wait_until(lambda: (c := deltas()) == want and c, timeout=5) or deltas()
     assert counted == want, fast(d1)
     f = fast(d1)
-    assert f["entries"] <= 16384 and f["drop_encap"] == 0 and f["drop_decap"] == 0, f
+    assert f["drop_encap"] == 0 and f["drop_decap"] == 0, f
+    offered = {k: f[k] - before["fastpath"][k] for k in ("installs", "rate_limited", "install_failures")}
+    # The forged flows, and the few the stream and the batches' frames add.
+    assert offered["install_failures"] == 0, offered
+    assert BATCHES["forged"] <= offered["installs"] + offered["rate_limited"] <= BATCHES["forged"] + 20, offered
     assert rss_kb(d1.proc.pid) - rss0 < 64 * 1024
     # The legit flow is (back) in the kernel after the flood.
     hits = fast(d1)["hit_net"]
     assert "20 received" in lab.ping(g[2], g[1], count=20).stdout
     assert fast(d1)["hit_net"] >= hits + 15
+
+
+def test_more_flows_than_the_map_holds_leave_room_for_new_ones_and_installs_are_rate_limited(lab):
+    """The `flows` map holds 16 Ki entries, least recently used evicted
+    first: 24 000 flows offered under the install rate limit all get in
+    (none refused), and a flow that starts only after them is carried by
+    the kernel. Installs are rate-limited per dispatcher (20 000/s, burst
+    2 000): a burst beyond that is counted `rate_limited`, and every flow
+    vnetd offers is either installed or counted so.
+    Catches: `flows` made a plain hash (a full map refuses installs:
+    install_failures > 0 and the new flow stays on the slow path); the rate
+    limit gone or uncounted."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    d1 = d[1]
+    # g1 and g2 have not talked yet: their flow is new after the flood.
+    for a, b in ((1, 2), (2, 1)):
+        lab.x(g[a].ns, "ip", "neigh", "replace", g[b].ip, "lladdr", g[b].mac, "dev", g[a].tap, "nud", "permanent")
+
+    def counters():
+        f = fast(d1)
+        return {k: f[k] for k in ("installs", "install_failures", "rate_limited", "miss_net", "hit_net", "hit_guest")}
+
+    def grew(before):
+        now = counters()
+        return {k: now[k] - before[k] for k in now}
+
+    # Host 2 writes 24 000 frames for g1, each from its own made-up MAC,
+    # at 8 000 a second (under the limit): each a miss, each offered once.
+    n = 24_000
+    c0, rx0 = counters(), rx_packets(lab, g[1])
+    from_peer(lab, hosts, "flows", n, g[1].mac, "02:f1:00:00:00:00", rate=8000)
+    assert wait_until(lambda: rx_packets(lab, g[1]) - rx0 >= n, timeout=10), "g1 did not get every frame"
+    flood = grew(c0)
+    entries = fast(d1)["entries"]
+    print("flood:", flood, "entries", entries)
+    assert flood["miss_net"] == n, flood
+    assert flood["installs"] + flood["rate_limited"] == n and flood["install_failures"] == 0, flood
+    # More were installed than the map holds: room was made by eviction.
+    assert flood["installs"] > 16384 and entries <= 16384, (flood, entries)
+
+    # A new legitimate flow is installed and carried in the kernel, both ways.
+    c1 = counters()
+    assert "20 received" in lab.ping(g[1], g[2], count=20).stdout
+    legit = grew(c1)
+    assert legit["hit_guest"] >= 18 and legit["hit_net"] >= 18, legit
+    assert legit["install_failures"] == 0, legit
+
+    # A burst: 10 000 new flows arrive while vnetd is stopped (as if busy),
+    # so it offers them faster than 20 000/s once it runs: beyond the burst
+    # of 2 000 plus what the rate refills meanwhile, they are rate-limited
+    # (and still delivered, by the slow path).
+    b = 10_000
+    c2, rx2 = counters(), rx_packets(lab, g[1])
+    d1.proc.send_signal(signal.SIGSTOP)
+    try:
+        from_peer(lab, hosts, "flows", b, g[1].mac, "02:f2:00:00:00:00")
+    finally:
+        d1.proc.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: rx_packets(lab, g[1]) - rx2 >= b, timeout=10), "g1 did not get every frame"
+    burst = grew(c2)
+    print("burst:", burst)
+    assert burst["miss_net"] == b, burst
+    assert burst["installs"] + burst["rate_limited"] == b and burst["install_failures"] == 0, burst
+    assert burst["rate_limited"] > 0 and burst["installs"] >= 2000, burst
 
 
 def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
