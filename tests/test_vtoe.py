@@ -538,6 +538,16 @@ def test_a_route_deleted_aborts_the_offloaded_connections_it_carried(world):
     assert got[0].get("error") == "ECONNRESET" and "error" not in got[1], got
 
 
+def vtoe_cgroup(pid: int) -> Path:
+    """The cgroup (v2) process `pid` is in, as a directory of this process's
+    view of the cgroup2 tree (vnetd sees it at another mount point, in the
+    mount namespace of `ip netns exec`)."""
+    rel = next(l[3:] for l in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if l.startswith("0::"))
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    root = next(l.split(" - ")[0].split()[4] for l in mounts if l.split(" - ")[1].startswith("cgroup2 "))
+    return Path(root) / rel.lstrip("/")
+
+
 def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(world):
     w = world
     srv = w.popen(2, "python3", PROBE, "serve", "7013", "2")
@@ -549,6 +559,9 @@ def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(wo
             "try:\n s.connect(('127.0.0.1', 7999)); print('REACHED')\nexcept OSError as e:\n print(errno.errorcode[e.errno])\n")
     cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert cli.stdout.readline().strip() == "connected"
+    # Each vnetd sits in a cgroup of its own, vnet-vtoe-<pid>.
+    old = {h: vtoe_cgroup(w.vnetd[h].proc.pid) for h in (1, 2)}
+    assert all(c.name == f"vnet-vtoe-{w.vnetd[h].proc.pid}" and c.is_dir() for h, c in old.items()), old
     # Both vnetds die at once, as hard as can be.
     for h in (1, 2):
         w.vnetd[h].stop(signal.SIGKILL)
@@ -565,6 +578,15 @@ def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(wo
     # and connections are offloaded again.
     for h in (1, 2):
         w.vnetd[h] = w.start(h)
+    # The new vnetds swept the cgroups of the killed ones (no process left
+    # in them; the guard's programs stay with the sockets) and made their
+    # own. Catches: M2 of the 2026-11-25 review (join_cgroup's sweep of
+    # vnet-vtoe-* removed: both old cgroups stay).
+    for h in (1, 2):
+        new = vtoe_cgroup(w.vnetd[h].proc.pid)
+        assert new.name == f"vnet-vtoe-{w.vnetd[h].proc.pid}" and new.is_dir(), new
+    left = [c for c in old.values() if c.exists()]
+    assert not left, f"cgroups of killed vnetds left behind: {left}"
     assert wait_until(lambda: w.vtoe_stats(2)[0].get("listeners") == 1, timeout=10), w.vtoe_stats(2)
     sent = w.x(1, "python3", PROBE, "client", w.ip(2), "7013", "1000", timeout=60)
     assert "offloaded" in sent.stderr, sent.stderr
