@@ -223,6 +223,35 @@ def test_veth_guest_stays_across_a_vnetd_restart_and_goes_with_interface_del(lab
     assert gone.returncode != 0, gone.stdout
 
 
+def test_the_finishing_pair_goes_at_exit_and_a_killed_vnetds_pair_is_swept_by_the_next(lab):
+    """vnetd makes the finishing pair vfa<pid>/vfb<pid> in its namespace at
+    start (docs/datapath.md, offloads across the fast path). SIGTERM: it
+    deletes it, while the namespace lives on. SIGKILL leaves it; the next
+    vnetd in that namespace deletes it at start.
+    Catches: M1 (`impl Drop for Finisher` a no-op: the pair stays after
+    SIGTERM); `Finisher::sweep` gone (a killed vnetd's pair stays)."""
+    host = lab.add_host(1)
+
+    def pairs():
+        names = [l.split(":")[1].strip().split("@")[0] for l in lab.x(host, "ip", "-o", "link").stdout.splitlines()]
+        return sorted(n for n in names if n.startswith(("vfa", "vfb")))
+
+    d = lab.start_vnetd(host)
+    pid = d.proc.pid  # ip netns exec execs vnetd: the same process
+    assert pairs() == [f"vfa{pid}", f"vfb{pid}"]
+    assert d.stop() == 0
+    assert pairs() == [], "vnetd left its finishing pair after SIGTERM"
+
+    killed = lab.start_vnetd(host)
+    old = killed.proc.pid
+    assert pairs() == [f"vfa{old}", f"vfb{old}"]
+    killed.stop(signal.SIGKILL)
+    assert pairs() == [f"vfa{old}", f"vfb{old}"]  # no exit code ran
+    d2 = lab.start_vnetd(host)
+    assert pairs() == [f"vfa{d2.proc.pid}", f"vfb{d2.proc.pid}"], "the killed vnetd's pair was not swept"
+    assert f"removing vfa{old}, left by a vnetd that is gone" in d2.log_text()
+
+
 def test_a_device_vnetd_did_not_make_is_refused_and_left_alone(lab):
     host = lab.add_host(1)
     gns = lab.ns("g1")
