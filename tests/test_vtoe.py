@@ -577,6 +577,44 @@ def test_a_route_deleted_aborts_the_offloaded_connections_it_carried(world):
     assert got[0].get("error") == "ECONNRESET" and "error" not in got[1], got
 
 
+def test_a_link_that_loses_its_vtoe_key_revokes_its_connections(world):
+    """vtoe.md "Changes follow": an offloaded connection stays only while
+    its link carries a VTOE key. There is no LINK SET: a link loses its key
+    by being replaced, here in one request, with the same address, name and
+    routes. Catches: revalidation that only asks whether some route still
+    carries the guest's frames (Decision::holds without the same-link and
+    key conditions), which the route-deleted test does not; and, on the
+    Ethernet path afterwards, a replaced fast-path link that lost its
+    sender-address entry to the old one (commit 89a5088: the plain
+    connection then hung, its peer's segments dropped as corrupt)."""
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7014", "2")
+    wait_listening(w.lab, w.ns(2), 7014)
+    code = ("import socket, sys, errno\ns = socket.create_connection((sys.argv[1], 7014))\ns.sendall(b'x')\n"
+            "print('connected', flush=True)\nsys.stdin.readline()\n"
+            "try:\n print('read', s.recv(10))\nexcept OSError as e:\n print(errno.errorcode[e.errno], flush=True)\n")
+    cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert cli.stdout.readline().strip() == "connected"
+    assert w.vtoe_stats(1)[0]["open"] == 1
+    routes = [f"any {guest_mac(g)} edge 198.18.0.2 any" for g in (2, 5)] + ["any ff:ff:ff:ff:ff:ff edge 198.18.0.2 interface"]
+    w.vnetd[1].ctl_file("".join(f"ROUTE DEL {r}\n" for r in routes) + "LINK DEL 198.18.0.2\nLINK ADD 198.18.0.2\n"
+                        + "".join(f"ROUTE ADD {r}\n" for r in routes))
+    assert " vtoe=" not in w.vnetd[1].ctl("LINK", "LIST").stdout.split("198.18.0.2")[0].splitlines()[-1]
+    # By the reply, the connection is gone: its program gets ECONNABORTED,
+    # its peer a reset.
+    c1, conns = w.vtoe_stats(1)
+    assert c1["revoked"] == 1 and not conns, (c1, conns)
+    cli.stdin.write("\n")
+    cli.stdin.flush()
+    assert cli.communicate(timeout=10)[0].strip() == "ECONNABORTED"
+    # New connections over that link take the Ethernet path, and work.
+    sent = w.x(1, "python3", PROBE, "client", w.ip(2), "7014", "1000", timeout=60)
+    assert "not offloaded: no_vtoe_link" in sent.stderr, sent.stderr
+    got = served(finish(srv))
+    assert got[0].get("error") == "ECONNRESET" and got[1]["bytes"] == 1000 and "error" not in got[1], got
+    assert w.vtoe_stats(1)[0]["fallback_no_vtoe_link"] == 1
+
+
 def vtoe_cgroup(pid: int) -> Path:
     """The cgroup (v2) process `pid` is in, as a directory of this process's
     view of the cgroup2 tree (vnetd sees it at another mount point, in the
