@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from netlab import Guest, Lab, REPO, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
+from netlab import Guest, Lab, REPO, UnixSession, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 UNDERLAY = REPO / "tests" / "tools" / "underlay.py"
@@ -141,21 +141,48 @@ def test_route_deleted_stops_kernel_traffic_and_added_back_restores_it(lab):
 
 def test_route_change_under_traffic_never_sends_to_the_old_destination(lab):
     """A flow in the kernel is moved to another guest by a route change: no
-    frame reaches the old destination once the reply is back."""
+    frame reaches the old destination once the reply is back. The old
+    destination's receive count is read within microseconds of the reply
+    (the test reads the reply off the control socket itself, then the
+    guest's counter through /proc/<pid>/net/dev of a process in its
+    namespace), and a frame goes every 5 ms.
+    Catches: revocation done after the reply (a mutant that revokes 50 ms
+    later fails here)."""
     _, d, g = veth_mesh(lab, {1: [1, 3], 2: [2]})
     assert lab.reaches(g[1], g[3])
+    # g3 receives nothing but g1's echo requests (no ARP either way).
+    for a, b in ((1, 3), (3, 1)):
+        lab.x(g[a].ns, "ip", "neigh", "replace", g[b].ip, "lladdr", g[b].mac, "dev", g[a].tap, "nud", "permanent")
+    in_g3 = lab.popen(g[3].ns, "sleep", "30")
+    # Once `ip netns exec` has entered g3 and exec'd sleep, /proc/<pid>/net is g3's.
+    assert wait_until(lambda: open(f"/proc/{in_g3.pid}/comm").read().strip() == "sleep")
+
+    def g3_rx() -> int:
+        for line in open(f"/proc/{in_g3.pid}/net/dev"):
+            name, _, rest = line.partition(":")
+            if name.strip() == g[3].tap:
+                return int(rest.split()[1])
+        raise AssertionError(f"no {g[3].tap} in g3's /proc/net/dev")
+
     # g1's frames to g3's MAC now go to the link instead (host 2 drops them:
     # no route there for g3's MAC).
-    pinger = lab.popen(g[1].ns, "ping", "-n", "-q", "-i", "0.01", "-c", "300", g[3].ip, stdout=-1, text=True)
+    rx0 = g3_rx()
+    pinger = lab.popen(g[1].ns, "ping", "-n", "-q", "-i", "0.005", "-c", "400", g[3].ip, stdout=-1, text=True)
     time.sleep(0.5)
-    d[1].ctl_file(f"ROUTE DEL any {g[3].mac} interface {g[3].mac} any\n"
-                  f"ROUTE ADD any {g[3].mac} edge {underlay_ip(2)} any\n")
-    rx_after = int(lab.x(g[3].ns, "cat", f"/sys/class/net/{g[3].tap}/statistics/rx_packets").stdout)
+    assert g3_rx() - rx0 > 20 and fast(d[1])["hit_guest"] > 20, "g3 gets the flow, in the kernel, before the change"
+    s = UnixSession(d[1].sock)
+    try:
+        status, _ = s.request(f"BEGIN\nROUTE DEL any {g[3].mac} interface {g[3].mac} any\n"
+                              f"ROUTE ADD any {g[3].mac} edge {underlay_ip(2)} any\nCOMMIT\n")
+        rx_at_reply = g3_rx()
+    finally:
+        s.close()
+    assert status.startswith("OK"), status
     time.sleep(1.0)
-    rx_later = int(lab.x(g[3].ns, "cat", f"/sys/class/net/{g[3].tap}/statistics/rx_packets").stdout)
-    assert rx_later == rx_after, "frames reached g3 after its route was changed"
+    rx_later = g3_rx()
+    assert rx_later == rx_at_reply, f"{rx_later - rx_at_reply} frames reached g3 after its route was changed"
     pinger.wait(timeout=30)
-    assert d[2].stats()["link 198.18.0.1"]["in_frames"] >= 50
+    assert d[2].stats()["link 198.18.0.1"]["in_frames"] >= 100
 
 
 def test_fast_host_and_user_host_interoperate(lab):
@@ -450,7 +477,12 @@ def test_more_flows_than_the_map_holds_leave_room_for_new_ones_and_installs_are_
 def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
     """Frames that are not IPv4 inside (IPv6, ARP) are carried and handed
     to the guest as what they are (a decapsulated frame's protocol is read
-    again from its own header)."""
+    again from its own header). ARP takes the paths docs/datapath.md gives
+    it: the kernel cannot encapsulate it (`slow_not_ip`: vnetd sends it), but
+    decapsulates it like any hit (`hit_net`), into the guest through the
+    veth's host end.
+    Catches: non-IP frames decapsulated with the outer protocol kept or
+    handed to vnetd (the ARP counts below), or encapsulated as IP."""
     # IPv6 finds its neighbours at 33:33:ff + the address's last 24 bits.
     extra = {h: f"ROUTE ADD any 33:33:ff:00:00:{h:02x} interface {guest_mac(h)} any\n"
                 f"ROUTE ADD any 33:33:ff:00:00:{3 - h:02x} edge {underlay_ip(3 - h)} interface\n" for h in (1, 2)}
@@ -466,7 +498,17 @@ def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
     assert recv.communicate(timeout=60)[0].split() == sent
     f1, f2 = fast(d[1]), fast(d[2])
     assert f1["hit_guest"] > 100 and f2["hit_net"] > 100, (f1, f2)
-    # ARP after the flows are in the kernel: the neighbour entry is
-    # forgotten and resolved again, through the fast path's entries.
+    # ARP after the flows are in the kernel: both guests forget their
+    # neighbours; g1's request (broadcast, one destination: its entry is
+    # installed) and g2's reply hit, and each sending host hands its ARP to
+    # vnetd (slow_not_ip), while each receiving host decapsulates it in the
+    # kernel: 5 echoes (or replies) and at least one ARP frame.
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout  # IPv4's first ARP: its entries installed
     lab.x(g[1].ns, "ip", "neigh", "flush", "dev", "g1")
+    lab.x(g[2].ns, "ip", "neigh", "flush", "dev", "g2")
+    f1, f2 = fast(d[1]), fast(d[2])
     assert "5 received" in lab.ping(g[1], g[2], count=5).stdout
+    for h, f in ((1, f1), (2, f2)):
+        now = fast(d[h])
+        arp = {k: now[k] - f[k] for k in ("slow_not_ip", "hit_net", "miss_guest", "miss_net")}
+        assert arp["slow_not_ip"] >= 1 and arp["hit_net"] >= 6, (h, arp)
