@@ -119,7 +119,7 @@ def test_metrics_parse_and_equal_stats(lab):
                 between(f"vnet_{kind}_{field}_total", {}, kind, field)
             checked += 1
     assert checked > 70, checked
-    assert m[("vnet_fastpath_entries", frozenset())] >= 0 and ("vnet_dispatch_rx_batch_mean", frozenset()) in m
+    assert ("vnet_dispatch_rx_batch_mean", frozenset()) in m  # vnet_fastpath_entries: the test below
     assert between("vnet_interface_in_frames_total", {"interface": "g1"}, "interface g1", "in_frames") >= 20
     assert between("vnet_global_drops_total", {"reason": "no_route"}, "global", "drop_no_route") >= 1
     assert m[("vnet_fastpath_enabled", frozenset())] == 1
@@ -138,6 +138,37 @@ def test_metrics_parse_and_equal_stats(lab):
     # Loopback only, for a bare port.
     listen = [l.split()[3] for l in lab.x(d1.host, "ss", "-Hltn", "sport = :9190").stdout.splitlines()]
     assert listen == ["127.0.0.1:9190"], listen
+
+
+def test_fastpath_entries_gauge_follows_the_kernels_flows(lab):
+    """`vnet_fastpath_entries` is a gauge of the kernel's flow entries: it
+    equals STATS' `fastpath entries` at each scrape, goes down when a
+    route's flows are revoked and up again with new flows.
+    Catches: a gauge stuck at a value (the old `>= 0` could not fail), or
+    one that only counts installs (it would not go down)."""
+    d1, d2, g1, g2 = two_hosts_veth(lab, "--metrics", "9190")
+
+    def reading():
+        before = d1.stats()["fastpath"]["entries"]
+        body, status = scrape(lab, d1.host)
+        assert status.startswith("200"), status
+        gauge = samples(body)[("vnet_fastpath_entries", frozenset())]
+        after = d1.stats()["fastpath"]["entries"]
+        assert before == gauge == after, (before, gauge, after)
+        return gauge
+
+    lab.ping(g1, g2, count=5, check=True)
+    full = reading()
+    assert full >= 2, full  # g1 -> g2 out over the link, g2 -> g1 in from it
+    # The route to g2 deleted: its flows are revoked before the reply.
+    to_g2 = next(l for l in d1.ctl("ROUTE", "LIST").stdout.splitlines() if f" {guest_mac(2)} edge " in l)
+    d1.ctl("ROUTE", "DEL", to_g2.split()[1])
+    fewer = reading()
+    assert fewer < full, (fewer, full)
+    # Back, and traffic again: new entries.
+    d1.ctl("ROUTE", "ADD", *to_g2.split()[2:])
+    lab.ping(g1, g2, count=5, check=True)
+    assert reading() > fewer
 
 
 HOLDER = """
@@ -460,6 +491,61 @@ def test_reload_applies_what_changed_in_the_config(lab):
     assert "of its own" in d.ctl("--file", _write(lab, "RELOAD\nLINK LIST\n"), check=False).stderr
     d0 = lab.start_vnetd(h2, None)
     assert "started without --config" in d0.ctl("RELOAD", check=False).stderr
+
+
+def test_reload_refuses_a_changed_interface_line_and_two_reloads_change_it(lab):
+    """docs/operations.md, ExecReload: an interface line changed (another
+    MTU) is a delete and an add of the interface in one request, which
+    vnetd refuses, TAP and veth alike: while a route line of the config uses
+    the interface ("used by routes"), and otherwise because a deleted
+    interface cannot come back in the same request ("add it again in
+    another one"). The reload fails naming the file's line and changes
+    nothing; two reloads (without the interface and its routes' lines,
+    then with the new lines) make the change.
+    Catches: a refusal that leaves the interface deleted, a reload that
+    half-applies, or a changed line silently ignored."""
+    h1 = lab.add_host(1)
+    n2, n3 = lab.guest_ns("c2"), lab.guest_ns("c3")
+    conf = lab.tmp / "h1.conf"
+    # name -> [interface line (with {mtu}), route lines through it]
+    lines = {
+        "g1": [f"INTERFACE ADD g1 {guest_mac(1)} mtu {{mtu}}", []],                            # a TAP
+        "g2": [f"INTERFACE ADD g2 {guest_mac(2)} mtu {{mtu}} netns {n2} veth",                # a veth, routed
+               [f"ROUTE ADD any {guest_mac(2)} interface {guest_mac(2)} any"]],
+        "g3": [f"INTERFACE ADD g3 {guest_mac(3)} mtu {{mtu}} netns {n3} veth", []],            # a veth
+    }
+    mtus = {"g1": 1500, "g2": 1458, "g3": 1458}
+
+    def write(skip=None):
+        text = []
+        for name, (iface, routes) in lines.items():
+            if name != skip:
+                text += [iface.format(mtu=mtus[name]), *routes]
+        conf.write_text("\n".join(text) + "\n")
+
+    def state():
+        return d.ctl("INTERFACE", "LIST").stdout + d.ctl("ROUTE", "LIST").stdout
+
+    write()
+    d = lab.start_vnetd(h1, conf)
+    for name, why in (("g1", "interface g1 is deleted by this request; add it again in another one"),
+                      ("g2", "interface g2 is used by routes"),
+                      ("g3", "interface g3 is deleted by this request; add it again in another one")):
+        before = state()
+        mtus[name] = 1400
+        write()
+        bad = d.ctl("RELOAD", check=False)
+        assert bad.returncode == 1 and why in bad.stderr, bad.stderr
+        assert f"{conf}: line " in bad.stderr or f"{conf}: taking back 'INTERFACE ADD {name} " in bad.stderr, bad.stderr
+        assert state() == before, "a refused reload changed something"
+        # Two reloads: the interface (and the routes through it) out, then back, changed.
+        n = 1 + len(lines[name][1])
+        write(skip=name)
+        assert f"{n} line(s) gone, 0 new" in d.ctl("RELOAD").stdout
+        write()
+        assert f"0 line(s) gone, {n} new" in d.ctl("RELOAD").stdout
+        assert f"name={name} mac={guest_mac(int(name[1]))} mtu=1400 " in d.ctl("INTERFACE", "LIST").stdout
+    assert lab.x(n2, "cat", "/sys/class/net/g2/mtu").stdout.strip() == "1400"
 
 
 def _write(lab, text):
