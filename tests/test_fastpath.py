@@ -522,6 +522,51 @@ def test_the_kernel_takes_only_whole_valid_ipv4_headers_from_a_link(lab):
     assert got == want
 
 
+def test_what_the_kernel_does_not_carry_goes_on_to_the_devices_other_programs(lab):
+    """`from_network` returns TCX_NEXT for what it does not carry, so a
+    program after it on the underlay device still sees it (here a classic
+    TC filter, which runs after the TCX programs, mirroring every UDP
+    datagram to a veth whose transmit count the test reads): plain UDP and
+    VNET datagrams that miss, but not the datagrams the kernel carried.
+    Catches: `PASS` made TC_ACT_OK (TCX_PASS: the stack still gets the
+    datagram, but the device's later programs are skipped)."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    h1 = hosts[1]
+    for a, b in ((1, 2), (2, 1)):
+        lab.x(g[a].ns, "ip", "neigh", "replace", g[b].ip, "lladdr", g[b].mac, "dev", g[a].tap, "nud", "permanent")
+    assert "5 received" in lab.ping(g[1], g[2], count=5).stdout  # the flow is in the kernel
+    lab.x(h1, "ip", "link", "add", "mon", "type", "veth", "peer", "name", "monp")
+    for dev in ("mon", "monp"):  # no IPv6 chatter of their own
+        lab.x(h1, "sysctl", "-qw", f"net.ipv6.conf.{dev}.disable_ipv6=1")
+        lab.x(h1, "ip", "link", "set", dev, "up")
+    lab.x(h1, "tc", "qdisc", "add", "dev", "eth0", "clsact")
+    lab.x(h1, "tc", "filter", "add", "dev", "eth0", "ingress", "protocol", "ip", "u32", "match", "ip", "protocol",
+          "17", "0xff", "action", "mirred", "egress", "mirror", "dev", "mon")
+    seen = lambda: int(lab.x(h1, "cat", "/sys/class/net/mon/statistics/tx_packets").stdout)
+
+    def during(what):
+        s0, f0, rx0 = seen(), fast(d[1]), rx_packets(lab, g[1])
+        what()
+        time.sleep(0.3)
+        f = fast(d[1])
+        return {"seen after": seen() - s0, "kernel": f["hit_net"] - f0["hit_net"],
+                "missed": f["miss_net"] - f0["miss_net"], "g1 received": rx_packets(lab, g[1]) - rx0}
+
+    got = {
+        # VNET's, carried by the kernel: the program after it sees none.
+        "carried": during(lambda: lab.ping(g[2], g[1], count=20)),
+        # VNET datagrams with no flow in the kernel (vnetd delivers them).
+        "missed": during(lambda: from_peer(lab, hosts, "flows", 30, g[1].mac, "02:f3:00:00:00:00")),
+        # Not VNET's at all: UDP to another port.
+        "other": during(lambda: lab.x(hosts[2], "python3", "-c",
+                                      "import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                                      f"for _ in range(40): s.sendto(b'x',({underlay_ip(1)!r},7777))\n")),
+    }
+    assert got == {"carried": {"seen after": 0, "kernel": 20, "missed": 0, "g1 received": 20},
+                   "missed": {"seen after": 30, "kernel": 0, "missed": 30, "g1 received": 30},
+                   "other": {"seen after": 40, "kernel": 0, "missed": 0, "g1 received": 0}}
+
+
 def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
     """Frames that are not IPv4 inside (IPv6, ARP) are carried and handed
     to the guest as what they are (a decapsulated frame's protocol is read
