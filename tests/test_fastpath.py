@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from netlab import Guest, Lab, REPO, UnixSession, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until
+from netlab import Guest, Lab, REPO, UnixSession, guest_mac, mesh_config, overlay_ip, underlay_ip, underlay_ip6, wait_until
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 UNDERLAY = REPO / "tests" / "tools" / "underlay.py"
@@ -20,9 +20,10 @@ UNDERLAY = REPO / "tests" / "tools" / "underlay.py"
 FAST_MTU = 1458
 
 
-def veth_mesh(lab: Lab, layout: dict[int, list[int]], mtu=FAST_MTU, extra: dict[int, str] | None = None):
+def veth_mesh(lab: Lab, layout: dict[int, list[int]], mtu=FAST_MTU, extra: dict[int, str] | None = None, **links):
     """layout: host number -> guest numbers. Every guest is a namespace with
-    a veth from its host's vnetd. `extra`: more config lines per host.
+    a veth from its host's vnetd. `extra`: more config lines per host;
+    `links`: mesh_config's `link` and `addr` (UDP over IPv4 by default).
     Returns (hosts, daemons, guests)."""
     hosts = {h: lab.add_host(h) for h in layout}
     gns = {}
@@ -36,7 +37,7 @@ def veth_mesh(lab: Lab, layout: dict[int, list[int]], mtu=FAST_MTU, extra: dict[
     attach = {f"g{n}": f"netns {gns[n]} veth" for n in gns}
     daemons = {}
     for h in layout:
-        conf = mesh_config(h, by_host, mtu=mtu, attach=attach) + ((extra or {}).get(h, ""))
+        conf = mesh_config(h, by_host, mtu=mtu, attach=attach, **links) + ((extra or {}).get(h, ""))
         daemons[h] = lab.start_vnetd(hosts[h], conf)
     guests = {}
     for h, ns in layout.items():
@@ -599,6 +600,91 @@ def test_what_the_kernel_does_not_carry_goes_on_to_the_devices_other_programs(la
     assert got == {"carried": {"seen after": 0, "kernel": 20, "missed": 0, "g1 received": 20},
                    "missed": {"seen after": 30, "kernel": 0, "missed": 30, "g1 received": 30},
                    "other": {"seen after": 40, "kernel": 0, "missed": 0, "g1 received": 0}}
+
+
+def test_frames_the_kernel_cannot_send_as_they_are_go_to_vnetd_counted_by_reason(lab):
+    """docs/datapath.md, "Stays on the slow path": frames whose flow is in
+    the kernel but that the kernel cannot encapsulate as they are go to
+    vnetd, counted by reason, and still arrive: a frame longer than the link
+    takes unsegmented (guests with MTU 1500 on a 1500-byte underlay:
+    `slow_big`, and vnetd sends it whole, fragmented) and a guest's UDP GSO
+    (`slow_gso`). (ARP, `slow_not_ip`: the IPv6-and-ARP test.)
+    Catches: a length or GSO check missing in `encap` (the frame would be
+    dropped by the kernel or go out too long) or its counter."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]}, mtu=1500)
+    for a, b in ((1, 2), (2, 1)):
+        lab.x(g[a].ns, "ip", "neigh", "replace", g[b].ip, "lladdr", g[b].mac, "dev", g[a].tap, "nud", "permanent")
+    assert "5 received" in lab.ping(g[1], g[2], count=5).stdout  # both ways in the kernel
+    f1, f2 = fast(d[1]), fast(d[2])
+    o1 = d[1].stats()["offload"]["fragmented"]
+    # 1472 bytes of ping: 1514-byte frames, 1542 bytes with VNET/P's 28 + 14 over a 1500-byte link.
+    r = lab.ping(g[1], g[2], count=10, size=1472)
+    assert "10 received" in r.stdout, r.stdout
+    for h, f in ((1, f1), (2, f2)):
+        now = fast(d[h])
+        big = {k: now[k] - f[k] for k in ("slow_big", "hit_guest", "drop_encap")}
+        assert big == {"slow_big": 10, "hit_guest": 0, "drop_encap": 0}, (h, big)
+    assert d[1].stats()["offload"]["fragmented"] - o1 == 10
+
+    # A guest's UDP GSO: 10 datagrams of 1000 bytes in one send (UDP_SEGMENT).
+    f1, rx0 = fast(d[1]), rx_packets(lab, g[2])
+    lab.x(g[1].ns, "python3", "-c",
+          "import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+          "s.setsockopt(socket.IPPROTO_UDP, 103, 1000)\n"  # UDP_SEGMENT
+          f"s.sendto(b'u'*10000,({g[2].ip!r},7))\n")
+    assert wait_until(lambda: rx_packets(lab, g[2]) - rx0 >= 10, timeout=5), rx_packets(lab, g[2]) - rx0
+    now = fast(d[1])
+    gso = {k: now[k] - f1[k] for k in ("slow_gso", "hit_guest", "drop_encap")}
+    assert gso == {"slow_gso": 1, "hit_guest": 0, "drop_encap": 0}, gso
+    time.sleep(0.2)
+    assert rx_packets(lab, g[2]) - rx0 == 10
+
+
+@pytest.mark.parametrize("link", ["udp over IPv6", "tcp", "vxlan"])
+def test_links_the_kernel_does_not_serve_stay_on_the_slow_path(lab, link):
+    """docs/datapath.md: the kernel carries UDP links over IPv4 only; over
+    IPv6 (the outer UDP checksum), TCP and VXLAN links every frame is
+    vnetd's, nothing is installed, and guests still talk.
+    Catches: `flow_for` installing entries for a link the kernel has no
+    header for (frames would be `slow_route` or lost)."""
+    kw = {"udp over IPv6": {"addr": underlay_ip6}, "tcp": {"link": "tcp key lab"},
+          "vxlan": {"link": "vxlan vni 42"}}[link]
+    _, d, g = veth_mesh(lab, {1: [1], 2: [2]}, **kw)
+    assert lab.reaches(g[1], g[2])
+    r = lab.ping(g[1], g[2], count=20)
+    assert "20 received" in r.stdout, r.stdout
+    for h in (1, 2):
+        f = fast(d[h])
+        assert (f["installs"], f["entries"], f["hit_guest"], f["hit_net"], f["slow_route"]) == (0, 0, 0, 0, 0), (h, f)
+        assert f["miss_guest"] >= 20, (h, f)
+
+
+def test_a_host_relaying_between_links_does_it_in_vnetd(lab):
+    """Link-to-link relaying stays on the slow path: host 2 carries g1's
+    and g3's frames between its two links in vnetd, and installs nothing.
+    Catches: relayed flows installed in the kernel (from_network would
+    carry them, and the kernel does not encapsulate from a link)."""
+    hosts = {h: lab.add_host(h) for h in (1, 2, 3)}
+    gns = {n: lab.guest_ns(f"g{n}") for n in (1, 3)}
+    d = {}
+    for h, n, far in ((1, 1, 3), (3, 3, 1)):
+        d[h] = lab.start_vnetd(hosts[h], f"INTERFACE ADD g{n} {guest_mac(n)} mtu {FAST_MTU} netns {gns[n]} veth\n"
+                                         f"LINK ADD {underlay_ip(2)} 9000 udp\n"
+                                         f"ROUTE ADD any {guest_mac(n)} interface {guest_mac(n)} any\n"
+                                         f"ROUTE ADD any {guest_mac(far)} edge {underlay_ip(2)} any\n")
+    d[2] = lab.start_vnetd(hosts[2], f"LINK ADD {underlay_ip(1)} 9000 udp\nLINK ADD {underlay_ip(3)} 9000 udp\n"
+                                     f"ROUTE ADD any {guest_mac(1)} edge {underlay_ip(1)} any\n"
+                                     f"ROUTE ADD any {guest_mac(3)} edge {underlay_ip(3)} any\n")
+    g = {n: lab.veth_guest(hosts[h], f"g{n}", n, gns[n]) for h, n in ((1, 1), (3, 3))}
+    for a, b in ((1, 3), (3, 1)):  # no broadcast routes: no ARP
+        lab.x(g[a].ns, "ip", "neigh", "replace", g[b].ip, "lladdr", g[b].mac, "dev", g[a].tap, "nud", "permanent")
+    r = lab.ping(g[1], g[3], count=20)
+    assert "20 received" in r.stdout, r.stdout
+    f2 = fast(d[2])
+    assert (f2["installs"], f2["entries"], f2["hit_net"]) == (0, 0, 0), f2
+    assert f2["miss_net"] >= 40, f2
+    # The guests' own hosts carry their side in the kernel.
+    assert fast(d[1])["hit_guest"] >= 15 and fast(d[3])["hit_net"] >= 15
 
 
 def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
