@@ -609,8 +609,11 @@ def test_frames_the_kernel_cannot_send_as_they_are_go_to_vnetd_counted_by_reason
     takes unsegmented (guests with MTU 1500 on a 1500-byte underlay:
     `slow_big`, and vnetd sends it whole, fragmented) and a guest's UDP GSO
     (`slow_gso`). (ARP, `slow_not_ip`: the IPv6-and-ARP test.)
-    Catches: a length or GSO check missing in `encap` (the frame would be
-    dropped by the kernel or go out too long) or its counter."""
+    Catches: the length check in `encap` removed (shown: the long frames
+    are lost), or either frame counted under another reason. (Without its
+    own GSO check `encap` would still give a guest's UDP GSO to vnetd:
+    bpf_skb_adjust_room refuses it, and that refusal is counted `slow_gso`
+    too.)"""
     hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]}, mtu=1500)
     for a, b in ((1, 2), (2, 1)):
         lab.x(g[a].ns, "ip", "neigh", "replace", g[b].ip, "lladdr", g[b].mac, "dev", g[a].tap, "nud", "permanent")
