@@ -322,11 +322,14 @@ def test_bad_protocol_messages_are_refused_with_an_ack_and_change_nothing(lab):
     Rings start enabled (this frontend never enables them); a later
     SET_VRING_ENABLE 0 is obeyed on each ring, and 1 starts it again (a frame
     queued meanwhile then goes). Receive buffers outside guest memory: the
-    frame for the guest is dropped and counted (`tx_error`).
+    frame for the guest is dropped and counted (`tx_error`). A ring that
+    runs past the end of its region never starts.
 
-    Catches: a ring index, size or address taken without a check (each
-    refusal in frontend.rs is what makes its ack non-zero); a disabled ring
-    worked anyway."""
+    Catches (tried on mutated builds): a queue size taken without the
+    power-of-two check (acknowledged 0); a ring started without checking
+    its extent (virtio-queue's `is_valid` skipped: the frame was taken); a
+    transmit ring enabled again that waits for the next kick (the bug this
+    test found)."""
     t = Lab2(lab)
     f = vf.Frontend(t.sock, reply_ack=True, setup=False)
     f.negotiate(vf.F_VERSION_1 | vf.F_INDIRECT, vf.MEM)
@@ -389,6 +392,24 @@ def test_bad_protocol_messages_are_refused_with_an_ack_and_change_nothing(lab):
     assert f.used_idx(0) == (used + 1) & 0xFFFF and f.used(0, used)[1] == 0
     t.alive()
     f.close()
+
+    # A transmit ring that starts inside the memory region but runs past its
+    # end (the used ring 8 bytes before it): refused, or taken and never
+    # started; a frame queued on it is not taken.
+    f = vf.Frontend(t.sock, reply_ack=True, setup=False)
+    f.negotiate(vf.F_VERSION_1 | vf.F_INDIRECT, vf.MEM)
+    for q, (desc, avail, used) in vf.RINGS.items():
+        used = vf.MEM - 8 if q == 1 else used
+        assert f.request(vf.SET_VRING_NUM, struct.pack("<II", q, vf.SIZE)) == 0
+        assert f.request(vf.SET_VRING_BASE, struct.pack("<II", q, 0)) == 0
+        f.request(vf.SET_VRING_ADDR, f.vring_addr_body(q, u + desc, u + used, u + avail))
+        assert f.request(vf.SET_VRING_CALL, struct.pack("<Q", q), fds=[f.call[q]]) == 0
+        assert f.request(vf.SET_VRING_KICK, struct.pack("<Q", q), fds=[f.kick[q]]) == 0
+    taken, sniff = t.fe()["in_frames"], t.sniff(1, timeout=1.5)
+    f.send_frame(t.frame(0x500))
+    assert sniff.frames() == [] and t.fe()["in_frames"] == taken
+    t.alive()
+    f.close()
     f = t.connect()
     t.exchange(f)
 
@@ -402,7 +423,8 @@ def test_frames_queued_while_vnetd_was_gone_are_sent_when_it_comes_back(lab):
     frame taken before the kill is not sent again.
 
     Catches: a restarted backend that starts from the avail index (skipping
-    what was queued) or from 0 (sending old frames again)."""
+    what was queued) or from 0 (sending old frames again: tried, by
+    ignoring SET_VRING_BASE)."""
     t = Lab2(lab)
     f = t.connect()
     t.exchange(f)
@@ -479,7 +501,10 @@ def test_the_socket_replaces_only_a_stale_socket_and_goes_with_its_interface(lab
     listens on are refused and left as they were; a stale socket (nobody
     listens) is replaced; the socket is made mode 0600; it goes with INTERFACE
     DEL and when vnetd exits, but only if it is still the one vnetd made.
-    Paths are not confined to a directory yet (issue 26)."""
+    Paths are not confined to a directory yet (issue 26).
+
+    Catches (tried): the listening check removed (vnetd replaced the live
+    socket)."""
     import os
     import socket
     import stat
