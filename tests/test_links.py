@@ -39,9 +39,17 @@ def mesh(lab, layout, link, addr=underlay_ip, mtu=None):
 
 def test_tcp_link_carries_traffic_and_recovers_from_a_peer_restart(lab):
     hosts = {h: lab.add_host(h) for h in (1, 2)}
-    configs = {h: EXAMPLES / f"tcp-h{h}.conf" for h in (1, 2)}
-    d = {h: lab.start_vnetd(hosts[h], configs[h]) for h in (1, 2)}
-    g = {h: lab.attach_guest(hosts[h], f"g{h}", h) for h in (1, 2)}
+    # Host 2's guest NIC is a TAP vnetd makes in the guest's namespace, so it
+    # outlives a killed vnetd and its guest can wait, socket open, for the
+    # frames queued while host 2 was down (the shipped config, but `netns`).
+    g2ns = lab.ns("g2")
+    for k in ("all", "default"):
+        lab.x(g2ns, "sysctl", "-qw", f"net.ipv6.conf.{k}.disable_ipv6=1")
+    conf2 = (EXAMPLES / "tcp-h2.conf").read_text().replace("INTERFACE ADD g2 02:00:00:00:00:02",
+                                                          f"INTERFACE ADD g2 02:00:00:00:00:02 netns {g2ns}")
+    assert f"netns {g2ns}" in conf2
+    d = {1: lab.start_vnetd(hosts[1], EXAMPLES / "tcp-h1.conf"), 2: lab.start_vnetd(hosts[2], conf2)}
+    g = {1: lab.attach_guest(hosts[1], "g1", 1), 2: lab.veth_guest(hosts[2], "g2", 2, g2ns)}
     wait_state(d[1], "198.18.0.2", "up")
     wait_state(d[2], "198.18.0.1", "up")
     assert lab.ping(g[1], g[2], count=5).returncode == 0
@@ -51,6 +59,17 @@ def test_tcp_link_carries_traffic_and_recovers_from_a_peer_restart(lab):
     # the bound and the rest are dropped and counted.
     d[2].stop(signal.SIGKILL)
     wait_state(d[1], "198.18.0.2", "down")
+    # g2 waits for them: a socket that counts the blast's datagrams (a
+    # receive buffer big enough for all that can wait) until 3 s pass
+    # without one (30 s for the first).
+    rx = lab.popen(g2ns, "python3", "-c",
+                   "import socket\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                   "s.setsockopt(socket.SOL_SOCKET,33,64<<20)  # SO_RCVBUFFORCE\n"
+                   "s.bind(('198.19.0.2',7))\nprint('bound',flush=True)\ns.settimeout(30)\nn=0\n"
+                   "try:\n    while True:\n        n+=s.recv(2048)==b'q'*1400\n        s.settimeout(3)\n"
+                   "except OSError:\n    pass\n"
+                   "print(n,flush=True)\n", stdout=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == "bound"
     # 6000 frames of 1442 bytes: as many as fit the 4 MiB send buffer (a
     # 4-byte length prefix each) wait, and exactly the rest are dropped.
     blast = ("import socket;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);"
@@ -73,16 +92,14 @@ def test_tcp_link_carries_traffic_and_recovers_from_a_peer_restart(lab):
     s = d[1].stats()
     assert n > fits + 1000, n
     assert s["link 198.18.0.2"]["drop_queue_full"] - before["link 198.18.0.2"]["drop_queue_full"] == n - fits
-    sent_before = s["link 198.18.0.2"]["out_frames"]
-    # It comes back with the same config: the link reconnects on its own.
-    d2 = lab.start_vnetd(hosts[2], configs[2])
-    lab.attach_guest(hosts[2], "g2", 2, ns=g[2].ns)
+    # It comes back with the same config (taking g2's TAP over): the link
+    # reconnects on its own, and the frames that waited reach the peer and
+    # its guest, whole: host 2's link counts them in, g2's socket gets them.
+    d2 = lab.start_vnetd(hosts[2], conf2)
     wait_state(d[1], "198.18.0.2", "up", timeout=20)
-    # The frames that waited are sent on the new connection, whole.
-    deadline = time.time() + 5
-    while d[1].stats()["link 198.18.0.2"]["out_frames"] - sent_before < fits and time.time() < deadline:
-        time.sleep(0.05)
-    assert d[1].stats()["link 198.18.0.2"]["out_frames"] - sent_before >= fits
+    out, _ = rx.communicate(timeout=30)
+    assert int(out) == fits, (out, fits)
+    assert d2.stats()["link 198.18.0.1"]["in_frames"] >= fits
     assert d2.stats()["link 198.18.0.1"]["drop_malformed"] == 0
     assert lab.reaches(g[1], g[2], tries=10)
     transfer(lab, g[1], g[2], 5_000_000, port=5003)

@@ -85,6 +85,18 @@ def tcp_frame(dst, src, seq, payload):
     return mac(dst) + mac(src) + b"\x08\x00" + bytes(ip) + bytes(tcp) + payload
 
 
+def udp_frame(dst, src, sip, dip, dport, payload):
+    """An Ethernet frame holding a valid IPv4 UDP datagram (checksums right)."""
+    mac = lambda m: bytes(int(x, 16) for x in m.split(":"))
+    sip, dip = bytes(map(int, sip.split("."))), bytes(map(int, dip.split(".")))
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 28 + len(payload), 9, 0x4000, 64, 17, 0, sip, dip))
+    ip[10:12] = struct.pack("!H", checksum(bytes(ip)))
+    udp = bytearray(struct.pack("!HHHH", 40001, dport, 8 + len(payload), 0))
+    pseudo = sip + dip + struct.pack("!BBH", 0, 17, 8 + len(payload))
+    udp[6:8] = struct.pack("!H", checksum(pseudo + bytes(udp) + payload) or 0xFFFF)
+    return mac(dst) + mac(src) + b"\x08\x00" + bytes(ip) + bytes(udp) + payload
+
+
 def framed(frame):
     return struct.pack("!I", len(frame)) + frame
 
@@ -108,11 +120,22 @@ def test_a_hand_made_peer_with_the_key_carries_frames_both_ways(lab):
     extra = (f"ROUTE ADD any {guest_mac(1)} interface {guest_mac(1)} edge\n"
              f"ROUTE ADD any {guest_mac(9)} edge peer interface\n")
     h1, h2, d, peer, g = one_host_and_a_hand_made_peer(lab, {"ga": 1}, extra)
-    # Peer -> guest: the frame arrives in the guest's namespace.
-    frame = tcp_frame(guest_mac(1), guest_mac(9), 1000, b"hello over tcp")
+    # Peer -> guest: a UDP datagram the peer frames by hand reaches a socket
+    # in the guest, payload and source intact. (vnetd's out_frames alone
+    # would also count a frame written to the wrong TAP or mangled.)
+    ga = g["ga"]
+    rx = lab.popen(ga.ns, sys.executable, "-c",
+                   "import socket,sys\ns=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                   f"s.bind(({ga.ip!r},5001))\nprint('bound',flush=True)\ns.settimeout(10)\n"
+                   "data,src=s.recvfrom(2048)\nprint(src[0],data.decode(),flush=True)\n",
+                   stdout=subprocess.PIPE, text=True)
+    assert rx.stdout.readline().strip() == "bound"
+    frame = udp_frame(guest_mac(1), guest_mac(9), "198.19.0.9", ga.ip, 5001, b"hello over tcp")
     peer.cmd("send " + framed(frame).hex())
     assert peer.line() == "sent"
-    wait_until("delivery", lambda: d.stats()["interface ga"]["out_frames"] == 1)
+    out, _ = rx.communicate(timeout=15)
+    assert out.strip() == "198.19.0.9 hello over tcp", out
+    assert d.stats()["interface ga"]["out_frames"] == 1
     # Guest -> peer: a frame the guest sends to MAC 9 comes out framed.
     lab.x(g["ga"].ns, "ip", "neigh", "replace", "198.19.0.9", "lladdr", guest_mac(9), "dev", "ga", "nud", "permanent")
     lab.x(g["ga"].ns, "ping", "-c", "1", "-W", "1", "198.19.0.9", check=False)

@@ -11,6 +11,7 @@ what comes from h1).
 """
 
 import ctypes
+import hashlib
 import json
 import os
 import re
@@ -271,8 +272,9 @@ def test_socket_semantics_nonblocking_connect_epoll_fork_dup_half_close(world):
     wait_listening(w.lab, w.ns(2), 7002)
     r = json.loads(w.x(1, "python3", PROBE, "client", w.ip(2), "7002", "3000000", timeout=60).stdout.splitlines()[0])
     sv = served(finish(srv))[0]
-    # Non-blocking connect: in progress, then writable with no error.
-    assert r["connect"] in ("EINPROGRESS", "OK") and r["writable"] and r["so_error"] == 0, r
+    # Non-blocking connect: EINPROGRESS (as the kernel's own would answer),
+    # then writable at once with no error.
+    assert r["connect"] == "EINPROGRESS" and r["writable"] and r["so_error"] == 0, r
     # Options set before connect are the connection's.
     assert r["nodelay"] == 1 and r["sndbuf"] == 2 << 20, r
     # Both ends see the overlay's addresses, accept's included.
@@ -318,6 +320,41 @@ def connect_outcome(w: World, g: int, ip: str, port: int, vtoe: bool) -> str:
     return w.x(g, "python3", "-c", code, vtoe=vtoe, timeout=60).stdout.strip()
 
 
+# A connect to argv[1]:argv[2]: its error, then how many ARP requests for
+# that address the guest sent meanwhile (a packet socket opened before it).
+UNRESOLVED = r"""
+import socket, sys
+ip, port = sys.argv[1], int(sys.argv[2])
+p = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(3))  # ETH_P_ALL: sent frames too
+p.setblocking(False)
+s = socket.socket()
+s.settimeout(8)
+try:
+    s.connect((ip, port))
+    print("connected")
+except socket.timeout:
+    print("timeout")
+except OSError as e:
+    print(e.strerror)
+n = 0
+while True:
+    try:
+        f, a = p.recvfrom(2048)
+    except BlockingIOError:
+        break
+    n += a[2] == socket.PACKET_OUTGOING and f[12:14] == b"\x08\x06" and f[20:22] == b"\0\1" and f[38:42] == socket.inet_aton(ip)
+print(n)
+"""
+
+
+def unresolved_outcome(w: World, g: int, ip: str, port: int, vtoe: bool) -> tuple[str, int]:
+    """Guest g connects to `ip`, its neighbour entry flushed first: the
+    error, and the ARP requests for `ip` the guest sent."""
+    w.lab.x(w.ns(g), "ip", "neigh", "flush", "to", ip, check=False)
+    out = w.x(g, "python3", "-c", UNRESOLVED, ip, str(port), vtoe=vtoe, timeout=60).stdout.splitlines()
+    return out[-2], int(out[-1])
+
+
 def test_routes_that_forbid_a_guest_forbid_it_with_vtoe_too(world):
     w = world
     for g in (4, 5):
@@ -328,12 +365,17 @@ def test_routes_that_forbid_a_guest_forbid_it_with_vtoe_too(world):
         plain = connect_outcome(w, 1, w.ip(g), 7006, vtoe=False)
         offload = connect_outcome(w, 1, w.ip(g), 7006, vtoe=True)
         assert plain == offload == "timeout", (g, plain, offload)
-    # An address nobody answers ARP for: unreachable either way.
-    plain = connect_outcome(w, 1, overlay_ip(99), 7006, vtoe=False)
-    offload = connect_outcome(w, 1, overlay_ip(99), 7006, vtoe=True)
-    assert plain == offload, (plain, offload)
+    # An address nobody answers ARP for: EHOSTUNREACH after the guest
+    # kernel's own 3 ARP probes, either way (with VTOE, vnetd has the guest's
+    # kernel resolve it and refuses the connect when it cannot). Catches: an
+    # unresolved destination handed to the Ethernet path (mutated so, the
+    # guest sent 6 ARP requests).
+    plain = unresolved_outcome(w, 1, overlay_ip(99), 7006, vtoe=False)
+    offload = unresolved_outcome(w, 1, overlay_ip(99), 7006, vtoe=True)
+    assert plain == offload == ("No route to host", 3), (plain, offload)
     c1, _ = w.vtoe_stats(1)
     c2, _ = w.vtoe_stats(2)
+    assert c1["refused_unresolved"] == 1, c1
     assert c1["fallback_no_route"] >= 1 and c1["fallback_peer_routes"] >= 1, c1
     assert c1["offloaded_out"] == 0 and c2["declined_peer_routes"] >= 1, (c1, c2)
 
@@ -452,6 +494,143 @@ def test_a_shadow_connection_needs_the_links_key_and_the_routes(world):
     assert c2["offloaded_in"] == 1
 
 
+def test_stalled_handshakes_are_bounded_and_the_one_beyond_takes_the_ethernet_path(world):
+    """reliability.md's VTOE bounds: 64 handshakes in progress at once, a
+    stalled one held 2 s at most; beyond them an incoming shadow connection
+    is declined (declined_limit) and the guest's connection takes the
+    Ethernet path. From h1's address (a VTOE link's), 64 connections stall
+    after HELLO, all at once (half of them then trickle their REQUEST a
+    byte every 0.5 s); a guest's connection is the 65th. Catches: a per-read
+    handshake timeout (the trickling ones were held past 8 s; fixed in
+    2d290bc), a pool whose burst of jobs queues behind a few threads (2 of
+    the 64 got a challenge within 1 s, and nothing was declined; fixed in
+    34eae2f), and any limit that is not enforced."""
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7015", "2")
+    wait_listening(w.lab, w.ns(2), 7015)
+    code = ("import socket, sys\nsys.stdin.readline()\ns = socket.create_connection((sys.argv[1], 7015))\n"
+            "s.sendall(b'y' * 1000); s.shutdown(socket.SHUT_WR)\nprint(s.recv(200).decode())\n")
+    cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    stall = w.lab.popen(w.vnetd[1].host, "python3", PEER, "stall", "198.18.0.2", "9002", "64", stdout=subprocess.PIPE, text=True)
+    assert json.loads(stall.stdout.readline()) == {"held": 64}
+    # All 64 handshakes are held: the guest's connection, the 65th, is
+    # declined by h2 (closed before a challenge: h1 counts it a protocol
+    # failure), and goes over the Ethernet path, whole.
+    cli.stdin.write("\n")
+    cli.stdin.flush()
+    out, err = cli.communicate(timeout=30)
+    assert out.startswith("1000 "), (out, err)
+    assert "not offloaded: protocol" in err, err
+    closed = json.loads(stall.stdout.readline())["closed_after"]
+    stall.wait(timeout=10)
+    # Each stalled handshake, silent or trickling, was closed 2 s after its
+    # challenge (bounds generous for a loaded machine).
+    assert all(c is not None and 1.5 <= c <= 4 for c in closed), closed
+    c1, _ = w.vtoe_stats(1)
+    c2, _ = w.vtoe_stats(2)
+    assert c2["declined_limit"] == 1 and c2["declined_protocol"] == 64 and c2.get("offloaded_in", 0) == 0, c2
+    assert c1["fallback_protocol"] == 1 and c1["offloaded_out"] == 0, c1
+    # Afterwards, the handshakes are free again: a connection is offloaded.
+    sent = w.x(1, "python3", PROBE, "client", w.ip(2), "7015", "1000", timeout=60)
+    assert f"connect to {w.ip(2)}:7015 offloaded" in sent.stderr, sent.stderr
+    got = served(finish(srv))
+    assert [g["bytes"] for g in got] == [1000, 1000], got
+    assert w.vtoe_stats(2)[0]["offloaded_in"] == 1
+
+
+# argv[3] connects at once to argv[1]:argv[2], each on a thread of its own,
+# after a line on stdin; prints each one's error (or "connected").
+MANY_CONNECTS = r"""
+import socket, sys, threading
+ip, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out = []
+def one():
+    s = socket.socket()
+    s.settimeout(10)
+    try:
+        s.connect((ip, port))
+        out.append("connected")
+    except socket.timeout:
+        out.append("timeout")
+    except OSError as e:
+        out.append(e.strerror)
+ts = [threading.Thread(target=one) for _ in range(n)]
+print("ready", flush=True)
+sys.stdin.readline()
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+print(sorted(set(out)), len(out), flush=True)
+"""
+
+
+def test_connects_being_decided_are_bounded_per_runner_and_in_all(world):
+    """reliability.md's VTOE bounds on the connecting side: 64 connects of
+    one runner decided at once, 256 over all runners; beyond them a
+    connection is not offloaded (fallback_limit) and goes its own way in the
+    guest's kernel. Each connect here waits about 3 s in vnetd, which has
+    the guest's kernel resolve an address nobody answers (EHOSTUNREACH).
+    Catches: the pool's burst queueing (before 34eae2f, all 260 connects of
+    the second phase were taken, none limited), and either bound not
+    enforced."""
+    w = world
+    c = lambda: w.vtoe_stats(1)[0]
+
+    def burst(counts: list[int]) -> list[str]:
+        w.lab.x(w.ns(1), "ip", "neigh", "flush", "to", overlay_ip(99), check=False)
+        progs = [w.popen(1, "python3", "-c", MANY_CONNECTS, overlay_ip(99), "7016", str(n), stdin=subprocess.PIPE,
+                         stderr=subprocess.PIPE) for n in counts]
+        for p in progs:
+            assert p.stdout.readline().strip() == "ready"
+        for p in progs:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=60) for p in progs]
+        for (out, _), n in zip(outs, counts):
+            assert out.strip() == f"['No route to host'] {n}", out
+        return [err for _, err in outs]
+
+    # One runner, 65 at once: the 65th is not offloaded (and fails as the
+    # kernel's own connect does), the 64 others are refused by vnetd.
+    err = burst([65])[0]
+    assert err.count("not offloaded: limit") == 1 and err.count("refused: ") == 64, err
+    assert c()["fallback_limit"] == 1 and c()["refused_unresolved"] == 64, c()
+    # Five runners, 52 each (each under its own bound): 256 are decided,
+    # 4 are not offloaded.
+    errs = burst([52] * 5)
+    assert sum(e.count("not offloaded: limit") for e in errs) == 4, errs
+    assert c()["fallback_limit"] == 5 and c()["refused_unresolved"] == 64 + 256 and c()["offers"] == 65 + 260, c()
+
+
+def test_a_runner_registers_1024_listeners_and_no_more(world):
+    """reliability.md: 1024 listeners per runner. A program under vtoe
+    listens on 1025 ports: each listen succeeds, 1024 are registered
+    (offloaded connections reach them), the 1025th is the guest kernel's
+    alone. Catches: the bound counted wrong by one (mutated to `>`: 1025
+    registered), or not enforced."""
+    w = world
+    code = ("import socket, sys\nls = []\nfor p in range(20000, 21025):\n"
+            " s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            " s.bind(('0.0.0.0', p)); s.listen(4); ls.append(s)\n"
+            "print('listening', flush=True)\nsys.stdin.readline()\n"
+            "for s in (ls[1023], ls[1024]):\n c, a = s.accept(); print(c.recv(10).decode(), flush=True)\n")
+    srv = w.lab.popen(w.ns(2), "prlimit", "--nofile=4096", *w.under(2, "python3", "-c", code), stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert srv.stdout.readline().strip() == "listening"
+    assert w.vtoe_stats(2)[0]["listeners"] == 1024
+    send = "import socket, sys\ns = socket.create_connection((sys.argv[1], int(sys.argv[2])))\ns.sendall(sys.argv[2].encode())\n"
+    last = w.x(1, "python3", "-c", send, w.ip(2), "21023", timeout=30)
+    beyond = w.x(1, "python3", "-c", send, w.ip(2), "21024", timeout=30)
+    assert "connect to" in last.stderr and f"{w.ip(2)}:21023 offloaded" in last.stderr, last.stderr
+    assert "not offloaded: no_listener" in beyond.stderr, beyond.stderr
+    srv.stdin.write("\n")
+    srv.stdin.flush()
+    out = finish(srv, 30)
+    assert "21023\n" in out and "21024\n" in out, out
+    assert w.vtoe_stats(2)[0]["offloaded_in"] == 1
+
+
 RUNNER_HELLO = bytes([1, 1])
 CLONE_NEWNET = 0x40000000
 
@@ -538,6 +717,187 @@ def test_a_route_deleted_aborts_the_offloaded_connections_it_carried(world):
     assert got[0].get("error") == "ECONNRESET" and "error" not in got[1], got
 
 
+def test_a_link_that_loses_its_vtoe_key_revokes_its_connections(world):
+    """vtoe.md "Changes follow": an offloaded connection stays only while
+    its link carries a VTOE key. There is no LINK SET: a link loses its key
+    by being replaced, here in one request, with the same address, name and
+    routes. Catches: revalidation that only asks whether some route still
+    carries the guest's frames (Decision::holds without the same-link and
+    key conditions), which the route-deleted test does not; and, on the
+    Ethernet path afterwards, a replaced fast-path link that lost its
+    sender-address entry to the old one (commit 89a5088: the plain
+    connection then hung, its peer's segments dropped as corrupt)."""
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7014", "2")
+    wait_listening(w.lab, w.ns(2), 7014)
+    code = ("import socket, sys, errno\ns = socket.create_connection((sys.argv[1], 7014))\ns.sendall(b'x')\n"
+            "print('connected', flush=True)\nsys.stdin.readline()\n"
+            "try:\n print('read', s.recv(10))\nexcept OSError as e:\n print(errno.errorcode[e.errno], flush=True)\n")
+    cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert cli.stdout.readline().strip() == "connected"
+    assert w.vtoe_stats(1)[0]["open"] == 1
+    routes = [f"any {guest_mac(g)} edge 198.18.0.2 any" for g in (2, 5)] + ["any ff:ff:ff:ff:ff:ff edge 198.18.0.2 interface"]
+    w.vnetd[1].ctl_file("".join(f"ROUTE DEL {r}\n" for r in routes) + "LINK DEL 198.18.0.2\nLINK ADD 198.18.0.2\n"
+                        + "".join(f"ROUTE ADD {r}\n" for r in routes))
+    assert " vtoe=" not in w.vnetd[1].ctl("LINK", "LIST").stdout.split("198.18.0.2")[0].splitlines()[-1]
+    # By the reply, the connection is gone: its program gets ECONNABORTED,
+    # its peer a reset.
+    c1, conns = w.vtoe_stats(1)
+    assert c1["revoked"] == 1 and not conns, (c1, conns)
+    cli.stdin.write("\n")
+    cli.stdin.flush()
+    assert cli.communicate(timeout=10)[0].strip() == "ECONNABORTED"
+    # New connections over that link take the Ethernet path, and work.
+    sent = w.x(1, "python3", PROBE, "client", w.ip(2), "7014", "1000", timeout=60)
+    assert "not offloaded: no_vtoe_link" in sent.stderr, sent.stderr
+    got = served(finish(srv))
+    assert got[0].get("error") == "ECONNRESET" and got[1]["bytes"] == 1000 and "error" not in got[1], got
+    assert w.vtoe_stats(1)[0]["fallback_no_vtoe_link"] == 1
+
+
+# For each line on stdin: a connection to argv[1]:argv[2] that sends the
+# line's number of bytes, half-closes and prints the answer.
+CONNECT_ON_DEMAND = r"""
+import socket, sys
+for line in sys.stdin:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+    s.sendall(b"z" * int(line))
+    s.shutdown(socket.SHUT_WR)
+    print(s.recv(200).decode(), flush=True)
+    s.close()
+"""
+
+
+def test_a_runner_whose_vnetd_is_away_takes_the_ethernet_path_until_it_is_back(world):
+    """vtoe.md "vnetd restarts": a runner whose vnetd went away lets new
+    connections take the Ethernet path, and offloads again once vnetd is
+    back. h1's vnetd is killed and started again without VTOE (so the
+    Ethernet path runs, and the runner finds no VTOE socket), then with it.
+    Catches: a runner that fails connects while vnetd is away (mutated to
+    answer ECONNREFUSED: the second connection failed), or that does not
+    look for vnetd again."""
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7017", "3")
+    wait_listening(w.lab, w.ns(2), 7017)
+    cli = w.popen(1, "python3", "-c", CONNECT_ON_DEMAND, w.ip(2), "7017", stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def connect(n: int) -> str:
+        cli.stdin.write(f"{n}\n")
+        cli.stdin.flush()
+        return cli.stdout.readline().strip()
+
+    assert connect(100).startswith("100 ")
+    assert w.vtoe_stats(1)[0]["offloaded_out"] == 1 and w.vtoe_stats(2)[0]["offloaded_in"] == 1
+    w.vnetd[1].stop(signal.SIGKILL)
+    plain = w.lab.start_vnetd(w.hosts[1], host_config(1, w.guest_namespaces))
+    assert "vtoe enabled=no" in plain.ctl("SHOW").stdout
+    # vnetd is away for the runner: the connection is a plain one, whole.
+    assert connect(200).startswith("200 ")
+    assert w.vtoe_stats(2)[0]["offloaded_in"] == 1 and w.vtoe_stats(2)[0]["runners"] == 1
+    # VTOE back: the runner finds it again by itself (it looks every second).
+    plain.stop()
+    w.vnetd[1] = w.start(1)
+    assert wait_until(lambda: w.vtoe_stats(1)[0]["runners"] == 1, timeout=10), w.vtoe_stats(1)
+    assert connect(300).startswith("300 ")
+    assert w.vtoe_stats(1)[0]["offloaded_out"] == 1 and w.vtoe_stats(2)[0]["offloaded_in"] == 2
+    cli.stdin.close()
+    assert cli.wait(timeout=10) == 0
+    got = served(finish(srv))
+    assert [g["bytes"] for g in got] == [100, 200, 300] and not any("error" in g for g in got), got
+
+
+def test_static_binaries_and_nested_runners_are_offloaded(world):
+    """vtoe.md "What escapes interception": static binaries are not an
+    escape (seccomp sees system calls, not library calls), and a vtoe under
+    another vtoe runs its program as is, served by the outer runner. A
+    static busybox nc connects and listens under vtoe; a program under two
+    runners connects. Fails if a static binary's connect or listen escapes
+    interception (as it would a preload library's); catches a nested runner
+    that fails instead of running its program (mutated so: exit 127)."""
+    w = world
+    busybox = shutil.which("busybox")
+    ldd = subprocess.run(["ldd", busybox], capture_output=True, text=True)
+    assert "not a dynamic executable" in ldd.stdout + ldd.stderr, ldd
+    # A static client.
+    srv = w.popen(2, "python3", PROBE, "serve", "7018", "2")
+    wait_listening(w.lab, w.ns(2), 7018)
+    nc = w.lab.popen(w.ns(1), *w.under(1, busybox, "nc", w.ip(2), "7018"), stdin=subprocess.PIPE,
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = nc.communicate("static\n", timeout=30)
+    assert f"connect to {w.ip(2)}:7018 offloaded" in err, err
+    # Nested: the inner runner sees the filter already there and runs its
+    # program as is; the outer runner offloads its connection.
+    r = w.x(1, *w.under(1, "python3", PROBE, "client", w.ip(2), "7018", "1000"), timeout=60)  # vtoe vtoe python3 ...
+    assert "already under a vtoe runner, running as is" in r.stderr, r.stderr
+    assert r.stderr.count(f"connect to {w.ip(2)}:7018 offloaded") == 1, r.stderr
+    res = json.loads(r.stdout.splitlines()[0])
+    assert res["answer"] == res["expect"], res
+    got = served(finish(srv))
+    assert [g["bytes"] for g in got] == [7, 1000] and got[0]["sha256"] == hashlib.sha256(b"static\n").hexdigest(), got
+    # A static listener.
+    lst = w.lab.popen(w.ns(2), *w.under(2, busybox, "nc", "-l", "-p", "7019"), stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True)
+    wait_listening(w.lab, w.ns(2), 7019)
+    w.x(1, "python3", "-c", "import socket, sys\ns = socket.create_connection((sys.argv[1], 7019))\ns.sendall(b'to busybox')",
+        w.ip(2), timeout=30)
+    out, err = lst.communicate(timeout=30)
+    assert out == "to busybox" and "offloaded connection from" in err, (out, err)
+    assert w.vtoe_stats(1)[0]["offloaded_out"] == 3 and w.vtoe_stats(2)[0]["offloaded_in"] == 3
+
+
+def test_no_key_is_revealed_and_vnetd_keeps_nothing_of_the_guests(world):
+    """vtoe.md's security table: "no key is revealed" and "no guest memory
+    mapped", as far as they can be seen from outside. While an offloaded
+    connection is open: the link's VTOE key appears in nothing vnetd
+    answers or logs, on either host, text or JSON, nor in what the runner
+    says; vnetd maps only its own binary and system libraries (nothing
+    shared: no memfd, no guest file), and keeps no descriptor of the socket
+    it handed over. Catches (each mutated so): the key shown with its name
+    in LINK LIST and SHOW; a shadow socket vnetd keeps after the handover."""
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7020", "1")
+    wait_listening(w.lab, w.ns(2), 7020)
+    code = ("import os, socket, sys\ns = socket.create_connection((sys.argv[1], 7020))\n"
+            "print(os.getpid(), s.fileno(), flush=True)\nsys.stdin.readline()\ns.sendall(b'k'); s.close()\n")
+    cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    pid, fd = cli.stdout.readline().split()
+    socket_inode = os.readlink(f"/proc/{pid}/fd/{fd}")
+    assert socket_inode.startswith("socket:["), socket_inode
+    assert w.vtoe_stats(1)[0]["open"] == 1 and w.vtoe_stats(2)[0]["open"] == 1
+    for h in (1, 2):
+        vp = w.vnetd[h].proc.pid
+        held = {os.readlink(f"/proc/{vp}/fd/{f}") for f in os.listdir(f"/proc/{vp}/fd")}
+        # (the program's socket is h1's; h2 handed over the far end)
+        assert socket_inode not in held and not any(x.startswith(("/proc/", "memfd:", "/dev/shm")) for x in held), held
+        mapped = {l.split(None, 5)[5] for l in Path(f"/proc/{vp}/maps").read_text().splitlines() if len(l.split(None, 5)) == 6}
+        own = str((BIN / "vnetd").resolve())
+        foreign = [m for m in mapped if not (m.startswith(("[", "/usr/lib/", "/lib/", "/lib64/", own)))]
+        assert not foreign, foreign
+    texts = []
+    for h in (1, 2):
+        for cmd in (["SHOW"], ["LINK", "LIST"], ["STATS"], ["-j", "SHOW"], ["-j", "LINK", "LIST"], ["-j", "STATS"]):
+            texts.append(w.vnetd[h].ctl(*cmd).stdout)
+    cli.stdin.write("\n")
+    cli.stdin.flush()
+    texts.append(cli.communicate(timeout=20)[1])
+    texts.append(finish(srv))
+    texts += [w.vnetd[h].log_text() for h in (1, 2)]
+    key = (w.lab.key_dir / "lab").read_text().strip()
+    for t in texts:
+        assert key[:16] not in t and key[-16:] not in t, t
+    assert "vtoe=lab" in texts[1]  # the key's name, as LINK LIST shows it
+
+
+def vtoe_cgroup(pid: int) -> Path:
+    """The cgroup (v2) process `pid` is in, as a directory of this process's
+    view of the cgroup2 tree (vnetd sees it at another mount point, in the
+    mount namespace of `ip netns exec`)."""
+    rel = next(l[3:] for l in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if l.startswith("0::"))
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    root = next(l.split(" - ")[0].split()[4] for l in mounts if l.split(" - ")[1].startswith("cgroup2 "))
+    return Path(root) / rel.lstrip("/")
+
+
 def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(world):
     w = world
     srv = w.popen(2, "python3", PROBE, "serve", "7013", "2")
@@ -549,6 +909,9 @@ def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(wo
             "try:\n s.connect(('127.0.0.1', 7999)); print('REACHED')\nexcept OSError as e:\n print(errno.errorcode[e.errno])\n")
     cli = w.popen(1, "python3", "-c", code, w.ip(2), stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert cli.stdout.readline().strip() == "connected"
+    # Each vnetd sits in a cgroup of its own, vnet-vtoe-<pid>.
+    old = {h: vtoe_cgroup(w.vnetd[h].proc.pid) for h in (1, 2)}
+    assert all(c.name == f"vnet-vtoe-{w.vnetd[h].proc.pid}" and c.is_dir() for h, c in old.items()), old
     # Both vnetds die at once, as hard as can be.
     for h in (1, 2):
         w.vnetd[h].stop(signal.SIGKILL)
@@ -565,6 +928,15 @@ def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(wo
     # and connections are offloaded again.
     for h in (1, 2):
         w.vnetd[h] = w.start(h)
+    # The new vnetds swept the cgroups of the killed ones (no process left
+    # in them; the guard's programs stay with the sockets) and made their
+    # own. Catches: M2 of the 2026-11-25 review (join_cgroup's sweep of
+    # vnet-vtoe-* removed: both old cgroups stay).
+    for h in (1, 2):
+        new = vtoe_cgroup(w.vnetd[h].proc.pid)
+        assert new.name == f"vnet-vtoe-{w.vnetd[h].proc.pid}" and new.is_dir(), new
+    left = [c for c in old.values() if c.exists()]
+    assert not left, f"cgroups of killed vnetds left behind: {left}"
     assert wait_until(lambda: w.vtoe_stats(2)[0].get("listeners") == 1, timeout=10), w.vtoe_stats(2)
     sent = w.x(1, "python3", PROBE, "client", w.ip(2), "7013", "1000", timeout=60)
     assert "offloaded" in sent.stderr, sent.stderr

@@ -2,8 +2,10 @@
 
 Built once and cached in target/guest/: Debian's kernel (the uncompressed
 vmlinux, which QEMU boots through its PVH entry in a few seconds under TCG)
-and an initramfs of busybox, the virtio-net modules and an init script that
-runs the commands given on the kernel command line.
+and an initramfs of busybox, the virtio-net modules, the host's ethtool (with
+the libraries it loads: busybox has none, and the driver's own counters, e.g.
+how often the guest kicked its transmit queue, are only in `ethtool -S`) and
+an init script that runs the commands given on the kernel command line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "target" / "guest"
 MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev", "virtio_pci",
            "failover", "net_failover", "virtio_net"]
+# Host programs copied in with the shared libraries `ldd` names for them.
+PROGRAMS = ["/usr/sbin/ethtool"]
 
 INIT = r"""#!/bin/busybox sh
 /bin/busybox mkdir -p /proc /sys /tmp /bin /sbin
@@ -31,8 +35,9 @@ INIT = r"""#!/bin/busybox sh
 /bin/busybox mount -t sysfs sys /sys
 /bin/busybox mount -t devtmpfs dev /dev
 /bin/busybox --install -s /bin
-for m in %(modules)s; do insmod /lib/$m.ko || echo "VNET-ERROR insmod $m"; done
 arg() { sed -n "s/.*vnet\.$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
+# A module's parameters, if any: vnet.<module>=<p1=v1,p2=v2>.
+for m in %(modules)s; do insmod /lib/$m.ko $(arg $m | tr , ' ') || echo "VNET-ERROR insmod $m"; done
 ip link set lo up
 ip link set eth0 up
 ip addr add "$(arg ip)" dev eth0
@@ -60,6 +65,25 @@ def _cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
     return bytes(out)
 
 
+def _programs() -> list[tuple[str, int, bytes]]:
+    """cpio entries for PROGRAMS (in /bin) and every library they load, at
+    the paths the dynamic loader looks for them (as on the host)."""
+    entries, dirs, libs = [], set(), set()
+    for prog in PROGRAMS:
+        entries.append((f"bin/{Path(prog).name}", 0o100755, Path(prog).read_bytes()))
+        out = subprocess.run(["ldd", prog], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            path = next((w for w in line.split() if w.startswith("/")), None)
+            if path:
+                libs.add(path)
+    for lib in sorted(libs):
+        parts = Path(lib).parts[1:]
+        for i in range(1, len(parts)):
+            dirs.add("/".join(parts[:i]))
+        entries.append(("/".join(parts), 0o100755, Path(lib).resolve().read_bytes()))
+    return [(d, 0o40755, b"") for d in sorted(dirs) if d != "lib"] + entries
+
+
 def _kernel_package() -> str:
     deps = subprocess.run(["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True,
                           check=True).stdout
@@ -72,7 +96,7 @@ def _kernel_package() -> str:
 
 def build() -> tuple[Path, Path]:
     """Returns (vmlinux, initramfs), building them if not cached."""
-    key = hashlib.sha256((INIT + " ".join(MODULES)).encode()).hexdigest()[:12]
+    key = hashlib.sha256((INIT + " ".join(MODULES + PROGRAMS)).encode()).hexdigest()[:12]
     vmlinux, initrd = CACHE / "vmlinux", CACHE / f"initramfs-{key}.cpio.gz"
     if vmlinux.exists() and initrd.exists():
         return vmlinux, initrd
@@ -100,6 +124,7 @@ def build() -> tuple[Path, Path]:
         entries.append(("init", 0o100755, (INIT % {"modules": " ".join(MODULES)}).encode()))
         for m in MODULES:
             entries.append((f"lib/{m}.ko", 0o100644, mods[m].read_bytes()))
+        entries += _programs()
         (CACHE / "initramfs.tmp").write_bytes(gzip.compress(_cpio_newc(entries), 1))
         (CACHE / "initramfs.tmp").rename(initrd)
         if not vmlinux.exists():
@@ -124,43 +149,66 @@ def qemu_command(tap: str, mac: str, ip_cidr: str, script: str, mem_mb: int = 25
 
 
 def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: int = 256,
-                            server: bool = False) -> list[str]:
+                            server: bool = False, module_args: dict[str, str] | None = None) -> list[str]:
     """QEMU (TCG) booting the guest on a vhost-user virtio-net device whose
     backend is at `sock`: QEMU connects there (and reconnects each second
     when the backend restarts), or with `server` listens there for the
     backend. Guest memory must be shared (memfd); `vectors=0` because QEMU
-    7.2 under TCG crashes setting up MSI-X for vhost-user."""
+    7.2 under TCG crashes setting up MSI-X for vhost-user. `module_args`:
+    parameters for the guest's modules, e.g. {"virtio_net": "napi_tx=0"}."""
     import base64
 
     vmlinux, initrd = build()
     b64 = base64.b64encode(script.encode()).decode()
+    mods = "".join(f" vnet.{m}={a.replace(' ', ',')}" for m, a in (module_args or {}).items())
     chardev = f"socket,id=c0,path={sock}," + ("server=on,wait=off" if server else "reconnect=1")
     return [
         "qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", str(mem_mb), "-smp", "1",
         "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio", "-no-reboot",
         "-object", f"memory-backend-memfd,id=mem,size={mem_mb}M,share=on", "-numa", "node,memdev=mem",
         "-kernel", str(vmlinux), "-initrd", str(initrd),
-        "-append", f"console=ttyS0 panic=-1 quiet vnet.ip={ip_cidr} vnet.script={b64}",
+        "-append", f"console=ttyS0 panic=-1 quiet vnet.ip={ip_cidr}{mods} vnet.script={b64}",
         "-chardev", chardev,
         "-netdev", "vhost-user,id=n0,chardev=c0",
         "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=",
     ]
 
 
-def exchange_script(n: int) -> str:
+# The guest's own counters, as `kicks=<n> irqs=<n>`: how often its driver
+# kicked the transmit queue (virtio_net's ethtool statistics) and the
+# interrupts its virtio device raised (/proc/interrupts; under TCG the device
+# has no MSI-X, vectors=0, so one line counts every queue's).
+COUNTS = r"""counts() {
+  k=$(ethtool -S eth0 | awk '/tx_queue_0_kicks:/ {print $2}')
+  i=$(grep virtio /proc/interrupts | awk '{for (f = 2; f <= NF; f++) if ($f ~ /^[0-9]+$/) s += $f} END {print s + 0}')
+  echo "kicks=$k irqs=$i"
+}
+"""
+
+
+def parse_counts(line: str) -> dict[str, int]:
+    """{"kicks": .., "irqs": ..} from a console line printed with counts()."""
+    return {k: int(v) for k, v in (w.split("=") for w in line.split() if "=" in w)}
+
+
+def exchange_script(n: int, counted: bool = False) -> str:
     """The VM's half of a two-way check with a namespace guest at
     198.19.0.1: ping it, send it `n` random bytes on port 5001, then take
     what it sends on 5002; the console says VNET-PING-OK, VNET-SUM-OUT <sha>,
-    VNET-SENT and VNET-SUM-IN <sha> <file> <bytes>."""
-    return f"""
+    VNET-SENT and VNET-SUM-IN <sha> <file> <bytes>. `counted`: also
+    VNET-COUNTS-{OUT,IN}-{BEFORE,AFTER} kicks=<n> irqs=<n> (COUNTS) just
+    before and after each direction's transfer (IN-BEFORE once it is about
+    to listen, before anything is sent to it)."""
+    c = (lambda tag: f'echo "VNET-COUNTS-{tag} $(counts)"\n') if counted else (lambda tag: "")
+    return (COUNTS if counted else "") + f"""
 ping -c 2 -W 2 198.19.0.1 >/dev/null && echo VNET-PING-OK
 head -c {n} /dev/urandom > /tmp/out
 echo "VNET-SUM-OUT $(sha256sum /tmp/out)"
-i=0
+{c("OUT-BEFORE")}i=0
 until nc 198.19.0.1 5001 < /tmp/out; do i=$((i+1)); [ $i -gt 50 ] && break; sleep 0.2; done
-echo VNET-SENT
-nc -l -p 5002 > /tmp/in
-echo "VNET-SUM-IN $(sha256sum /tmp/in) $(wc -c < /tmp/in)"
+{c("OUT-AFTER")}echo VNET-SENT
+{c("IN-BEFORE")}nc -l -p 5002 > /tmp/in
+{c("IN-AFTER")}echo "VNET-SUM-IN $(sha256sum /tmp/in) $(wc -c < /tmp/in)"
 """
 
 

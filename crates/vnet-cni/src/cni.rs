@@ -197,7 +197,7 @@ fn add(conf: &NetConf, env: &CniEnv) -> CniResult<Value> {
     let store = Store::new(&conf.state_dir);
     let _lock = store.lock()?;
     let ns = netns::resolve(sandbox, &names::netns_mount_name(&env.container_id, &env.ifname))?;
-    let mut undo = Undo { conf, bound: ns.bound.then(|| ns.name.clone()), interface: None, ipam: None };
+    let mut undo = Undo { conf, bound: ns.made.then(|| ns.name.clone()), interface: None, ipam: None };
     match add_steps(conf, env, &ns, mac, prev, &store, &mut undo) {
         Ok(v) => Ok(v),
         Err(e) => {
@@ -276,7 +276,9 @@ fn del(conf: &NetConf, env: &CniEnv) -> CniResult<()> {
 ///    routes and the veth pair). Named as recorded, or without a record as
 ///    ADD would have named it. If vnetd is down, the device in the
 ///    container's namespace is deleted directly (taking the host end with
-///    it), and the record goes, so that `restore` will not bring it back.
+///    it), and the record goes, so that `restore` will not bring it back;
+///    likewise if vnetd answers but does not hold it (restarted, not yet
+///    restored: the pair outlived the old vnetd).
 ///    If vnetd refuses, that is the error, and the record stays.
 /// 2. IPAM DEL (for GC, with `gc_env`: the stale attachment's variables).
 /// 3. The /run/netns bind mount, if the plugin made one.
@@ -295,7 +297,17 @@ fn remove(
     let mut keep_record = false;
 
     match delete_interface(&socket, &interface, record.as_ref().map(|r| r.mac.as_str())) {
-        Ok(()) => {}
+        Ok(true) => {}
+        Ok(false) => {
+            // vnetd does not hold it: it restarted and `restore` has not run
+            // (yet). The veth pair outlived the old vnetd, so it goes as
+            // when vnetd is down.
+            if let Some(r) = &record {
+                if let Err(e) = delete_device(r) {
+                    errors.push(CniError::new(code::CONTAINER_SETUP, e));
+                }
+            }
+        }
         Err(VnetdError::Refused(m)) => {
             keep_record = true;
             errors.push(CniError::from(VnetdError::Refused(m)));
@@ -340,15 +352,16 @@ fn remove(
 
 /// `INTERFACE DEL` of the attachment's interface, if vnetd holds it (and,
 /// when the record says which MAC, with that MAC: another's is left alone).
-fn delete_interface(socket: &std::path::Path, name: &str, mac: Option<&str>) -> Result<(), VnetdError> {
+/// `Ok(false)`: vnetd holds no interface of that name.
+fn delete_interface(socket: &std::path::Path, name: &str, mac: Option<&str>) -> Result<bool, VnetdError> {
     let mut v = Vnetd::connect(socket)?;
     match v.interface(name)? {
-        None => Ok(()),
+        None => Ok(false),
         Some(i) if mac.is_some_and(|m| m != i.mac) => {
             eprintln!("vnet-cni: vnetd's interface {name} has MAC {}, not the recorded {}: left alone", i.mac, mac.unwrap_or(""));
-            Ok(())
+            Ok(true)
         }
-        Some(_) => v.request(&format!("INTERFACE DEL {name}\n")).map(drop),
+        Some(_) => v.request(&format!("INTERFACE DEL {name}\n")).map(|_| true),
     }
 }
 

@@ -30,6 +30,10 @@ pub struct Netns {
     pub name: String,
     /// The plugin bind-mounted it there (and DEL unmounts it).
     pub bound: bool,
+    /// This call made that mount: a failed ADD takes back only a mount it
+    /// made, never the one an earlier ADD of the attachment made and still
+    /// uses (a second ADD of an existing attachment changes nothing).
+    pub made: bool,
 }
 
 pub fn path_of(name: &str) -> PathBuf {
@@ -60,18 +64,18 @@ pub fn resolve(cni_netns: &str, mount_name: &str) -> CniResult<Netns> {
         return Err(CniError::new(code::INVALID_ENV, format!("CNI_NETNS {cni_netns} is not a network namespace")));
     }
     if let Some(name) = named(cni_netns) {
-        return Ok(Netns { name: name.to_string(), bound: false });
+        return Ok(Netns { name: name.to_string(), bound: false, made: false });
     }
     let target = path_of(mount_name);
     let setup = CniError::new(code::CONTAINER_SETUP, format!("cannot bind-mount {cni_netns} to {}", target.display()));
     if is_netns(&target) {
         if same_file(path, &target) {
-            return Ok(Netns { name: mount_name.to_string(), bound: true }); // a retried ADD
+            return Ok(Netns { name: mount_name.to_string(), bound: true, made: false }); // a retried ADD
         }
         unbind(mount_name).map_err(|e| setup.clone().with_details(e))?;
     }
     bind(path, &target).map_err(|e| setup.with_details(e))?;
-    Ok(Netns { name: mount_name.to_string(), bound: true })
+    Ok(Netns { name: mount_name.to_string(), bound: true, made: true })
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {

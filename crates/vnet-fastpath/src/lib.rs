@@ -275,7 +275,16 @@ pub struct LinkEntry {
 impl Drop for LinkEntry {
     fn drop(&mut self) {
         let _ = self.kernel.links.delete(bytes_of(&self.id));
-        let _ = self.kernel.link_addrs.delete(bytes_of(&self.addr));
+        // The address is this link's only if no later link took it: a link
+        // replaced by one to the same peer (in one request, or while a
+        // dispatcher still held the old one) must not lose the new link's
+        // entry, or its datagrams reach vnetd's socket with their checksums
+        // unfinished instead of going round the finishing pair.
+        if let Ok(Some(v)) = self.kernel.link_addrs.lookup(bytes_of(&self.addr), MapFlags::ANY) {
+            if v == bytes_of(&self.id) {
+                let _ = self.kernel.link_addrs.delete(bytes_of(&self.addr));
+            }
+        }
         self.kernel.release_underlay(self.underlay);
     }
 }

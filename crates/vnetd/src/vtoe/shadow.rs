@@ -7,14 +7,15 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, SocketAddrV4, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use vnet_core::linkauth::{self, Nonce, VTOE};
 use vnet_core::vtoe::{self as proto, HandshakeError, Reason, Request, Verdict};
 
 /// How long the peer's VTOE port may take to answer: beyond it the guest's
 /// connection takes the Ethernet path.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// A handshake must finish within this.
+/// A handshake must finish within this, as a whole: a peer that trickles
+/// its messages a byte at a time holds it no longer than one that stalls.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn nonce() -> io::Result<Nonce> {
@@ -54,10 +55,31 @@ impl Shadow {
     }
 }
 
-fn handshake_io(stream: &TcpStream) -> io::Result<()> {
+fn handshake_io(stream: &TcpStream) -> io::Result<Instant> {
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    stream.set_nodelay(true)
+    stream.set_nodelay(true)?;
+    Ok(Instant::now() + HANDSHAKE_TIMEOUT)
+}
+
+/// Fills `buf` from the stream by `deadline` (each read waits only what is
+/// left of it).
+fn read_by(stream: &TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "handshake not finished in time"));
+        }
+        stream.set_read_timeout(Some(left))?;
+        match (&*stream).read(&mut buf[got..]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// Initiator: opens a shadow connection to the vnetd at `peer` for `req`,
@@ -79,16 +101,16 @@ pub fn open(peer: SocketAddrV4, key: &[u8], req: &Request) -> Result<Shadow, Rea
             HandshakeError::Malformed(_) => Reason::Protocol,
         }
     };
-    handshake_io(&stream).map_err(io_err)?;
+    let deadline = handshake_io(&stream).map_err(io_err)?;
     let mut s = &stream;
     let nonce_i = nonce().map_err(io_err)?;
     s.write_all(&linkauth::hello(&VTOE, &nonce_i)).map_err(io_err)?;
     let mut ch = [0u8; linkauth::CHALLENGE_LEN];
-    s.read_exact(&mut ch).map_err(io_err)?;
+    read_by(&stream, &mut ch, deadline).map_err(io_err)?;
     let (nonce_r, msg) = proto::request_msg(key, &nonce_i, &ch, req).map_err(auth_err)?;
     s.write_all(&msg).map_err(io_err)?;
     let mut v = [0u8; proto::VERDICT_MSG_LEN];
-    s.read_exact(&mut v).map_err(io_err)?;
+    read_by(&stream, &mut v, deadline).map_err(io_err)?;
     proto::read_verdict(key, &nonce_i, &nonce_r, req, &v).map_err(auth_err)??;
     let shadow = Shadow::new(stream).map_err(io_err)?;
     shadow.settle().map_err(io_err)?;
@@ -112,15 +134,15 @@ impl Incoming {
             tracing::info!(?peer, "VTOE: incoming handshake failed: {e}");
             Reason::Protocol
         };
-        handshake_io(&stream).map_err(io_err)?;
+        let deadline = handshake_io(&stream).map_err(io_err)?;
         let mut s = &stream;
         let mut hello = [0u8; linkauth::HELLO_LEN];
-        s.read_exact(&mut hello).map_err(io_err)?;
+        read_by(&stream, &mut hello, deadline).map_err(io_err)?;
         let nonce_i = linkauth::read_hello(&VTOE, &hello).map_err(|_| Reason::PeerAuth)?;
         let nonce_r = nonce().map_err(io_err)?;
         s.write_all(&linkauth::challenge(&VTOE, key, &nonce_i, &nonce_r)).map_err(io_err)?;
         let mut msg = [0u8; proto::REQUEST_MSG_LEN];
-        s.read_exact(&mut msg).map_err(io_err)?;
+        read_by(&stream, &mut msg, deadline).map_err(io_err)?;
         let req = proto::read_request(key, &nonce_i, &nonce_r, &msg).map_err(|e| {
             tracing::warn!(?peer, "VTOE: incoming request refused: {e}");
             match e {

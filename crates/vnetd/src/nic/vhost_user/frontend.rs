@@ -272,6 +272,11 @@ impl VhostUserBackendReqHandlerMut for Frontend {
         r.enabled = enable;
         if enable {
             self.start(index, &mut r);
+            // Frames the guest queued while the ring was disabled: their
+            // kicks were consumed then, so the dispatcher is told to look.
+            if index as usize == TX && r.running() {
+                self.shared.poke();
+            }
         }
         Ok(())
     }
