@@ -441,3 +441,7 @@ impl Store {
             .collect()
     }
 }
+
+#[cfg(test)]
+#[path = "store_tests.rs"]
+mod tests;
