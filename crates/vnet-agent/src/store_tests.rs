@@ -13,7 +13,6 @@
 //! back to the old host).
 
 use super::*;
-use crate::EtcdArgs;
 use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -70,17 +69,10 @@ impl Drop for Etcd {
     }
 }
 
-fn args(url: &str, host: &str) -> Args {
-    Args {
-        etcd: EtcdArgs { endpoints: vec![url.to_string()], prefix: "/vnet".into(), cacert: None, cert: None, key: None },
-        host: host.into(),
-        underlay: "198.18.0.1".parse().expect("an address"),
-        port: 9000,
-        socket: "/nonexistent/vnetd.sock".into(),
-        ttl: 5,
-        interval_ms: 100,
-        traffic_s: 0,
-    }
+/// A store for host `host` on the etcd at `url`.
+fn store(url: &str, host: &str) -> Store {
+    let etcd = EtcdArgs { endpoints: vec![url.to_string()], prefix: "/vnet".into(), cacert: None, cert: None, key: None };
+    Store::new(&etcd, Registration { host: host.into(), underlay: "198.18.0.1".parse().expect("an address"), port: 9000, ttl: 5 })
 }
 
 /// This host's interfaces, as `publish` takes them: MAC -> (vnetd id, network).
@@ -106,13 +98,13 @@ fn an_old_hosts_late_delete_or_write_fails_instead_of_undoing_a_migration() {
         let (m1, m2) = ("02:00:00:00:00:0c", "02:00:00:00:00:0d");
         // Host h2 has both guests; then both move to h3, whose claims come
         // after h2's (seq 2). h2's agent has not read its watch since.
-        let mut old = Store::new(&args(&etcd.url, "h2"));
+        let mut old = store(&etcd.url, "h2");
         old.maintain().await;
         old.publish(&ifaces(&[(m1, 1), (m2, 2)])).await;
         for m in [m1, m2] {
             assert_eq!(guest(&mut c, m).await.map(|g| (g.0, g.1)), Some(("h2".into(), 1)), "h2 published {m}");
         }
-        let mut new = Store::new(&args(&etcd.url, "h3"));
+        let mut new = store(&etcd.url, "h3");
         new.maintain().await;
         new.publish(&ifaces(&[(m1, 7), (m2, 8)])).await;
         let moved = |g: Option<(String, u64, i64)>| g.map(|g| (g.0, g.1)) == Some(("h3".into(), 2));
