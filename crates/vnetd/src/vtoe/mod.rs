@@ -64,29 +64,36 @@ pub struct Config {
 
 const N: usize = Reason::ALL.len();
 
+crate::stats::counter_set! {
+    /// What VTOE did, for `STATS vtoe`.
+    pub struct Events {
+        /// Connections guests asked to offload.
+        offers,
+        /// Offloaded: outgoing (ours connected), incoming (ours accepted).
+        offloaded_out,
+        offloaded_in,
+        /// Offloaded connections aborted because a change made their decision
+        /// untrue (the routes, the interface or the link's key went).
+        revoked,
+        /// Runners that connected (guests recognised), and those refused.
+        runners,
+        runners_not_guest,
+        /// Runner messages that did not parse (the runner is dropped).
+        bad_messages,
+        /// Interface ioctls the runners refused on offloaded sockets.
+        runner_refused_ioctl,
+    }
+}
+
 #[derive(Default)]
 pub struct Counters {
-    /// Runners that connected (guests recognised), and those refused.
-    pub runners: AtomicU64,
-    pub runners_not_guest: AtomicU64,
-    /// Connections guests asked to offload.
-    pub offers: AtomicU64,
-    /// Offloaded: outgoing (ours connected), incoming (ours accepted).
-    pub offloaded_out: AtomicU64,
-    pub offloaded_in: AtomicU64,
+    pub events: Events,
     /// Not offloaded, by reason: the connection took the Ethernet path.
     pub fallback: [AtomicU64; N],
     /// Refused, by reason: the program's connect failed as the kernel's would.
     pub refused: [AtomicU64; N],
     /// Incoming shadow connections declined, by reason.
     pub declined: [AtomicU64; N],
-    /// Runner messages that did not parse (the runner is dropped).
-    pub bad_messages: AtomicU64,
-    /// Interface ioctls the runners refused on offloaded sockets.
-    pub runner_refused_ioctl: AtomicU64,
-    /// Offloaded connections aborted because a change made their decision
-    /// untrue (the routes, the interface or the link's key went).
-    pub revoked: AtomicU64,
 }
 
 /// An offloaded connection vnetd handed over.
@@ -198,12 +205,12 @@ impl Vtoe {
     /// `src` -> `dst`: decide, and open the shadow connection. Returns the
     /// answer and, when offloaded, the socket to hand over.
     fn offer(&self, runner: &Arc<Runner>, id: u32, src: SocketAddrV4, dst: SocketAddrV4) -> (FromVnetd, Option<OwnedFd>) {
-        self.counters.offers.fetch_add(1, Relaxed);
+        self.counters.events.offers.fetch_add(1, Relaxed);
         match self.try_offer(runner, src, dst) {
             Ok(Offloaded { shadow, ends, iface, decision }) => {
                 let fd: OwnedFd = shadow.stream.into();
                 let cookie = self.record(&fd, ends, iface, true, runner, runner.ns.cookie, decision);
-                self.counters.offloaded_out.fetch_add(1, Relaxed);
+                self.counters.events.offloaded_out.fetch_add(1, Relaxed);
                 (FromVnetd::Connected { id, cookie, local: ends.overlay_local, peer: ends.overlay_peer }, Some(fd))
             }
             Err(Outcome::Fallback(reason)) => {
@@ -339,7 +346,7 @@ impl Vtoe {
         let fd: OwnedFd = shadow.stream.into();
         let decision = Decision { origin: Port::Link(link.id), src: req.src_mac, dst: req.dst_mac, dest: Port::Interface(iface_id) };
         let cookie = self.record(&fd, ends, iface, false, &runner, netns, decision);
-        self.counters.offloaded_in.fetch_add(1, Relaxed);
+        self.counters.events.offloaded_in.fetch_add(1, Relaxed);
         let msg = FromVnetd::Incoming { listener, cookie, local: ends.overlay_local, peer: ends.overlay_peer };
         if let Err(e) = runner.send(&msg, Some(fd.as_fd())) {
             // The program stopped listening as it arrived: its peer sees the
@@ -400,7 +407,7 @@ impl Vtoe {
         for (cookie, e) in stale {
             match diag::destroy(cookie, e.host_local, e.host_peer) {
                 Ok(()) => {
-                    self.counters.revoked.fetch_add(1, Relaxed);
+                    self.counters.events.revoked.fetch_add(1, Relaxed);
                     tracing::info!("VTOE: connection {}->{} aborted: the change no longer carries it", e.overlay_local, e.overlay_peer);
                 }
                 Err(e) => tracing::warn!("VTOE: cannot abort connection {cookie}: {e}"),
@@ -465,19 +472,9 @@ impl Vtoe {
         let live = self.sweep();
         let c = &self.counters;
         let reg = self.lock();
-        let mut line = format!(
-            "vtoe offers={} offloaded_out={} offloaded_in={} open={} revoked={} listeners={} runners={} runners_not_guest={} bad_messages={} runner_refused_ioctl={}",
-            c.offers.load(Relaxed),
-            c.offloaded_out.load(Relaxed),
-            c.offloaded_in.load(Relaxed),
-            reg.conns.len(),
-            c.revoked.load(Relaxed),
-            reg.listeners.values().filter(|w| w.strong_count() > 0).count(),
-            c.runners.load(Relaxed),
-            c.runners_not_guest.load(Relaxed),
-            c.bad_messages.load(Relaxed),
-            c.runner_refused_ioctl.load(Relaxed),
-        );
+        let mut line = String::from("vtoe");
+        c.events.render_into(&mut line);
+        line.push_str(&format!(" open={} listeners={}", reg.conns.len(), reg.listeners.values().filter(|w| w.strong_count() > 0).count()));
         for (name, v) in guard::COUNTER_NAMES.iter().zip(self.guard.counters()) {
             line.push_str(&format!(" guard_{name}={v}"));
         }

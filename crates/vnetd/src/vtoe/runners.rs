@@ -123,7 +123,7 @@ fn recv(sock: &Socket) -> Option<Result<ToVnetd, String>> {
 fn session(vtoe: Arc<Vtoe>, sock: Socket) {
     let _ = sock.set_write_timeout(Some(Duration::from_secs(1)));
     let Some(ns) = identify(&vtoe, &sock) else {
-        vtoe.counters.runners_not_guest.fetch_add(1, Relaxed);
+        vtoe.counters.events.runners_not_guest.fetch_add(1, Relaxed);
         tracing::info!("VTOE: a runner from a namespace with no interface of this vnetd: refused");
         let msg = FromVnetd::NotGuest.encode();
         let _ = sock.send(&msg);
@@ -136,7 +136,7 @@ fn session(vtoe: Arc<Vtoe>, sock: Socket) {
             return;
         }
         _ => {
-            vtoe.counters.bad_messages.fetch_add(1, Relaxed);
+            vtoe.counters.events.bad_messages.fetch_add(1, Relaxed);
             return;
         }
     }
@@ -144,13 +144,13 @@ fn session(vtoe: Arc<Vtoe>, sock: Socket) {
     if runner.send(&FromVnetd::Welcome { version: VERSION }, None).is_err() {
         return;
     }
-    vtoe.counters.runners.fetch_add(1, Relaxed);
+    vtoe.counters.events.runners.fetch_add(1, Relaxed);
     tracing::debug!(ns = %runner.ns.name, "VTOE: runner connected");
     while let Some(m) = recv(&runner.sock) {
         let m = match m {
             Ok(m) => m,
             Err(e) => {
-                vtoe.counters.bad_messages.fetch_add(1, Relaxed);
+                vtoe.counters.events.bad_messages.fetch_add(1, Relaxed);
                 tracing::warn!(ns = %runner.ns.name, "VTOE: runner sent a bad message ({e}): session ended");
                 break;
             }
@@ -159,7 +159,7 @@ fn session(vtoe: Arc<Vtoe>, sock: Socket) {
             ToVnetd::Connect { id, src, dst } => {
                 if runner.in_flight.fetch_add(1, Relaxed) >= MAX_IN_FLIGHT {
                     runner.in_flight.fetch_sub(1, Relaxed);
-                    vtoe.counters.offers.fetch_add(1, Relaxed);
+                    vtoe.counters.events.offers.fetch_add(1, Relaxed);
                     vtoe.counters.fallback[Reason::Limit.index()].fetch_add(1, Relaxed);
                     let _ = runner.send(&FromVnetd::Fallback { id, reason: Reason::Limit }, None);
                     continue;
@@ -174,7 +174,7 @@ fn session(vtoe: Arc<Vtoe>, sock: Socket) {
                 });
                 if !taken {
                     runner.in_flight.fetch_sub(1, Relaxed);
-                    vtoe.counters.offers.fetch_add(1, Relaxed);
+                    vtoe.counters.events.offers.fetch_add(1, Relaxed);
                     vtoe.counters.fallback[Reason::Limit.index()].fetch_add(1, Relaxed);
                     let _ = runner.send(&FromVnetd::Fallback { id, reason: Reason::Limit }, None);
                 }
@@ -189,10 +189,10 @@ fn session(vtoe: Arc<Vtoe>, sock: Socket) {
             }
             ToVnetd::Unlisten { addr } => vtoe.unlisten(&runner, addr),
             ToVnetd::RefusedIoctl => {
-                vtoe.counters.runner_refused_ioctl.fetch_add(1, Relaxed);
+                vtoe.counters.events.runner_refused_ioctl.fetch_add(1, Relaxed);
             }
             ToVnetd::Hello { .. } => {
-                vtoe.counters.bad_messages.fetch_add(1, Relaxed);
+                vtoe.counters.events.bad_messages.fetch_add(1, Relaxed);
                 break;
             }
         }
