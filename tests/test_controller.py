@@ -14,6 +14,7 @@ with `INTERFACE ADD ... network <name>`, and the agents derive the rest.
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import signal
@@ -202,17 +203,33 @@ def test_a_users_routes_stay_and_the_agent_fills_in_around_them(overlay):
 
 def test_an_agent_killed_is_withdrawn_after_its_lease_and_comes_back_restarted(overlay):
     o = overlay
+    # A second guest of network a on host 3: host 3's own vnetd then has
+    # frames of its own to carry, guest to guest, while its agent is dead.
+    o.add_guest(3, 33, "a")
     converged(o)
-    assert o.ping(11, 13)
+    assert wait_until(lambda: any(f"{mac(13)} {mac(33)} interface {mac(33)}" in r for r in o.routes(3)), timeout=10)
+    assert o.ping(11, 13) and o.ping(13, 33)
+    pinger = o.lab.popen(o.guest_ns[13], "ping", "-n", "-q", "-i", "0.1", "-w", "60", overlay_ip(33),
+                         stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
     o.agents[3].kill()
     o.agents[3].wait()
     killed = time.monotonic()
     assert wait_until(lambda: not o.routed(1, 13) and not o.routed(2, 13), timeout=TTL + 8)
     took = time.monotonic() - killed
-    assert took >= TTL - 0.5, f"withdrawn after {took:.1f} s, before the {TTL} s lease ran out"
+    # The agent renews its lease every third of the TTL (and passes every
+    # 100 ms), so the lease can run out two thirds of a TTL after the kill,
+    # no earlier (1.4 s was seen with TTL 2 s).
+    assert took >= TTL * 2 / 3 - 0.2, f"withdrawn after {took:.1f} s, before the {TTL} s lease could run out"
     assert "name=agent.h3" not in o.d[1].ctl("LINK", "LIST").stdout
-    # Host 3's own vnetd keeps forwarding meanwhile: its routes are untouched.
-    assert o.routed(3, 11)
+    # Host 3's own vnetd kept forwarding meanwhile, its agent dead past its
+    # lease: every ping between its two guests, sent from before the kill
+    # until after the withdrawal, came back.
+    time.sleep(0.5)
+    pinger.send_signal(signal.SIGINT)
+    out = pinger.communicate(timeout=10)[0]
+    sent = int(out.split(" packets transmitted")[0].split()[-1])
+    assert " 0% packet loss" in out and sent >= 10 * (TTL - 0.5), out
     o.start_agent(3)
     converged(o)
     assert o.ping(11, 13, count=2)
@@ -220,7 +237,12 @@ def test_an_agent_killed_is_withdrawn_after_its_lease_and_comes_back_restarted(o
 
 def test_a_guest_migrated_under_an_open_tcp_connection_is_rerouted_everywhere(overlay):
     o = overlay
+    # Host 2 keeps a member of network a after g12 leaves (g32): every host
+    # then has a route to g12 to change.
+    o.add_guest(2, 32, "a")
     converged(o)
+    assert wait_until(lambda: any(f"{mac(32)} {mac(12)} interface {mac(12)}" in r for r in o.routes(2))
+                      and o.routed(1, 32), timeout=10)
     # A TCP connection g11 -> g12 (network a), bytes flowing both ways.
     srv = o.lab.popen(o.guest_ns[12], "python3", "-c", ECHO, overlay_ip(12), stdout=subprocess.PIPE, text=True)
     assert srv.stdout.readline().strip() == "listening"
@@ -231,18 +253,29 @@ def test_a_guest_migrated_under_an_open_tcp_connection_is_rerouted_everywhere(ov
     o.d[2].ctl("INTERFACE", "DEL", "g12", "detach")
     moved = time.monotonic()
     o.d[3].ctl("INTERFACE", "ADD", "g12", mac(12), "netns", o.guest_ns[12], "network", "a")
-    ok = lambda: (any(f"{mac(11)} {mac(12)} edge agent.h3" in r for r in o.routes(1))
-                  and not any(mac(12) in r for r in o.routes(2) if "edge agent" in r and "owner agent" in r and mac(11) in r))
-    assert wait_until(ok, timeout=10), o.log(1) + o.log(2) + o.log(3)
+    # Routed to its new host on every host: host 1's and host 2's guests of
+    # network a reach it over the link to host 3; host 3 delivers it to its
+    # interface, from its own guest and from the links. Catches a host that
+    # does not follow (shown with host 2's agent stopped: host 2 had no route
+    # to g12 at all).
+    def to_g12(i):
+        return {(f[2], f"{f[4]} {f[5]}") for f in (x.split() for x in o.routes(i)) if f[3] == mac(12)}
+    want = {1: {(mac(11), "edge agent.h3")}, 2: {(mac(32), "edge agent.h3")},
+            3: {(mac(13), f"interface {mac(12)}"), ("any", f"interface {mac(12)}")}}
+    rerouted = lambda: all(to_g12(i) == want[i] for i in o.hosts)
+    assert wait_until(rerouted, timeout=10, interval=0.01), {i: to_g12(i) for i in o.hosts}
     reroute = time.monotonic() - moved
     assert o.ping(11, 12), "g12 reachable at its new host"
     assert o.ping(13, 12), "and from its new neighbour"
+    assert o.ping(32, 12), "and from its old one"
     out = cli.communicate(timeout=30)[0]
     srv.wait(timeout=10)
     assert "ok" in out, out
     # The guest's key now names host 3, with a higher sequence.
     val = o.etcdctl("get", f"/vnet/guests/{mac(12)}", "--print-value-only").stdout
     assert '"host":"h3"' in val and '"seq":2' in val, val
+    # A measured figure (docs/controller.md), not a pass/fail bound: the
+    # agents' 100 ms pass and the polling above are in it.
     print(f"re-routed on every host {reroute * 1000:.0f} ms after the INTERFACE ADD")
 
 
@@ -308,9 +341,18 @@ def test_the_overlay_and_its_traffic_matrix_are_shown_from_etcd(overlay):
     assert "network a guests=3" in text and "traffic between hosts" in text, text
 
 
+def leases(o: Overlay) -> dict[str, int]:
+    """Every host and guest key in etcd, with the lease it is on."""
+    kvs = json.loads(o.etcdctl("get", "--prefix", "/vnet/", "-w", "json").stdout).get("kvs", [])
+    keys = {base64.b64decode(kv["key"]).decode(): kv.get("lease", 0) for kv in kvs}
+    return {k: v for k, v in keys.items() if k.startswith(("/vnet/hosts/", "/vnet/guests/"))}
+
+
 def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(overlay):
     o = overlay
     converged(o)
+    before = leases(o)
+    assert all(before.get(f"/vnet/guests/{mac(n)}") == before[f"/vnet/hosts/h{h}"] != 0 for h, n, _ in GUESTS), before
     o.etcd.terminate()
     o.etcd.wait(timeout=10)
     # etcd gone: forwarding goes on, within networks only, for longer than the leases.
@@ -326,6 +368,20 @@ def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(o
     o.start_etcd()
     wait_until(lambda: o.etcdctl("endpoint", "health", check=False).returncode == 0, timeout=20)
     assert wait_until(lambda: o.routed(1, 22) and o.routed(3, 22), timeout=15), o.log(1)
+
+    # Each agent's lease was lost meanwhile: it was granted a new one and
+    # wrote every claim again under it, the old ones too (not only g22's).
+    # Catches claims not written again (mutated so in store.rs: the old
+    # guests' keys stayed on the old leases, and went with them).
+    def republished():
+        now = leases(o)
+        return all(now.get(f"/vnet/guests/{mac(n)}") == now.get(f"/vnet/hosts/h{h}") not in (None, before[f"/vnet/hosts/h{h}"])
+                   for h, n, _ in GUESTS + [(2, 22, "b")])
+    assert wait_until(republished, timeout=15), (before, leases(o))
+    # Past the old leases' TTL (etcd restored them, and expires them), every
+    # claim is still there.
+    time.sleep(TTL + 1)
+    assert republished(), (before, leases(o))
     assert o.ping(22, 21, count=2) and o.ping(23, 22)
     assert not o.ping(22, 11)
     # A compaction of everything so far, under the agents' watches; then a
