@@ -51,8 +51,12 @@ struct Claim {
     /// made again only by a new interface with the MAC.
     iface: u32,
     network: String,
-    /// The revision our write got, once written.
+    /// The revision our write got, once written (under this lease).
     written: Option<i64>,
+    /// The seq of our last write of it, under any lease: a key of another
+    /// host with a higher one is a later claim, even once our lease (and
+    /// with it `written`) is gone.
+    seq: Option<u64>,
     /// Another host claimed the MAC after us.
     lost: bool,
 }
@@ -169,10 +173,11 @@ impl Store {
             let key = key(&self.etcd.prefix, "hosts", &self.me.host);
             client.put(key, v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
-            // Our claims are to be written again under the new lease.
+            // Our claims are to be written again under the new lease; one
+            // lost to another host's later claim stays lost (it is made
+            // again only when that claim's key goes, as ever).
             for c in self.claims.values_mut() {
                 c.written = None;
-                c.lost = false;
             }
             tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.me.host);
         }
@@ -261,8 +266,13 @@ impl Store {
                 c.written = None;
                 continue;
             }
-            if let (Some(w), Some(e)) = (c.written, self.guests.get(mac)) {
-                if e.mod_revision != w && e.value.host != self.me.host && !c.lost {
+            if let Some(e) = self.guests.get(mac) {
+                let later = match (c.written, c.seq) {
+                    (Some(w), _) => e.mod_revision != w,
+                    (None, Some(s)) => e.value.seq > s,
+                    (None, None) => false,
+                };
+                if later && e.value.host != self.me.host && !c.lost {
                     c.lost = true;
                     tracing::warn!(
                         "guest {mac}: host {} claimed it after us (seq {}): our interface is stale and not routed",
@@ -359,7 +369,7 @@ impl Store {
         }
         let lease = self.lease.as_ref().expect("checked").0;
         for (mac, (id, network)) in local {
-            let c = self.claims.entry(mac.clone()).or_insert_with(|| Claim { iface: *id, network: network.clone(), written: None, lost: false });
+            let c = self.claims.entry(mac.clone()).or_insert_with(|| Claim { iface: *id, network: network.clone(), written: None, seq: None, lost: false });
             if c.iface != *id {
                 // The interface was added again (or vnetd restarted and
                 // numbered it anew). Ours still: kept, and other hosts see
@@ -369,6 +379,7 @@ impl Store {
                 if c.lost {
                     c.lost = false;
                     c.written = None;
+                    c.seq = None;
                 }
             }
             if &c.network != network {
@@ -396,6 +407,7 @@ impl Store {
                 Ok(r) if r.succeeded() => {
                     let rev = r.header().map_or(0, |h| h.revision());
                     c.written = Some(rev);
+                    c.seq = Some(seq);
                     if let Some(prev) = seen.filter(|e| e.value.host != self.me.host) {
                         tracing::info!("guest {mac}: claimed from host {} (seq {seq})", prev.value.host);
                     } else {

@@ -10,7 +10,8 @@
 //! directory. Catches (each mutated so, in crates/vnet-agent/src/store.rs's
 //! `publish`): the compare taken out of the delete (the late delete removed
 //! the new host's key) or out of the put (the late write took the guest
-//! back to the old host).
+//! back to the old host); and a new lease making the old host forget it
+//! lost the guest (it claimed it back with a higher seq).
 
 use super::*;
 use std::collections::BTreeMap;
@@ -124,5 +125,21 @@ fn an_old_hosts_late_delete_or_write_fails_instead_of_undoing_a_migration() {
         assert!(old.claims.get(m2).is_some_and(|c| c.written.is_none()), "h2's claim of m2 is to be written again");
         old.publish(&ifaces(&[(m2, 2)])).await;
         assert!(moved(guest(&mut c, m2).await), "h2's late write undid the migration: {:?}", guest(&mut c, m2).await);
+
+        // Once h2 has read what happened, it knows it lost m2 and does not
+        // claim it back on its new lease while h3's claim stands (it used
+        // to: the new lease made it forget the loss, and it claimed m2 with
+        // a higher seq).
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        old.drain().await;
+        old.publish(&ifaces(&[(m2, 2)])).await;
+        assert!(old.claims.get(m2).is_some_and(|c| c.lost), "h2 knows it lost m2");
+        old.lease = None;
+        old.maintain().await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        old.drain().await;
+        old.publish(&ifaces(&[(m2, 2)])).await;
+        assert!(moved(guest(&mut c, m2).await), "h2 took m2 back on its new lease: {:?}", guest(&mut c, m2).await);
+        assert!(old.claims.get(m2).is_some_and(|c| c.lost));
     });
 }
