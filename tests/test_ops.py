@@ -575,16 +575,21 @@ RESTRICT = REPO / "tests" / "tools" / "restrict_families.py"
 # The unit's sandbox without systemd (there is none as init on these
 # machines), run as root before privileges are dropped. $1: the lab's
 # directory, which holds what the unit keeps in /run and /etc (socket,
-# config, keys); the rest: the command.
+# config, keys); $2, $3: the checkout and the binaries under test (installed,
+# they would be in /usr/local); the rest: the command.
 SANDBOX = r"""
 set -e
-lab=$1; shift
+lab=$1; repo=$2; bin=$3; shift 3
 # PrivateTmp=yes: /tmp and /var/tmp of its own; the lab's directory bound
-# back at its path (it stands for /run and /etc here).
+# back at its path (it stands for /run and /etc here), and so are the
+# checkout and the binaries if they live under /tmp.
 mkdir -p "$lab/.privtmp"
 mount -t tmpfs -o mode=1777 tmpfs "$lab/.privtmp"
-mkdir -p "$lab/.privtmp/${lab#/tmp/}"
-mount --bind "$lab" "$lab/.privtmp/${lab#/tmp/}"
+for p in "$lab" "$repo" "$bin"; do
+    case "$p" in
+        /tmp/*) mkdir -p "$lab/.privtmp/${p#/tmp/}"; mount --bind "$p" "$lab/.privtmp/${p#/tmp/}" ;;
+    esac
+done
 mount --move "$lab/.privtmp" /tmp
 mount -t tmpfs -o mode=1777 tmpfs /var/tmp
 # Not the unit's: the CNI plugin's default state directory (/var/lib/cni/vnet,
@@ -614,7 +619,7 @@ def in_unit_sandbox(lab, host: str, cmd: list, settings: dict[str, str]) -> list
     (tests/tools/restrict_families.py, a seccomp filter as systemd's)."""
     caps = ",".join(["-all"] + [f"+{c.removeprefix('CAP_').lower()}" for c in settings["CapabilityBoundingSet"].split()])
     families = ",".join(settings["RestrictAddressFamilies"].split())
-    return ["unshare", "-m", "--propagation", "slave", "sh", "-ec", SANDBOX, "sh", str(lab.tmp),
+    return ["unshare", "-m", "--propagation", "slave", "sh", "-ec", SANDBOX, "sh", str(lab.tmp), str(REPO), str(netlab.BIN.resolve()),
             "ip", "netns", "exec", host, "setpriv", "--no-new-privs", f"--bounding-set={caps}",
             f"--inh-caps={caps}", f"--ambient-caps={caps}", "--",
             "/usr/bin/python3", str(RESTRICT), families, "--", *[str(c) for c in cmd]]
@@ -666,8 +671,12 @@ def test_vnetd_runs_in_its_units_sandbox(lab):
     outside = lab.x(h1, *probe).stdout.splitlines()
     assert outside[2] == "AF_XDP ok", outside
     inside = run(in_unit_sandbox(lab, h1, probe, unit)).stdout.splitlines()
-    assert inside == ["AF_INET ok", "AF_NETLINK ok", "AF_XDP 97", "/etc/vnet-probe 30", "/usr/vnet-probe 30",
-                      f"{[lab.tmp.name]} []"], inside
+    # /tmp holds the lab's directory alone (and the checkout and binaries,
+    # where they live under /tmp themselves).
+    kept = {p.parts[2] for p in (lab.tmp, REPO, netlab.BIN.resolve()) if p.parts[1] == "tmp"}
+    assert inside[:5] == ["AF_INET ok", "AF_NETLINK ok", "AF_XDP 97", "/etc/vnet-probe 30", "/usr/vnet-probe 30"], inside
+    listed_tmp, listed_root = inside[5].split("] ")
+    assert sorted(eval(listed_tmp + "]")) == sorted(kept) and listed_root == "[]", inside
 
     n1, n2 = lab.guest_ns("c1"), lab.guest_ns("c2")
     guests = {1: [("g1", guest_mac(1))], 2: [("g2", guest_mac(2))]}
