@@ -186,6 +186,9 @@ class Lab:
         sock = self.tmp / f"{name}.sock"
         log = self.tmp / f"{name}-vnetd-{next(_counter)}.log"
         cmd = [VNETD, "--control-unix", sock, "--link-key-dir", self.key_dir, *args]
+        # vhost-user sockets live in the lab's directory, unless the test says.
+        if "--vhost-user-dir" not in map(str, args):
+            cmd += ["--vhost-user-dir", self.tmp]
         if config is not None:
             if not isinstance(config, Path):
                 path = self.tmp / f"{name}-{next(_counter)}.conf"
@@ -211,7 +214,8 @@ class Lab:
         with open(log, "w") as lf:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", host, "strace", "-f", *[str(a) for a in strace_args],
-                 str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(self.key_dir), "--config", str(conf)],
+                 str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(self.key_dir), "--config", str(conf),
+                 "--vhost-user-dir", str(self.tmp)],
                 stdout=lf, stderr=subprocess.STDOUT)
         self.other_procs.append(proc)
         d = Vnetd(self, host, sock, proc, log)

@@ -3,7 +3,7 @@
 //! and any error names its line, so nothing is applied from a bad request.
 //!
 //! ```text
-//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client]]
+//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client] [unsealed-memory]]
 //!               [network <name>]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
@@ -74,7 +74,7 @@ pub enum Attach {
     Veth,
     /// A vhost-user virtio-net device on a Unix socket (`IfaceAdd::socket`):
     /// vnetd listens there, or with `client` connects to the VMM's socket.
-    VhostUser { client: bool },
+    VhostUser { client: bool, unsealed: bool },
 }
 
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -181,12 +181,14 @@ impl Command {
 }
 
 pub const HELP: &str = "\
-INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client]]
+INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client] [unsealed-memory]]
               [network <name>]                       create a guest's NIC: a TAP (netns: persistent, in
                                                      that namespace; veth: a veth pair there, the guest's
                                                      end named <dev> if given, else <name>; qemu: a TAP
                                                      for QEMU to open) or a vhost-user virtio-net device
-                                                     on a Unix socket (client: connect to the VMM's);
+                                                     on a Unix socket, a name in vnetd's --vhost-user-dir
+                                                     (client: connect to the VMM's; unsealed-memory: take
+                                                     guest memory files not sealed against shrinking);
                                                      network: the overlay network it is in (default:
                                                      default), which vnet-agent publishes
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
@@ -394,7 +396,7 @@ pub fn check_netns_name(name: &str) -> Result<(), String> {
 
 fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     let [name, mac, rest @ ..] = args else {
-        return Err("INTERFACE ADD needs <name> <guest-MAC> [mtu <bytes>] [qemu | netns <ns> [veth] | vhost-user <socket> [client]]".into());
+        return Err("INTERFACE ADD needs <name> <guest-MAC> [mtu <bytes>] [qemu | netns <ns> [veth] | vhost-user <socket> [client] [unsealed-memory]]".into());
     };
     check_ifname(name)?;
     let mac: Mac = mac.parse()?;
@@ -423,11 +425,20 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 let Some((path, r2)) = r.split_first() else { return Err("vhost-user needs a socket path".into()) };
                 check_socket_path(path)?;
                 socket = Some(path.to_string());
-                attach = Attach::VhostUser { client: false };
+                attach = Attach::VhostUser { client: false, unsealed: false };
                 rest = r2;
                 continue;
             }
-            "client" if socket.is_some() => attach = Attach::VhostUser { client: true },
+            "client" if socket.is_some() => {
+                if let Attach::VhostUser { client, .. } = &mut attach {
+                    *client = true;
+                }
+            }
+            "unsealed-memory" if socket.is_some() => {
+                if let Attach::VhostUser { unsealed, .. } = &mut attach {
+                    *unsealed = true;
+                }
+            }
             "network" => {
                 let Some((n, r2)) = r.split_first() else { return Err("network needs a network name".into()) };
                 check_plain_name(n, 64, "network name")?;
@@ -449,7 +460,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
-            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, ifname <device>, qemu, vhost-user <socket> [client] or network <name>)")),
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, ifname <device>, qemu, vhost-user <socket> [client] [unsealed-memory] or network <name>)")),
         }
         rest = r;
     }
@@ -468,11 +479,17 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     Ok(Command::IfaceAdd { name: name.to_string(), mac, mtu, attach, netns, socket, network, ifname })
 }
 
-/// A vhost-user socket's path: absolute, no `..`, no control characters,
+/// A vhost-user socket: a plain name (in vnetd's `--vhost-user-dir`), or a
+/// path there: absolute, no `..`, no control characters,
 /// and short enough for a Unix socket address (107 bytes).
 pub fn check_socket_path(p: &str) -> Result<(), String> {
     if !p.starts_with('/') {
-        return Err(format!("vhost-user socket '{p}' is not an absolute path"));
+        // A plain name, in vnetd's vhost-user directory.
+        let plain = !p.is_empty() && p.len() <= 100 && p != "." && p != ".." && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !plain {
+            return Err(format!("vhost-user socket '{p}' is neither a plain name (letters, digits, '.', '_', '-') nor an absolute path"));
+        }
+        return Ok(());
     }
     if p.len() > 107 {
         return Err(format!("vhost-user socket path is {} bytes; a Unix socket's is at most 107", p.len()));
@@ -643,15 +660,21 @@ mod tests {
         );
         assert_eq!(
             one("interface add vm2 52:54:00:00:00:02 vhost-user /run/vnet/vm2.sock"),
-            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()), network: "default".into(), ifname: None }
+            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false, unsealed: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()), network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add vm3 52:54:00:00:00:03 vhost-user /tmp/q.sock client mtu 9000"),
-            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true }, netns: None, socket: Some("/tmp/q.sock".into()), network: "default".into(), ifname: None }
+            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true, unsealed: false }, netns: None, socket: Some("/tmp/q.sock".into()), network: "default".into(), ifname: None }
+        );
+        assert_eq!(
+            one("interface add vm5 52:54:00:00:00:05 vhost-user vm5.sock unsealed-memory"),
+            Command::IfaceAdd { name: "vm5".into(), mac: "52:54:00:00:00:05".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false, unsealed: true }, netns: None, socket: Some("vm5.sock".into()), network: "default".into(), ifname: None }
         );
         for bad in [
             "interface add vm4 52:54:00:00:00:04 vhost-user",
-            "interface add vm4 52:54:00:00:00:04 vhost-user rel.sock",
+            "interface add vm4 52:54:00:00:00:04 vhost-user rel/x.sock",
+            "interface add vm4 52:54:00:00:00:04 vhost-user ..",
+            "interface add vm4 52:54:00:00:00:04 unsealed-memory",
             "interface add vm4 52:54:00:00:00:04 vhost-user /tmp/../etc/x",
             "interface add vm4 52:54:00:00:00:04 client",
             "interface add vm4 52:54:00:00:00:04 vhost-user /tmp/x.sock netns g",

@@ -11,10 +11,12 @@
 //! - [`linkauth`]: the key handshake that opens a TCP link connection (and a
 //!   VTOE shadow connection).
 //! - [`vtoe`]: VTOE's shadow-connection handshake and runner messages.
+//! - [`counters`]: `counter_set!`, counters whose names are written once.
 //! - [`offload`]: checksum completion and TCP segmentation for offloaded frames.
 
 pub mod cache;
 pub mod command;
+pub mod counters;
 pub mod linkauth;
 pub mod mac;
 pub mod offload;

@@ -67,6 +67,11 @@ pub struct Args {
     /// both ends of a link hold the same key).
     #[arg(long, default_value = "/etc/vnet/link-keys", value_name = "DIR")]
     pub link_key_dir: PathBuf,
+    /// Where vhost-user sockets live: `INTERFACE ADD .. vhost-user <name>`
+    /// serves (or, with `client`, connects to) <dir>/<name>, and nothing
+    /// outside it. Made 0755 if missing; refused if others may write it.
+    #[arg(long, default_value = "/run/vnet", value_name = "DIR")]
+    pub vhost_user_dir: PathBuf,
     /// MTU of interfaces added without one.
     #[arg(long, default_value_t = 1500)]
     pub default_mtu: u32,
@@ -193,6 +198,7 @@ pub fn run(args: Args) -> Result<()> {
         default_mtu: args.default_mtu,
         direct_devices: args.allow_direct.clone(),
         link_key_dir: args.link_key_dir.clone(),
+        vhost_user_dir: args.vhost_user_dir.clone(),
     };
     let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;

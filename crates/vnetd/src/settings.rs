@@ -22,6 +22,8 @@ pub struct Settings {
     pub direct_devices: Vec<String>,
     /// Where TCP links' key files are (`--link-key-dir`).
     pub link_key_dir: PathBuf,
+    /// Where vhost-user sockets live (`--vhost-user-dir`).
+    pub vhost_user_dir: PathBuf,
 }
 
 /// The dispatcher's tunables (`SET ...`), with the papers' and the original
@@ -135,22 +137,15 @@ impl IfaceOverrides {
 }
 
 /// How NICs with shared rings interrupt their guests (`SET interrupts`,
-/// `eoc-alpha`, `eoc-beta`).
-#[derive(Clone, Copy, Debug)]
-pub struct IrqPolicy {
-    pub optimistic: bool,
-    /// Receive-density thresholds α and β, bytes per second.
-    pub alpha: u64,
-    pub beta: u64,
-}
+/// `eoc-alpha`, `eoc-beta`): the vhost-user device's own type.
+pub use vnet_vhost::IrqPolicy;
 
-impl IrqPolicy {
-    pub fn of(d: &DispatchSettings) -> IrqPolicy {
-        IrqPolicy {
-            optimistic: d.interrupts == Interrupts::Optimistic,
-            alpha: u64::from(d.eoc_alpha) * 1000,
-            beta: u64::from(d.eoc_beta) * 1000,
-        }
+/// The interrupt policy the dispatcher's settings give.
+pub fn irq_policy(d: &DispatchSettings) -> IrqPolicy {
+    IrqPolicy {
+        optimistic: d.interrupts == Interrupts::Optimistic,
+        alpha: u64::from(d.eoc_alpha) * 1000,
+        beta: u64::from(d.eoc_beta) * 1000,
     }
 }
 

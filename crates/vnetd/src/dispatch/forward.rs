@@ -16,7 +16,7 @@
 
 use crate::fast::{FastPath, InstallBudget};
 use crate::link::{Segments, Sent, TxCtx, TxQueue, SEG_PARTS};
-use crate::settings::IrqPolicy;
+use crate::settings::irq_policy;
 use crate::sys::netdev::MAX_PARTS;
 use crate::stats::{Counters, DropReason, ThreadStats};
 use crate::topology::{Link, Route, Slot, Snapshot};
@@ -294,7 +294,7 @@ impl Forwarder {
     #[inline]
     fn arriving(&mut self, snap: &Snapshot, slot: u32) {
         if self.touch(slot) {
-            snap.ifaces[slot as usize].nic.arriving(&IrqPolicy::of(&snap.dispatch));
+            snap.ifaces[slot as usize].nic.arriving(&irq_policy(&snap.dispatch));
         }
     }
 
@@ -428,7 +428,7 @@ impl Forwarder {
         // NICs last: a guest's transmit buffers sent in place (cut-through)
         // go back to it only once the sends above are done.
         if !self.touched.is_empty() {
-            let irq = IrqPolicy::of(&snap.dispatch);
+            let irq = irq_policy(&snap.dispatch);
             for slot in self.touched.drain(..) {
                 if let Some(i) = snap.ifaces.get(slot as usize) {
                     if i.nic.flush(&irq) && !self.deferred.contains(&slot) {

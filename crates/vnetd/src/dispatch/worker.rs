@@ -32,7 +32,7 @@ use crate::settings::{IfaceDispatch, Sched};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
 use crate::link::Rx;
-use crate::nic::{Frame, InPlace};
+use crate::nic::{Frame, GuestFrame};
 use crate::topology::{Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 use anyhow::{bail, Result};
@@ -100,7 +100,7 @@ struct Worker {
     fwd: Forwarder,
     buf: Vec<u8>,
     /// The frame a NIC left in its guest's memory (cut-through).
-    in_place: InPlace,
+    in_place: GuestFrame,
     rx: RxBatch,
     last_work: Instant,
     /// In the real-time class now; whether the kernel allows it.
@@ -127,7 +127,7 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         tcp: Vec::new(),
         sockets: [false; 4],
         buf: vec![0u8; BUF_LEN],
-        in_place: InPlace::default(),
+        in_place: GuestFrame::default(),
         rx: RxBatch::default(),
         last_work: Instant::now(),
         realtime: false,
@@ -289,14 +289,12 @@ impl Worker {
                 }
                 Ok(Frame::InPlace) => {
                     n += 1;
+                    // Routed on the head vnetd copied, sent with the rest
+                    // from where it lies.
                     let vnet = self.in_place.vnet;
-                    if let Some(frame) = self.in_place.whole() {
-                        self.fwd.from_port(snap, Slot::Iface(slot), frame, vnet);
-                    } else {
-                        let mut rest = [&[][..]; MAX_PIECES];
-                        let (head, k) = self.in_place.split(&mut self.buf, &mut rest);
-                        self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, &rest[..k], vnet);
-                    }
+                    let mut rest = [&[][..]; MAX_PIECES];
+                    let (head, k) = self.in_place.parts(&mut rest);
+                    self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, &rest[..k], vnet);
                     self.in_place.release();
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,

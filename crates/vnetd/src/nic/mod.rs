@@ -9,7 +9,8 @@
 //! - `VethNic`: a veth pair, the guest's end in its namespace; the kernel
 //!   fast path attaches to the host's end (`veth.rs`).
 //! - `VhostUserNic`: the VMM shares the guest's memory and virtio rings
-//!   over a vhost-user socket; dispatchers work the rings (`vhost_user/`).
+//!   over a vhost-user socket; dispatchers work the rings (`vhost_user.rs`,
+//!   the device itself in the `vnet-vhost` crate).
 //! - `DummyNic`: no device; frames injected and kept by hand, for driving
 //!   the datapath in unit tests and fuzz targets (`dummy.rs`).
 //!
@@ -27,7 +28,8 @@ pub mod vhost_user;
 use crate::settings::IrqPolicy;
 use std::io;
 use std::os::fd::RawFd;
-use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
+use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
+pub use vnet_vhost::GuestFrame;
 
 pub use dummy::DummyNic;
 pub use qemu::QemuNic;
@@ -45,11 +47,12 @@ pub trait VirtualNic: Send + Sync {
     /// metadata (every NIC kind here speaks virtio-net headers, so a guest's
     /// super-frames and partial checksums arrive labelled).
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received>;
-    /// As `recv`, but a NIC that shares the guest's memory may leave the
-    /// frame where it lies, uncopied (cut-through): it then describes it in
-    /// `at` (the dispatcher's, reused) and returns `Frame::InPlace`; the
-    /// dispatcher finishes with it before its next flush.
-    fn recv_in_place(&self, buf: &mut [u8], _at: &mut InPlace) -> io::Result<Frame> {
+    /// As `recv`, but a NIC that shares the guest's memory may leave most
+    /// of the frame where it lies, uncopied (cut-through): it then copies
+    /// its headers into `at` (the dispatcher's, reused), notes the rest
+    /// there, and returns `Frame::InPlace`; the dispatcher routes on the
+    /// copy and finishes with the frame before its next flush.
+    fn recv_in_place(&self, buf: &mut [u8], _at: &mut GuestFrame) -> io::Result<Frame> {
         self.recv(buf).map(Frame::Copied)
     }
     /// Sends one frame made of `parts`, with offload metadata `vnet` (all
@@ -111,96 +114,11 @@ pub trait VirtualNic: Send + Sync {
     }
 }
 
-/// A frame read from a NIC: copied into the caller's buffer, or left in
-/// the guest's memory as the `InPlace` passed says.
+/// A frame read from a NIC: copied into the caller's buffer, or taken into
+/// the `GuestFrame` passed (its headers copied, the rest in guest memory).
 pub enum Frame {
     Copied(Received),
     InPlace,
-}
-
-/// A frame in the guest's memory, kept mapped while this holds it: in one
-/// piece, or (gathered) its headers copied to the front of the
-/// dispatcher's buffer and the rest in up to `MAX_PIECES` pieces. The
-/// descriptors it lies in are the device's until the NIC's next flush.
-/// Each dispatcher has one, filled by `recv_in_place` frame after frame
-/// (nothing allocated or moved per frame but the mapping's count).
-pub struct InPlace {
-    /// Bytes at the front of the dispatcher's buffer (0: none, the frame
-    /// is `pieces[0]`).
-    head: usize,
-    /// (address, length) of each piece.
-    pieces: Vec<(usize, usize)>,
-    pub vnet: VnetHdr,
-    mapping: Option<std::sync::Arc<dyn Send + Sync>>,
-}
-
-impl Default for InPlace {
-    fn default() -> InPlace {
-        InPlace { head: 0, pieces: Vec::with_capacity(MAX_PIECES), vnet: VnetHdr::default(), mapping: None }
-    }
-}
-
-impl InPlace {
-    /// The frame whose first `head` bytes are at the front of the
-    /// dispatcher's buffer and the rest at `pieces` (address, length); with
-    /// `head` 0, the whole frame is `pieces[0]`.
-    ///
-    /// # Safety
-    /// Every piece lies inside the mapping `mapping` keeps alive.
-    pub unsafe fn set(&mut self, head: usize, pieces: &[(usize, usize)], vnet: VnetHdr, mapping: std::sync::Arc<dyn Send + Sync>) {
-        self.head = head;
-        self.pieces.clear();
-        self.pieces.extend_from_slice(&pieces[..pieces.len().min(MAX_PIECES)]);
-        self.vnet = vnet;
-        self.mapping = Some(mapping);
-    }
-
-    /// The frame, if it lies in one piece.
-    ///
-    /// # Safety (why this is sound only in part)
-    /// The slice is memory the guest shares and may write while vnetd reads
-    /// it (another process's writes under a `&mut [u8]`: Rust's aliasing
-    /// rules do not hold for it). What vnetd decides from it can change
-    /// under it: the security review (S1) had a guest flip a frame's
-    /// destination MAC after vnetd routed it. Making vnetd route on a copy
-    /// it owns (and typing guest memory apart) is the hostile-guest work.
-    #[inline]
-    pub fn whole(&mut self) -> Option<&mut [u8]> {
-        match (self.head, &self.mapping, self.pieces.first()) {
-            // SAFETY: the piece is inside the mapping held (the setter's
-            // contract); u8 has no invalid values.
-            (0, Some(_), Some(&(p, l))) => Some(unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) }),
-            _ => None,
-        }
-    }
-
-    /// The frame as a head that may be written (checksums are finished
-    /// there) and the pieces after it, in `rest` (how many: the second
-    /// value); `buf` is the dispatcher's buffer the head was copied to.
-    ///
-    /// # Safety (why this is sound only in part)
-    /// With `head` 0 the head itself is the guest's memory, as for `whole`;
-    /// otherwise the head is vnetd's copy and only the pieces after it are
-    /// the guest's, which it may still write while they are sent (it can
-    /// change the payload vnetd sends, not the headers it routed by).
-    pub fn split<'a>(&'a mut self, buf: &'a mut [u8], rest: &mut [&'a [u8]; MAX_PIECES]) -> (&'a mut [u8], usize) {
-        assert!(self.mapping.is_some(), "no frame in place");
-        // SAFETY: every piece is inside the mapping held (the setters'
-        // contract); u8 has no invalid values.
-        let piece = |&(p, l): &(usize, usize)| unsafe { std::slice::from_raw_parts_mut(p as *mut u8, l) };
-        if self.head == 0 {
-            return (piece(&self.pieces[0]), 0);
-        }
-        for (d, p) in rest.iter_mut().zip(&self.pieces) {
-            *d = piece(p);
-        }
-        (&mut buf[..self.head], self.pieces.len())
-    }
-
-    /// Done with the frame: its mapping may go.
-    pub fn release(&mut self) {
-        self.mapping = None;
-    }
 }
 
 /// One received frame: `buf[start..end]`, and its offload metadata.

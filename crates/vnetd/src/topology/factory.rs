@@ -24,8 +24,10 @@ pub struct NicSpec<'a> {
     pub mtu: u32,
     pub attach: Attach,
     pub netns: Option<&'a str>,
-    /// A vhost-user NIC's socket path.
+    /// A vhost-user NIC's socket (a plain name in `vhost_dir`, or a path
+    /// there).
     pub socket: Option<&'a str>,
+    pub vhost_dir: &'a std::path::Path,
     /// A veth's name in the guest's namespace, if not `name`.
     pub ifname: Option<&'a str>,
     /// The id the interface will have (the fast path's port number).
@@ -34,7 +36,7 @@ pub struct NicSpec<'a> {
 
 /// Makes the NIC of the kind `spec.attach` asks for.
 pub fn nic(spec: &NicSpec, kernel: Option<&Arc<vnet_fastpath::Kernel>>) -> Result<Box<dyn VirtualNic>, String> {
-    let NicSpec { name, mac, mtu, attach, netns, socket, ifname, id } = *spec;
+    let NicSpec { name, mac, mtu, attach, netns, socket, vhost_dir, ifname, id } = *spec;
     let nic: anyhow::Result<Box<dyn VirtualNic>> = match (attach, netns) {
         (Attach::Netns, None) => Tap::create(name, mtu, mac).map(|t| Box::new(t) as Box<dyn VirtualNic>),
         (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, mac, ns).map(|(t, _)| Box::new(t) as Box<dyn VirtualNic>),
@@ -43,9 +45,10 @@ pub fn nic(spec: &NicSpec, kernel: Option<&Arc<vnet_fastpath::Kernel>>) -> Resul
             VethNic::new(ifname.unwrap_or(name), mac, mtu, ns, id, kernel).map(|n| Box::new(n) as Box<dyn VirtualNic>)
         }
         (Attach::Veth, None) => return Err("a veth interface needs netns <name>".into()),
-        (Attach::VhostUser { client }, _) => {
-            let Some(path) = socket else { return Err("a vhost-user interface needs a socket path".into()) };
-            VhostUserNic::new(name, path, client).map(|n| Box::new(n) as Box<dyn VirtualNic>)
+        (Attach::VhostUser { client, unsealed }, _) => {
+            let Some(socket) = socket else { return Err("a vhost-user interface needs a socket".into()) };
+            let at = crate::nic::vhost_user::Where { dir: vhost_dir, socket };
+            VhostUserNic::new(name, &at, client, unsealed).map(|n| Box::new(n) as Box<dyn VirtualNic>)
         }
     };
     nic.map_err(|e| format!("{e:#}"))

@@ -162,6 +162,7 @@ impl Topology {
                     attach: *attach,
                     netns: netns.as_deref(),
                     socket: socket.as_deref(),
+                    vhost_dir: &settings.vhost_user_dir,
                     ifname: ifname.as_deref(),
                     id: self.next_iface,
                 };

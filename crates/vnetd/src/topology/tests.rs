@@ -118,6 +118,7 @@ impl Vnetd {
             default_mtu: 1500,
             direct_devices: Vec::new(),
             link_key_dir: keys.0.clone(),
+            vhost_user_dir: keys.0.clone(),
         };
         Vnetd { topo: Topology::default(), generation: 0, settings, env: FakeEnv::default(), keys }
     }
@@ -730,6 +731,7 @@ fn settings_allowing(direct: &[&str]) -> Settings {
         default_mtu: 1500,
         direct_devices: direct.iter().map(|d| d.to_string()).collect(),
         link_key_dir: PathBuf::from("/nonexistent"),
+        vhost_user_dir: PathBuf::from("/nonexistent"),
     }
 }
 

@@ -1,14 +1,19 @@
 //! The vhost-user protocol, from the device's side: what a frontend (QEMU,
-//! cloud-hypervisor, DPDK's virtio-user) sets up is applied to the NIC's two
-//! rings. The `vhost` crate reads and answers the messages; this is what
-//! each one does to a virtio-net device.
+//! cloud-hypervisor, DPDK's virtio-user) sets up is applied to the device's
+//! two rings. The `vhost` crate reads and answers the messages; this is what
+//! each one does to a virtio-net device, and what it refuses: memory files
+//! that can shrink (`memory`), call and kick descriptors that are not
+//! eventfds (`notify`), queue sizes past `MAX_QUEUE_SIZE`, addresses outside
+//! the memory table. Each refusal is an error reply and a counter.
 //!
 //! `vhost-user-backend`'s daemon is not used: it serves each queue's kicks
 //! from its own threads, and VNET's dispatchers (pinned by `--cpus`, in the
 //! papers' modes) must own them.
 
-use super::ring::{Memory, Ring, MAX_QUEUE_SIZE};
-use super::Shared;
+use crate::device::{feature, Device, RX, TX};
+use crate::memory::{DirtyLog, GuestMemory};
+use crate::notify::{Kick, Notifier};
+use crate::queue::{Ring, MAX_QUEUE_SIZE};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering::Relaxed;
@@ -21,57 +26,20 @@ use vhost::vhost_user::message::{
 use vhost::vhost_user::{Error, GpuBackend, Result, VhostUserBackendReqHandlerMut};
 use vhost::VhostUserMemoryRegionBase;
 use virtio_queue::QueueT;
-use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap};
-
-/// Feature bits (virtio 1.2, 5.1.3 and 6).
-pub mod feature {
-    pub const CSUM: u64 = 1 << 0;
-    pub const GUEST_CSUM: u64 = 1 << 1;
-    pub const GUEST_TSO4: u64 = 1 << 7;
-    pub const GUEST_TSO6: u64 = 1 << 8;
-    pub const GUEST_ECN: u64 = 1 << 9;
-    pub const HOST_TSO4: u64 = 1 << 11;
-    pub const HOST_TSO6: u64 = 1 << 12;
-    pub const HOST_ECN: u64 = 1 << 13;
-    pub const MRG_RXBUF: u64 = 1 << 15;
-    pub const INDIRECT_DESC: u64 = 1 << 28;
-    pub const EVENT_IDX: u64 = 1 << 29;
-    pub const PROTOCOL_FEATURES: u64 = 1 << 30;
-    pub const VERSION_1: u64 = 1 << 32;
-    /// What vnetd offers: what a modern guest uses. Offloads both ways, so
-    /// that a guest's 64 KiB segments cross whole and merged runs reach it
-    /// whole; one queue pair (a NIC is served by one dispatcher).
-    pub const OFFERED: u64 = CSUM
-        | GUEST_CSUM
-        | GUEST_TSO4
-        | GUEST_TSO6
-        | GUEST_ECN
-        | HOST_TSO4
-        | HOST_TSO6
-        | HOST_ECN
-        | MRG_RXBUF
-        | INDIRECT_DESC
-        | EVENT_IDX
-        | PROTOCOL_FEATURES
-        | VERSION_1;
-}
-
-/// Queue 0 receives (vnetd → guest), queue 1 transmits.
-pub const RX: usize = 0;
-pub const TX: usize = 1;
+use vm_memory::GuestAddress;
 
 /// One frontend connection's view of the device.
-pub struct Frontend {
-    shared: Arc<Shared>,
+pub struct Frontend<B: DirtyLog = ()> {
+    shared: Arc<Device<B>>,
     acked: u64,
-    /// (frontend's virtual address, size, guest physical address) of each
-    /// memory region: ring addresses come as the frontend's addresses.
-    mappings: Vec<(u64, u64, u64)>,
+    /// The memory table in force: ring addresses come as the frontend's
+    /// addresses, translated through it.
+    mem: Option<Arc<GuestMemory<B>>>,
 }
 
-impl Frontend {
-    pub fn new(shared: Arc<Shared>) -> Frontend {
-        let f = Frontend { shared, acked: 0, mappings: Vec::new() };
+impl<B: DirtyLog> Frontend<B> {
+    pub fn new(shared: Arc<Device<B>>) -> Frontend<B> {
+        let f = Frontend { shared, acked: 0, mem: None };
         f.reset();
         f
     }
@@ -80,9 +48,9 @@ impl Frontend {
     /// frontend went away).
     pub fn reset(&self) {
         for i in [RX, TX] {
-            let mut r = self.shared.ring(i).lock().unwrap();
+            let mut r = self.shared.ring(i);
             if i == TX {
-                self.shared.watch_kick(r.kick.as_ref(), None);
+                self.shared.watch_kick(r.kick.as_ref().map(|k| k.as_raw_fd()), None);
             }
             r.reset();
             r.mem = None;
@@ -90,24 +58,20 @@ impl Frontend {
         self.shared.acked.store(0, Relaxed);
     }
 
-    fn ring(&self, index: u32) -> Result<std::sync::MutexGuard<'_, Ring>> {
+    fn ring(&self, index: u32) -> Result<std::sync::MutexGuard<'_, Ring<B>>> {
         match index as usize {
-            RX | TX => Ok(self.shared.ring(index as usize).lock().unwrap()),
+            RX | TX => Ok(self.shared.ring(index as usize)),
             _ => Err(Error::InvalidParam),
         }
     }
 
     fn gpa(&self, va: u64) -> Result<u64> {
-        self.mappings
-            .iter()
-            .find(|(base, size, _)| va >= *base && va - base < *size)
-            .map(|(base, _, gpa)| va - base + gpa)
-            .ok_or(Error::InvalidParam)
+        self.mem.as_ref().and_then(|m| m.gpa(va)).ok_or(Error::InvalidParam)
     }
 
     /// A ring that has all it needs starts; the dispatcher is told so it
     /// looks at frames the guest queued before.
-    fn start(&self, index: u32, r: &mut Ring) {
+    fn start(&self, index: u32, r: &mut Ring<B>) {
         if r.running() || !r.try_start() {
             return;
         }
@@ -124,7 +88,7 @@ fn unsupported<T>(what: &'static str) -> Result<T> {
     Err(Error::InvalidOperation(what))
 }
 
-impl VhostUserBackendReqHandlerMut for Frontend {
+impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
     fn set_owner(&mut self) -> Result<()> {
         Ok(())
     }
@@ -151,36 +115,27 @@ impl VhostUserBackendReqHandlerMut for Frontend {
         self.acked = features;
         self.shared.acked.store(features, Relaxed);
         for i in [RX, TX] {
-            let mut r = self.shared.ring(i).lock().unwrap();
+            let mut r = self.shared.ring(i);
             r.queue.set_event_idx(features & feature::EVENT_IDX != 0);
         }
         Ok(())
     }
 
     fn set_mem_table(&mut self, ctx: &[VhostUserMemoryRegion], files: Vec<File>, postcopy: Option<bool>) -> Result<Option<Vec<VhostUserMemoryRegionBase>>> {
-        if postcopy.is_some() || ctx.len() != files.len() {
+        if postcopy.is_some() {
             return Err(Error::InvalidParam);
         }
-        let mut regions = Vec::with_capacity(ctx.len());
-        let mut mappings = Vec::with_capacity(ctx.len());
-        for (region, file) in ctx.iter().zip(files) {
-            // A mapping past the file's end faults (SIGBUS) when touched: the
-            // frontend's file must hold the whole region.
-            let len = file.metadata().map_err(|_| Error::InvalidParam)?.len();
-            let (size, offset) = (region.memory_size, region.mmap_offset);
-            if offset.checked_add(size).is_none_or(|end| end > len) || size == 0 {
-                tracing::info!(size, offset, file = len, "vhost-user memory region past its file's end refused");
+        let mem = match GuestMemory::map(ctx, files, self.shared.memory) {
+            Ok(m) => m,
+            Err(e) => {
+                self.shared.counters.refused_memory.fetch_add(1, Relaxed);
+                tracing::warn!("vhost-user memory table refused: {}", e.0);
                 return Err(Error::InvalidParam);
             }
-            let mapped = region.mmap_region(file)?;
-            let r = GuestRegionMmap::new(mapped, GuestAddress(region.guest_phys_addr)).ok_or(Error::InvalidParam)?;
-            mappings.push((region.user_addr, region.memory_size, region.guest_phys_addr));
-            regions.push(r);
-        }
-        let mem: Arc<Memory> = Arc::new(GuestMemoryMmap::from_regions(regions).map_err(|_| Error::InvalidParam)?);
-        self.mappings = mappings;
+        };
+        self.mem = Some(mem.clone());
         for i in [RX, TX] {
-            self.shared.ring(i).lock().unwrap().mem = Some(mem.clone());
+            self.shared.ring(i).mem = Some(mem.clone());
         }
         Ok(None)
     }
@@ -220,7 +175,7 @@ impl VhostUserBackendReqHandlerMut for Frontend {
         r.publish();
         let next = r.queue.next_avail();
         if index as usize == TX {
-            self.shared.watch_kick(r.kick.as_ref(), None);
+            self.shared.watch_kick(r.kick.as_ref().map(|k| k.as_raw_fd()), None);
         }
         r.queue.set_ready(false);
         r.kick = None;
@@ -231,14 +186,18 @@ impl VhostUserBackendReqHandlerMut for Frontend {
     fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> Result<()> {
         tracing::debug!(index, fd = fd.is_some(), "vhost-user set_vring_kick");
         let mut r = self.ring(u32::from(index))?;
-        if let Some(f) = &fd {
-            // SAFETY: fcntl on a descriptor we were given.
-            unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, libc::fcntl(f.as_raw_fd(), libc::F_GETFL) | libc::O_NONBLOCK) };
-        }
+        let kick = match fd.map(Kick::new).transpose() {
+            Ok(k) => k,
+            Err(e) => {
+                self.shared.counters.refused_fds.fetch_add(1, Relaxed);
+                tracing::warn!(index, "vhost-user kick descriptor refused: {e}");
+                return Err(Error::InvalidParam);
+            }
+        };
         if usize::from(index) == TX {
-            self.shared.watch_kick(r.kick.as_ref(), fd.as_ref());
+            self.shared.watch_kick(r.kick.as_ref().map(|k| k.as_raw_fd()), kick.as_ref().map(|k| k.as_raw_fd()));
         }
-        r.kick = fd;
+        r.kick = kick;
         self.start(u32::from(index), &mut r);
         Ok(())
     }
@@ -246,7 +205,17 @@ impl VhostUserBackendReqHandlerMut for Frontend {
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> Result<()> {
         tracing::debug!(index, fd = fd.is_some(), "vhost-user set_vring_call");
         let mut r = self.ring(u32::from(index))?;
-        r.call = fd;
+        match fd.map(Notifier::new).transpose() {
+            Ok(call) => r.call = call,
+            Err(e) => {
+                // The ring keeps no call descriptor: the guest polls, or
+                // the frontend sends a proper one.
+                r.call = None;
+                self.shared.counters.refused_fds.fetch_add(1, Relaxed);
+                tracing::warn!(index, "vhost-user call descriptor refused: {e}");
+                return Err(Error::InvalidParam);
+            }
+        }
         Ok(())
     }
 

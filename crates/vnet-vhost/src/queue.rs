@@ -2,129 +2,198 @@
 //! guest's descriptors read and written in its shared memory, used entries
 //! published in batches, notifications both ways.
 //!
-//! `virtio-queue` walks descriptor chains (indirect tables, loops and
-//! out-of-range addresses are its to refuse); the used ring is written here,
-//! because a frame spread over several receive buffers (mergeable buffers)
-//! must appear to the guest at once, and because a batch of frames should
-//! cost the guest one look at the ring and at most one interrupt.
+//! `virtio-queue` walks descriptor chains (loops and out-of-range addresses
+//! are its to refuse); the used ring is written here, because a frame
+//! spread over several receive buffers (mergeable buffers) must appear to
+//! the guest at once, and because a batch of frames should cost the guest
+//! one look at the ring and at most one interrupt.
+//!
+//! The work a guest can cause is bounded by one `Budget`: no chain longer
+//! than the queue (indirect tables included), a number of descriptors per
+//! pass, and a ring that keeps sending bad chains is marked broken
+//! (`Health`) and left alone until the frontend resets it, as virtio's
+//! DEVICE_NEEDS_RESET would. Every chain taken goes back to the guest,
+//! read or not (a receive chain with no writable byte with length 0).
 
-use std::fs::File;
+use crate::counters::Counters;
+use crate::frame::{GuestFrame, MAX_HEAD, MIN_HEAD};
+use crate::memory::{DirtyLog, GuestMemory};
+use crate::notify::{Kick, Notifier, Signal};
 use std::io;
-use std::os::fd::AsRawFd;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, Ordering, Ordering::Relaxed};
 use std::sync::Arc;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
-
-pub type Memory = GuestMemoryMmap<()>;
 
 /// Largest queue the guest may make (QEMU's default is 256).
 pub const MAX_QUEUE_SIZE: u16 = 1024;
 /// Most receive buffers one frame may take (a 64 KiB super-frame in the
 /// guest's smallest mergeable buffers).
 const MAX_BUFFERS: usize = 64;
-/// A frame spread over several buffers is gathered (`Popped::Gathered`)
-/// with a copied head: its first buffer if that holds its TCP headers
-/// whole (as Linux sends), else at least `MIN_HEAD` bytes (room for any
-/// Ethernet, IP and TCP headers: 18 + 40 + 60), whole buffers up to
-/// `MAX_HEAD`. A frame no longer than `MAX_HEAD` is copied whole, cheaper
-/// than an iovec.
-pub const MIN_HEAD: usize = 128;
-pub const MAX_HEAD: usize = 256;
 const VRING_AVAIL_F_NO_INTERRUPT: u16 = 1;
 const VRING_USED_F_NO_NOTIFY: u16 = 1;
+const VRING_DESC_F_INDIRECT: u16 = 4;
+
+/// Every limit on the work one ring's guest can cause.
+#[derive(Clone, Copy, Debug)]
+pub struct Budget {
+    /// Descriptors read per pass (between two publishes): a legitimate
+    /// pass of 64 super-frames in 4 KiB buffers reads about 1200.
+    pub descs_per_pass: u32,
+    /// Bad chains in a row (unreadable, write-only on transmit, no room on
+    /// receive) before the ring is marked broken.
+    pub strikes: u16,
+    // No chain may be longer than the queue (virtio 1.2, 2.7.5.2 and
+    // 2.7.5.3.1): not a setting, the queue's size.
+}
+
+impl Default for Budget {
+    fn default() -> Budget {
+        Budget { descs_per_pass: 8192, strikes: 64 }
+    }
+}
+
+/// Whether vnetd still works a ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Health {
+    Ok,
+    /// It broke the rules (why): nothing is read or written until the
+    /// frontend resets the ring or reconnects.
+    Broken(&'static str),
+}
 
 /// What taking one frame from the guest's transmit queue gave.
 pub enum Popped {
     /// `len` bytes of frame in the caller's buffer, with their offload
-    /// header; `copied`: although cut-through was asked for (the frame was
-    /// spread over several buffers).
+    /// header; `copied`: although cut-through was asked for (small, or in
+    /// too many pieces).
     Frame { len: usize, vnet: VnetHdr, copied: bool },
-    /// A frame left in the guest's memory, in the pieces at
-    /// `Ring::gathered`: the whole frame in one (`head` 0), or, spread over
-    /// several buffers, its first `head` bytes (every header) copied to the
-    /// caller's buffer and the rest after them.
-    InPlace { head: usize, vnet: VnetHdr },
+    /// The frame is in the caller's `GuestFrame`: its head copied, the
+    /// rest in place.
+    InPlace,
     /// Nothing waits.
     Empty,
+    /// This pass's descriptor budget is spent: the rest waits for the next.
+    Later,
     /// A chain that could not be read (an address outside the guest's
-    /// memory, a write-only buffer): returned to the guest unread.
+    /// memory, a write-only buffer, longer than the queue): returned to the
+    /// guest unread.
     Bad,
     /// A frame larger than the caller's buffer: returned unread.
     TooBig,
 }
 
-pub struct Ring {
+pub struct Ring<B: DirtyLog = ()> {
     pub queue: Queue,
-    pub mem: Option<Arc<Memory>>,
-    pub kick: Option<File>,
-    pub call: Option<File>,
+    pub mem: Option<Arc<GuestMemory<B>>>,
+    pub kick: Option<Kick>,
+    pub call: Option<Notifier>,
     /// Not disabled by `SET_VRING_ENABLE 0`. Rings start enabled: QEMU
     /// (7.2) enables a net device's rings before it acknowledges features,
     /// when the `vhost` crate still refuses `SET_VRING_ENABLE`, and never
     /// again, so enabled-until-disabled is what works with real frontends.
     pub enabled: bool,
+    health: Health,
+    budget: Budget,
+    /// Descriptors read this pass, and bad chains in a row.
+    spent: u32,
+    strikes: u16,
     /// Used entries written since the last publish.
     unpublished: u16,
     /// The used index the guest was last considered for an interrupt at.
     signalled_used: u16,
-    /// Scratch for receive: the buffers (address, length) and the chains
-    /// (head, capacity) one frame is written into.
+    /// Scratch: the buffers (address, length) of a chain or frame, and the
+    /// receive chains (head, capacity) one frame is written into.
     segs: Vec<(GuestAddress, usize)>,
+    frame_segs: Vec<(GuestAddress, usize)>,
     chains: Vec<(u16, usize)>,
-    /// The pieces (host address, length) of the last frame `pop_frame`
-    /// gathered, after its head.
-    gathered: Vec<(usize, usize)>,
+    counters: Arc<Counters>,
     /// Optimistic interrupts' state (the receive queue's).
-    pub irq: IrqState,
+    pub irq: crate::irq::IrqState,
 }
 
-/// Since the last early virtual interrupt (EVI) that was sent: when, how
-/// many bytes came, whether the last attempt found the guest's
-/// interrupts off, and whether an interrupt waits for the dispatcher's
-/// idle point.
-#[derive(Default)]
-pub struct IrqState {
-    pub evi_at: Option<std::time::Instant>,
-    pub bytes: u64,
-    pub evi_failed: bool,
-    pub deferred: bool,
+/// One chain, read.
+enum Walk {
+    /// Its head and how many descriptors it had.
+    Ok(u16, u32),
+    /// Longer than the queue.
+    TooLong(u16, u32),
+    /// A descriptor of the wrong direction (transmit: write-only).
+    WrongWay(u16, u32),
 }
 
-impl Ring {
-    pub fn new() -> Ring {
+impl<B: DirtyLog> Ring<B> {
+    pub fn new(counters: Arc<Counters>) -> Ring<B> {
         Ring {
             queue: Queue::new(MAX_QUEUE_SIZE).expect("a valid queue size"),
             mem: None,
             kick: None,
             call: None,
             enabled: true,
+            health: Health::Ok,
+            budget: Budget::default(),
+            spent: 0,
+            strikes: 0,
             unpublished: 0,
             signalled_used: 0,
             segs: Vec::with_capacity(MAX_BUFFERS * 4),
+            frame_segs: Vec::with_capacity(MAX_BUFFERS * 4),
             chains: Vec::with_capacity(MAX_BUFFERS),
-            gathered: Vec::with_capacity(MAX_PIECES),
-            irq: IrqState::default(),
+            counters,
+            irq: Default::default(),
         }
     }
 
     /// Back to the state before the frontend set anything up (a reset, or
-    /// the connection went).
+    /// the connection went): a broken ring is whole again.
     pub fn reset(&mut self) {
         self.queue.reset();
         self.kick = None;
         self.call = None;
         self.enabled = true;
+        self.health = Health::Ok;
+        self.spent = 0;
+        self.strikes = 0;
         self.unpublished = 0;
-        self.irq = IrqState::default();
+        self.irq = Default::default();
+    }
+
+    #[cfg(test)]
+    fn reset_health_for_tests(&mut self) {
+        self.health = Health::Ok;
+        self.strikes = 0;
+    }
+
+    pub fn health(&self) -> Health {
+        self.health
+    }
+
+    /// Marks the ring broken: nothing more is read or written.
+    pub fn break_ring(&mut self, why: &'static str) {
+        if self.health == Health::Ok {
+            self.health = Health::Broken(why);
+            self.counters.broken_rings.fetch_add(1, Relaxed);
+            tracing::warn!("vhost-user ring broken: {why}; left alone until the frontend resets it");
+        }
     }
 
     /// Ready to move frames: addresses valid in the guest's memory, a kick
-    /// descriptor given, and enabled.
+    /// descriptor given, enabled, and not broken.
     #[inline]
     pub fn running(&self) -> bool {
-        self.enabled && self.queue.ready() && self.mem.is_some()
+        self.enabled && self.health == Health::Ok && self.queue.ready() && self.mem.is_some()
+    }
+
+    /// Breaks the ring if its memory faulted (its file shrank); true if it
+    /// may be worked.
+    #[inline]
+    fn memory_sound(&mut self) -> bool {
+        if self.mem.as_ref().is_some_and(|m| m.faulted()) {
+            self.break_ring("a fault on guest memory (its file shrank)");
+            return false;
+        }
+        true
     }
 
     /// Starts the ring if everything it needs is there; the used index is
@@ -137,7 +206,7 @@ impl Ring {
         }
         // `is_valid` looks only at a ready queue.
         self.queue.set_ready(true);
-        let valid = self.queue.is_valid(&**mem);
+        let valid = self.queue.is_valid(&***mem);
         self.queue.set_ready(false);
         if !valid {
             return false;
@@ -149,41 +218,117 @@ impl Ring {
         self.queue.set_next_used(used);
         self.signalled_used = used;
         self.unpublished = 0;
+        self.spent = 0;
         self.queue.set_ready(true);
         true
     }
 
-    /// Takes the next frame the guest queued for sending: into `out`, or,
-    /// with `in_place` and the frame in one buffer, where it lies (the
-    /// virtio-net header, `hdr_len` bytes, is parsed, never copied).
-    pub fn pop_frame(&mut self, out: &mut [u8], hdr_len: usize, in_place: bool) -> Popped {
-        let Ring { queue, mem, segs, gathered, .. } = self;
-        let Some(mem) = mem.as_deref() else { return Popped::Empty };
-        let Some(chain) = queue.pop_descriptor_chain(mem) else { return Popped::Empty };
+    /// Pops the next chain and reads its descriptors into `segs` (the
+    /// readable ones for transmit, the writable ones for receive), within
+    /// the budget. `None`: nothing waits, or the pass's budget is spent.
+    fn walk(&mut self, writable: bool) -> Option<Walk> {
+        let Ring { queue, mem, segs, .. } = self;
+        let mem = mem.as_deref()?;
+        let size = queue.size();
+        let chain = queue.pop_descriptor_chain(&**mem)?;
         let head = chain.head_index();
         segs.clear();
-        let mut bad = false;
+        // An indirect table longer than the queue is refused before it is
+        // walked (a chain continued into one is cut by the count below).
+        let mut d = [0u8; 16];
+        if mem.read_slice(&mut d, GuestAddress(queue.desc_table().wrapping_add(16 * u64::from(head)))).is_ok() {
+            let (len, flags) = (u32::from_le_bytes([d[8], d[9], d[10], d[11]]), u16::from_le_bytes([d[12], d[13]]));
+            if flags & VRING_DESC_F_INDIRECT != 0 && len / 16 > u32::from(size) {
+                return Some(Walk::TooLong(head, 1));
+            }
+        }
+        let mut n = 0u32;
         for d in chain {
-            if d.is_write_only() {
-                bad = true;
-                break;
+            n += 1;
+            if n > u32::from(size) {
+                return Some(Walk::TooLong(head, n));
+            }
+            if d.is_write_only() != writable {
+                if !writable {
+                    return Some(Walk::WrongWay(head, n));
+                }
+                continue; // receive: device-readable buffers before the writable ones
             }
             if d.len() > 0 {
                 segs.push((d.addr(), d.len() as usize));
             }
         }
-        let r = if bad { Popped::Bad } else { Self::read_frame(mem, segs, out, hdr_len, in_place, gathered) };
+        Some(Walk::Ok(head, n))
+    }
+
+    /// Counts `n` descriptors read against this pass's budget.
+    #[inline]
+    fn spend(&mut self, n: u32) {
+        self.spent = self.spent.saturating_add(n);
+    }
+
+    #[inline]
+    fn budget_left(&mut self) -> bool {
+        if self.spent < self.budget.descs_per_pass {
+            return true;
+        }
+        self.counters.budget_stops.fetch_add(1, Relaxed);
+        false
+    }
+
+    /// One more bad chain; the ring breaks after too many in a row.
+    fn strike(&mut self) {
+        self.strikes += 1;
+        if self.strikes >= self.budget.strikes {
+            self.break_ring("too many bad chains in a row");
+        }
+    }
+
+    /// A chain longer than the queue: returned, and the ring is broken.
+    fn too_long(&mut self, head: u16) {
+        self.counters.long_chains.fetch_add(1, Relaxed);
         self.push_used(head, 0);
+        self.break_ring("a chain longer than the queue");
+    }
+
+    /// Takes the next frame the guest queued for sending: into `out`, or,
+    /// given `frame` (cut-through) and a frame longer than `MAX_HEAD`, into
+    /// `frame`: its head copied, the rest left where it lies. The
+    /// virtio-net header (`hdr_len` bytes) is parsed, never kept.
+    pub fn pop_frame(&mut self, out: &mut [u8], hdr_len: usize, frame: Option<&mut GuestFrame>) -> Popped {
+        if !self.running() || !self.memory_sound() {
+            return Popped::Empty;
+        }
+        if !self.budget_left() {
+            return Popped::Later;
+        }
+        let (head, n) = match self.walk(false) {
+            None => return Popped::Empty,
+            Some(Walk::TooLong(head, n)) => {
+                self.spend(n);
+                self.too_long(head);
+                return Popped::Bad;
+            }
+            Some(Walk::WrongWay(head, n)) => {
+                self.spend(n);
+                self.push_used(head, 0);
+                self.strike();
+                return Popped::Bad;
+            }
+            Some(Walk::Ok(head, n)) => (head, n),
+        };
+        self.spend(n);
+        let mem = self.mem.clone().expect("a running ring has memory");
+        let r = Self::read_frame(&mem, &self.segs, out, hdr_len, frame);
+        self.push_used(head, 0);
+        match r {
+            Popped::Bad => self.strike(),
+            _ => self.strikes = 0,
+        }
         r
     }
 
-    /// The pieces of the frame the last `pop_frame` left in place, after
-    /// its head: (host address, length), inside the ring's memory mapping.
-    pub fn gathered(&self) -> &[(usize, usize)] {
-        &self.gathered
-    }
-
-    fn read_frame(mem: &Memory, segs: &[(GuestAddress, usize)], out: &mut [u8], hdr_len: usize, in_place: bool, gathered: &mut Vec<(usize, usize)>) -> Popped {
+    fn read_frame(mem: &Arc<GuestMemory<B>>, segs: &[(GuestAddress, usize)], out: &mut [u8], hdr_len: usize, frame: Option<&mut GuestFrame>) -> Popped {
         // The header, from the first buffer(s).
         let mut hdr = [0u8; 12];
         let mut got = 0;
@@ -204,36 +349,25 @@ impl Ring {
         }
         let vnet = VnetHdr::parse(&hdr[..VNET_HDR_LEN]).unwrap_or_default();
         let rest = &segs[at..];
-        // Cut-through: the whole frame in one buffer, handed over in place.
-        if in_place && rest.len() == 1 {
-            let (addr, len) = rest[0];
-            let (start, n) = (GuestAddress(addr.0.wrapping_add(skip as u64)), len - skip);
-            if let Ok(slice) = mem.get_slice(start, n) {
-                gathered.clear();
-                gathered.push((slice.ptr_guard_mut().as_ptr() as usize, n));
-                return Popped::InPlace { head: 0, vnet };
-            }
+        let total = rest.iter().map(|s| s.1).sum::<usize>() - skip;
+        if total > out.len() {
+            return Popped::TooBig;
         }
-        // Cut-through of a frame in several buffers: headers copied, the
-        // rest left where it lies (unless it is small, or in too many
-        // pieces: then copied whole, below, and counted by the caller).
-        if in_place && rest.len() > 1 {
-            let total = rest.iter().map(|s| s.1).sum::<usize>() - skip;
-            if total > out.len() {
-                return Popped::TooBig;
-            }
+        let in_place = frame.is_some();
+        if let Some(f) = frame {
             if total > MAX_HEAD {
-                if let Some(head) = Self::gather(mem, rest, skip, out, gathered) {
-                    return Popped::InPlace { head, vnet };
+                if Self::gather(mem, rest, skip, f) {
+                    f.vnet = vnet;
+                    return Popped::InPlace;
                 }
+                f.release();
             }
         }
         let mut len = 0;
         for &(addr, l) in rest {
             let (a, n) = (GuestAddress(addr.0.wrapping_add(skip as u64)), l - skip);
             skip = 0;
-            let Some(dst) = out.get_mut(len..len + n) else { return Popped::TooBig };
-            if mem.read_slice(dst, a).is_err() {
+            if mem.read_slice(&mut out[len..len + n], a).is_err() {
                 return Popped::Bad;
             }
             len += n;
@@ -242,24 +376,26 @@ impl Ring {
     }
 
     /// Copies the head of the frame in `rest` (its first buffer starting
-    /// `skip` bytes in) to `out` and notes the rest's pieces in `gathered`;
-    /// the head's length, or `None` if the frame cannot be gathered (too
-    /// many pieces, a buffer across memory regions, an address outside).
-    fn gather(mem: &Memory, rest: &[(GuestAddress, usize)], mut skip: usize, out: &mut [u8], gathered: &mut Vec<(usize, usize)>) -> Option<usize> {
-        gathered.clear();
-        let (mut head, mut i) = (0, 0);
+    /// `skip` bytes in) into `f` and notes the rest's pieces there; false if
+    /// the frame cannot be gathered (too many pieces, a buffer across
+    /// memory regions, an address outside).
+    fn gather(mem: &Arc<GuestMemory<B>>, rest: &[(GuestAddress, usize)], mut skip: usize, f: &mut GuestFrame) -> bool {
+        f.release();
+        let mut i = 0;
         // Whole buffers while the head is short and the next fits it; then
         // what the head still lacks from the next. A first buffer that
         // holds the TCP headers is enough.
-        while head < MIN_HEAD && i < rest.len() {
-            if i == 1 && vnet_core::offload::tcp_payload_offset(&out[..head]).is_some() {
+        while f.head.len() < MIN_HEAD && i < rest.len() {
+            if i == 1 && vnet_core::offload::tcp_payload_offset(f.head.as_slice()).is_some() {
                 break;
             }
             let (addr, len) = rest[i];
             let avail = len - skip;
-            let take = if head + avail <= MAX_HEAD { avail } else { MIN_HEAD - head };
-            mem.read_slice(out.get_mut(head..head + take)?, GuestAddress(addr.0.wrapping_add(skip as u64))).ok()?;
-            head += take;
+            let take = if f.head.len() + avail <= MAX_HEAD { avail } else { MIN_HEAD - f.head.len() };
+            let Some(dst) = f.head.extend(take) else { return false };
+            if mem.read_slice(dst, GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
+                return false;
+            }
             if take == avail {
                 i += 1;
                 skip = 0;
@@ -271,49 +407,92 @@ impl Ring {
             let n = len - skip;
             let a = GuestAddress(addr.0.wrapping_add(skip as u64));
             skip = 0;
-            if gathered.len() == MAX_PIECES {
-                return None;
+            if f.pieces.len() == MAX_PIECES {
+                return false;
             }
-            let slice = mem.get_slice(a, n).ok()?;
-            gathered.push((slice.ptr_guard_mut().as_ptr() as usize, n));
+            let Ok(slice) = mem.get_slice(a, n) else { return false };
+            f.pieces.push((slice.ptr_guard_mut().as_ptr() as usize, n));
         }
-        Some(head)
+        let mapping: Arc<dyn Send + Sync> = mem.clone();
+        f.mapping = Some(mapping);
+        true
     }
 
     /// Writes one frame (`parts` after its header) into buffers the guest
     /// posted: several if `mergeable`, else one that holds it all. The
     /// used entries wait for `publish`. `ENOBUFS` if the guest has not
-    /// posted room enough (nothing is taken then).
+    /// posted room enough (nothing is taken then, unless it posted chains
+    /// with no writable byte: those go back with length 0, and so does
+    /// what was taken with them).
     pub fn put_frame(&mut self, vnet: &VnetHdr, parts: &[&[u8]], hdr_len: usize, mergeable: bool) -> io::Result<()> {
+        if !self.running() || !self.memory_sound() {
+            return Err(io::Error::from_raw_os_error(libc::ENETDOWN));
+        }
         let total = hdr_len + parts.iter().map(|p| p.len()).sum::<usize>();
-        let Ring { queue, mem, segs, chains, .. } = self;
-        let Some(mem) = mem.as_deref() else { return Err(io::Error::from_raw_os_error(libc::ENETDOWN)) };
+        let room = if mergeable { MAX_BUFFERS } else { 1 };
+        self.chains.clear();
+        let mut segs = std::mem::take(&mut self.frame_segs);
         segs.clear();
-        chains.clear();
         let mut cap = 0usize;
+        let mut empties = false;
+        let mut short = false;
         while cap < total {
-            let room = if mergeable { MAX_BUFFERS } else { 1 };
-            let chain = if chains.len() < room { queue.pop_descriptor_chain(mem) } else { None };
-            let Some(chain) = chain else {
-                for _ in 0..chains.len() {
-                    queue.go_to_previous_position();
+            if self.chains.len() >= room || !self.budget_left() {
+                short = true;
+                break;
+            }
+            match self.walk(true) {
+                None => {
+                    short = true;
+                    break;
                 }
-                return Err(io::Error::from_raw_os_error(libc::ENOBUFS));
-            };
-            let head = chain.head_index();
-            let mut c = 0usize;
-            for d in chain {
-                if d.is_write_only() && d.len() > 0 {
-                    segs.push((d.addr(), d.len() as usize));
-                    c += d.len() as usize;
+                Some(Walk::TooLong(head, n)) => {
+                    self.spend(n);
+                    self.too_long(head);
+                    self.return_chains();
+                    self.frame_segs = segs;
+                    return Err(io::Error::from_raw_os_error(libc::ENETDOWN));
+                }
+                Some(Walk::WrongWay(..)) => unreachable!("receive chains take both directions"),
+                Some(Walk::Ok(head, n)) => {
+                    self.spend(n);
+                    let c: usize = self.segs.iter().map(|s| s.1).sum();
+                    if c == 0 {
+                        // Nothing to write into: back to the guest, empty.
+                        self.push_used(head, 0);
+                        self.counters.empty_rx_chains.fetch_add(1, Relaxed);
+                        self.strike();
+                        empties = true;
+                        if !self.running() {
+                            short = true;
+                            break;
+                        }
+                        continue;
+                    }
+                    self.strikes = 0;
+                    segs.extend_from_slice(&self.segs);
+                    self.chains.push((head, c));
+                    cap += c;
                 }
             }
-            chains.push((head, c));
-            cap += c;
         }
+        if short {
+            if empties || !self.running() {
+                // Chains were used up around the empty ones: they cannot be
+                // put back in order, so they go back unwritten.
+                self.return_chains();
+            } else {
+                for _ in 0..self.chains.len() {
+                    self.queue.go_to_previous_position();
+                }
+            }
+            self.frame_segs = segs;
+            return Err(io::Error::from_raw_os_error(libc::ENOBUFS));
+        }
+        let mem = self.mem.clone().expect("a running ring has memory");
         let mut hdr = [0u8; 12];
         vnet.write(&mut hdr[..VNET_HDR_LEN]);
-        hdr[10..12].copy_from_slice(&(chains.len() as u16).to_le_bytes());
+        hdr[10..12].copy_from_slice(&(self.chains.len() as u16).to_le_bytes());
         let mut seg = 0;
         let mut off = 0;
         let mut ok = true;
@@ -342,11 +521,21 @@ impl Ring {
             left -= n;
             self.push_used(head, n as u32);
         }
+        self.frame_segs = segs;
         if ok {
             Ok(())
         } else {
             Err(io::Error::from_raw_os_error(libc::EFAULT))
         }
+    }
+
+    /// The receive chains taken for a frame go back unwritten.
+    fn return_chains(&mut self) {
+        for i in 0..self.chains.len() {
+            let head = self.chains[i].0;
+            self.push_used(head, 0);
+        }
+        self.chains.clear();
     }
 
     /// Writes a used entry (not yet visible to the guest).
@@ -365,8 +554,10 @@ impl Ring {
     }
 
     /// Makes the used entries written so far visible to the guest; true if
-    /// there were any.
+    /// there were any. A new pass begins: the descriptor budget is whole
+    /// again.
     pub fn publish(&mut self) -> bool {
+        self.spent = 0;
         if self.unpublished == 0 {
             return false;
         }
@@ -421,25 +612,29 @@ impl Ring {
         self.signalled_used = self.queue.next_used();
     }
 
-    /// Interrupts the guest (its call descriptor).
+    /// Interrupts the guest (its call eventfd); true if an interrupt is now
+    /// pending for it. Never blocks.
     pub fn signal(&self) -> bool {
         let Some(call) = &self.call else { return false };
-        crate::sys::eventfd::write_one(call.as_raw_fd()).is_ok()
+        match call.try_signal() {
+            Signal::Signalled => true,
+            Signal::AlreadyPending => {
+                self.counters.interrupts_pending.fetch_add(1, Relaxed);
+                false
+            }
+            Signal::Failed => false,
+        }
     }
 
-    /// Whether the last interrupt is still unread by the frontend (its call
-    /// eventfd readable): another write would only add to its counter.
+    /// Whether the last interrupt is still unread by the frontend.
     pub fn signal_pending(&self) -> bool {
-        let Some(call) = &self.call else { return false };
-        let mut p = libc::pollfd { fd: call.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one pollfd, no wait.
-        unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
+        self.call.as_ref().is_some_and(|c| c.pending())
     }
 
-    /// Consumes pending kicks (the kick descriptor is non-blocking).
+    /// Consumes pending kicks.
     pub fn clear_kick(&self) {
         if let Some(k) = &self.kick {
-            crate::sys::eventfd::drain(k.as_raw_fd());
+            k.clear();
         }
     }
 
@@ -447,7 +642,7 @@ impl Ring {
     /// true if frames came while notifications were off (look again).
     pub fn set_kicks(&mut self, on: bool) -> bool {
         let Some(mem) = self.mem.as_deref() else { return false };
-        if !self.queue.ready() {
+        if !self.queue.ready() || self.health != Health::Ok {
             return false;
         }
         let used = GuestAddress(self.queue.used_ring());
@@ -462,7 +657,7 @@ impl Ring {
             let _ = mem.store(flags.to_le(), used, Ordering::Relaxed);
         }
         fence(Ordering::SeqCst);
-        on && self.queue.avail_idx(mem, Ordering::Acquire).map(|i| i.0 != self.queue.next_avail()).unwrap_or(false)
+        on && self.queue.avail_idx(&**mem, Ordering::Acquire).map(|i| i.0 != self.queue.next_avail()).unwrap_or(false)
     }
 }
 
@@ -471,6 +666,9 @@ mod tests {
     //! The ring against a split virtqueue laid out by hand in anonymous
     //! memory, as a driver would: what the guest sees in its used ring.
     use super::*;
+    use crate::frame::GuestFrame;
+    use std::fs::File;
+    type Memory = GuestMemory<()>;
 
     const DESC: u64 = 0x1000;
     const AVAIL: u64 = 0x2000;
@@ -479,15 +677,15 @@ mod tests {
     const BUFS: u64 = 0x10000;
 
     fn ring(event_idx: bool) -> (Ring, Arc<Memory>) {
-        let mem = Arc::new(Memory::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap());
-        let mut r = Ring::new();
+        let mem = Memory::anonymous(&[(GuestAddress(0), 1 << 20)]);
+        let mut r = Ring::new(Arc::new(Counters::default()));
         r.queue.set_size(SIZE);
         r.queue.try_set_desc_table_address(GuestAddress(DESC)).unwrap();
         r.queue.try_set_avail_ring_address(GuestAddress(AVAIL)).unwrap();
         r.queue.try_set_used_ring_address(GuestAddress(USED)).unwrap();
         r.queue.set_event_idx(event_idx);
         r.mem = Some(mem.clone());
-        r.kick = Some(File::from(crate::sys::eventfd::EventFd::new().unwrap().into_owned()));
+        r.kick = Some(Kick::new(File::from(vnet_sys::eventfd::EventFd::new().unwrap().into_owned())).unwrap());
         assert!(r.try_start() && r.running());
         (r, mem)
     }
@@ -565,33 +763,39 @@ mod tests {
     }
 
     #[test]
-    fn a_frame_in_one_buffer_is_handed_over_in_place_else_copied() {
+    fn a_frame_in_one_buffer_has_its_head_copied_and_the_rest_in_place() {
         let (mut r, mem) = ring(false);
         let mut hdr = [0u8; 12];
         VnetHdr { flags: 1, ..VnetHdr::default() }.write(&mut hdr);
         mem.write_slice(&hdr, GuestAddress(BUFS)).unwrap();
-        mem.write_slice(&[0xab; 60], GuestAddress(BUFS + 12)).unwrap();
+        let frame: Vec<u8> = (0..1000u32).map(|i| i as u8).collect();
+        mem.write_slice(&frame, GuestAddress(BUFS + 12)).unwrap();
         // Header and frame in one buffer.
-        desc(&mem, 0, BUFS, 72, 0, 0);
-        // Header alone, then the frame in two buffers.
+        desc(&mem, 0, BUFS, 1012, 0, 0);
+        // A small frame (no longer than MAX_HEAD) in two buffers: copied.
         desc(&mem, 1, BUFS, 12, 1, 2);
         desc(&mem, 2, BUFS + 12, 30, 1, 3);
         desc(&mem, 3, BUFS + 42, 30, 0, 0);
         offer(&mem, &[0, 1]);
-        let mut out = [0u8; 128];
-        match r.pop_frame(&mut out, 12, true) {
-            Popped::InPlace { head: 0, vnet } => {
-                assert_eq!(vnet.flags, 1);
-                let host = mem.get_slice(GuestAddress(BUFS + 12), 60).unwrap().ptr_guard_mut().as_ptr();
-                assert_eq!(r.gathered(), [(host as usize, 60)]);
-            }
-            _ => panic!("not in place"),
-        }
-        match r.pop_frame(&mut out, 12, true) {
-            Popped::Frame { len: 60, copied: true, .. } => assert_eq!(out[..60], [0xab; 60]),
+        let mut out = [0u8; 2048];
+        let mut f = GuestFrame::default();
+        assert!(matches!(r.pop_frame(&mut out, 12, Some(&mut f)), Popped::InPlace));
+        assert_eq!(f.vnet.flags, 1);
+        assert_eq!(f.head_len(), MIN_HEAD);
+        let host = mem.get_slice(GuestAddress(BUFS + 12 + MIN_HEAD as u64), 1).unwrap().ptr_guard_mut().as_ptr() as usize;
+        assert_eq!(f.pieces, [(host, 1000 - MIN_HEAD)]);
+        // The guest rewrites its buffer: the head vnetd routes on stays.
+        mem.write_slice(&[0xff; 64], GuestAddress(BUFS + 12)).unwrap();
+        let mut rest = [&[][..]; MAX_PIECES];
+        let (head, k) = f.parts(&mut rest);
+        assert_eq!(head, &frame[..MIN_HEAD]);
+        assert_eq!((k, rest[0]), (1, &frame[MIN_HEAD..]));
+        f.release();
+        match r.pop_frame(&mut out, 12, Some(&mut f)) {
+            Popped::Frame { len: 60, copied: true, .. } => assert_eq!(out[..60], [0xff; 60]),
             _ => panic!("not copied"),
         }
-        assert!(matches!(r.pop_frame(&mut out, 12, true), Popped::Empty));
+        assert!(matches!(r.pop_frame(&mut out, 12, Some(&mut f)), Popped::Empty));
         assert!(r.publish());
         assert_eq!((used_idx(&mem), used(&mem, 0), used(&mem, 1)), (2, (0, 0), (1, 0)));
     }
@@ -623,25 +827,29 @@ mod tests {
             desc(&mem, 3, BUFS + 0x3000, 1000, 0, 0);
             offer(&mem, &[0]);
             let mut out = [0u8; 4096];
-            let Popped::InPlace { head, vnet } = r.pop_frame(&mut out, 12, true) else { panic!("not gathered") };
-            assert_eq!(vnet.gso_size, 1448);
-            let mut got = out[..head].to_vec();
-            for &(a, l) in r.gathered() {
-                // SAFETY: the ring's mapping lives as long as `mem` here.
-                got.extend_from_slice(unsafe { std::slice::from_raw_parts(a as *const u8, l) });
+            let mut f = GuestFrame::default();
+            let Popped::InPlace = r.pop_frame(&mut out, 12, Some(&mut f)) else { panic!("not gathered") };
+            assert_eq!(f.vnet.gso_size, 1448);
+            let head = f.head_len();
+            let pieces = f.pieces.clone();
+            let mut rest = [&[][..]; MAX_PIECES];
+            let (h, k) = f.parts(&mut rest);
+            let mut got = h.to_vec();
+            for p in &rest[..k] {
+                got.extend_from_slice(p);
             }
             assert_eq!(got, frame);
-            assert_eq!(r.gathered().len(), 3);
+            assert_eq!(k, 3);
             let first_piece = |skip: u64| mem.get_slice(GuestAddress(BUFS + 0x1000 + skip), 1).unwrap().ptr_guard_mut().as_ptr() as usize;
             if tcp {
                 // The first buffer holds the headers: it alone is copied.
                 assert_eq!(head, 66);
-                assert_eq!(r.gathered()[0], (first_piece(0), 1000));
+                assert_eq!(pieces[0], (first_piece(0), 1000));
             } else {
                 // Headers unknown: the head takes MIN_HEAD bytes, its last
                 // 62 from the second buffer; the pieces start after them.
                 assert_eq!(head, MIN_HEAD);
-                assert_eq!(r.gathered()[0], (first_piece(62), 938));
+                assert_eq!(pieces[0], (first_piece(62), 938));
             }
         }
     }
@@ -660,7 +868,7 @@ mod tests {
         }
         offer(&mem, &[0]);
         let mut out = vec![0u8; 8192];
-        let Popped::Frame { len, copied: true, .. } = r.pop_frame(&mut out, 12, true) else { panic!("not copied") };
+        let Popped::Frame { len, copied: true, .. } = r.pop_frame(&mut out, 12, Some(&mut GuestFrame::default())) else { panic!("not copied") };
         assert_eq!(len, 100 * usize::from(n));
         assert!(out[..len].chunks(100).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8 + 1)));
     }
@@ -675,7 +883,7 @@ mod tests {
         offer(&mem, &[0, 1, 2, 3]);
         let mut out = [0u8; 100];
         for want in ["bad", "bad", "bad", "big"] {
-            let got = match r.pop_frame(&mut out, 12, false) {
+            let got = match r.pop_frame(&mut out, 12, None) {
                 Popped::Bad => "bad",
                 Popped::TooBig => "big",
                 _ => "other",
@@ -740,6 +948,7 @@ mod tests {
         let mut out = vec![0u8; 65536];
         let payload = vec![0x5au8; 9000];
         let mut gathered = 0;
+        let mut f = GuestFrame::default();
         for round in 0..3000 {
             for i in 0..SIZE {
                 let (addr, len) = if rng.below(8) == 0 {
@@ -751,16 +960,18 @@ mod tests {
                 let flags = (rng.below(4) as u16) & (1 | 2); // NEXT, WRITE; never INDIRECT
                 desc(&mem, i, addr, len, flags, rng.below(u64::from(SIZE) + 4) as u16);
             }
+            tx.reset_health_for_tests();
             let heads: Vec<u16> = (0..rng.below(20)).map(|_| rng.below(u64::from(SIZE) + 4) as u16).collect();
             offer(&mem, &heads);
             for _ in 0..heads.len() + 1 {
-                if let Popped::InPlace { head, .. } = tx.pop_frame(&mut out, 12, round % 2 == 0) {
+                let fr = if round % 2 == 0 { Some(&mut f) } else { None };
+                if let Popped::InPlace = tx.pop_frame(&mut out, 12, fr) {
                     // Gathered pieces lie inside the buffer area the
                     // descriptors point into, past a head of whole headers.
-                    assert!(head <= MAX_HEAD);
-                    assert!(!tx.gathered().is_empty() && tx.gathered().len() <= MAX_PIECES);
+                    assert!(f.head_len() <= MAX_HEAD && f.head_len() > 0);
+                    assert!(!f.pieces.is_empty() && f.pieces.len() <= MAX_PIECES);
                     let area = mem.get_slice(GuestAddress(AREA.0), (AREA.1 - AREA.0) as usize).unwrap().ptr_guard_mut().as_ptr() as usize;
-                    for &(a, l) in tx.gathered() {
+                    for &(a, l) in &f.pieces {
                         assert!(l > 0 && a >= area && a + l <= area + (AREA.1 - AREA.0) as usize, "a piece outside the buffers");
                     }
                     gathered += 1;
@@ -779,5 +990,75 @@ mod tests {
         let mut gap = [0u8; 0xc000];
         mem.read_slice(&mut gap, GuestAddress(0x4000)).unwrap();
         assert!(gap.iter().all(|&b| b == 0xa5), "a write landed between the rings and the buffers");
+    }
+
+    #[test]
+    fn an_indirect_table_longer_than_the_queue_breaks_the_ring() {
+        let (mut r, mem) = ring(false);
+        desc(&mem, 0, BUFS, 16 * (u32::from(SIZE) + 1), 4, 0); // INDIRECT, SIZE + 1 entries
+        desc(&mem, 1, BUFS, 72, 0, 0);
+        offer(&mem, &[0, 1]);
+        let mut out = [0u8; 2048];
+        assert!(matches!(r.pop_frame(&mut out, 12, None), Popped::Bad));
+        assert_eq!(r.health(), Health::Broken("a chain longer than the queue"));
+        assert!(matches!(r.pop_frame(&mut out, 12, None), Popped::Empty), "a broken ring is left alone");
+        assert!(r.publish());
+        assert_eq!((used_idx(&mem), used(&mem, 0)), (1, (0, 0)), "the bad chain went back");
+        assert_eq!((r.counters.long_chains.load(Relaxed), r.counters.broken_rings.load(Relaxed)), (1, 1));
+        // The frontend resets the ring: it is whole again.
+        r.reset();
+        assert_eq!(r.health(), Health::Ok);
+    }
+
+    #[test]
+    fn receive_chains_with_no_writable_byte_go_back_empty_and_too_many_break_the_ring() {
+        let (mut r, mem) = ring(false);
+        for i in 0..4 {
+            desc(&mem, i, BUFS, 0, 2, 0); // writable, but zero bytes
+        }
+        desc(&mem, 4, BUFS + 0x1000, 2000, 2, 0);
+        offer(&mem, &[0, 1, 2, 3, 4]);
+        r.put_frame(&VnetHdr::default(), &[&[3u8; 100]], 12, true).unwrap();
+        assert!(r.publish());
+        assert_eq!(used_idx(&mem), 5);
+        assert_eq!([used(&mem, 0), used(&mem, 3), used(&mem, 4)], [(0, 0), (3, 0), (4, 112)]);
+        assert_eq!(r.counters.empty_rx_chains.load(Relaxed), 4);
+        // A guest that posts nothing but such chains: the ring breaks after
+        // `strikes` of them in a row, each returned, none walked twice.
+        for i in 0..SIZE {
+            desc(&mem, i, BUFS, 0, 0, 0); // read-only: nothing to write into
+        }
+        offer(&mem, &(0..SIZE).collect::<Vec<_>>());
+        for _ in 0..3 {
+            assert!(r.put_frame(&VnetHdr::default(), &[&[3u8; 100]], 12, true).is_err());
+        }
+        assert_eq!(r.health(), Health::Broken("too many bad chains in a row"));
+        assert_eq!(r.counters.empty_rx_chains.load(Relaxed), 4 + u64::from(Budget::default().strikes));
+        assert!(r.publish());
+        assert_eq!(used_idx(&mem), 5 + Budget::default().strikes);
+    }
+
+    #[test]
+    fn a_pass_reads_no_more_descriptors_than_its_budget() {
+        let (mut r, mem) = ring(false);
+        r.budget.descs_per_pass = 10;
+        for i in 0..20 {
+            desc(&mem, i, BUFS, 72, 0, 0);
+        }
+        offer(&mem, &(0..20).collect::<Vec<_>>());
+        let mut out = [0u8; 2048];
+        let mut n = 0;
+        while let Popped::Frame { .. } = r.pop_frame(&mut out, 12, None) {
+            n += 1;
+        }
+        assert_eq!(n, 10);
+        assert!(matches!(r.pop_frame(&mut out, 12, None), Popped::Later));
+        assert_eq!(r.counters.budget_stops.load(Relaxed), 2);
+        // The next pass goes on where this one stopped.
+        r.publish();
+        while let Popped::Frame { .. } = r.pop_frame(&mut out, 12, None) {
+            n += 1;
+        }
+        assert_eq!(n, 20);
     }
 }

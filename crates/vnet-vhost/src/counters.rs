@@ -1,0 +1,66 @@
+//! What one vhost-user NIC did, for `STATS` (names written once).
+
+vnet_core::counter_set! {
+    /// What a vhost-user NIC did, for `STATS`.
+    pub struct Counters {
+        connects as "vhost_connects",
+        /// Chains the guest queued that could not be read (returned unread).
+        bad_chains as "vhost_bad_chains",
+        /// Receive chains with no writable byte, returned used with length 0.
+        empty_rx_chains as "vhost_empty_rx_chains",
+        /// Chains longer than the queue (indirect tables included): the ring
+        /// that had one is broken.
+        long_chains as "vhost_long_chains",
+        /// Rings marked broken (a chain longer than the queue, too many bad
+        /// chains in a row, a fault on guest memory): left alone until the
+        /// frontend resets or reconnects.
+        broken_rings as "vhost_broken_rings",
+        /// Passes that stopped at the descriptor budget (the rest waits for
+        /// the next pass, after the other NICs had theirs).
+        budget_stops as "vhost_budget_stops",
+        /// Call or kick descriptors refused: not an eventfd.
+        refused_fds as "vhost_refused_fds",
+        /// Memory tables refused: a file that can shrink (no F_SEAL_SHRINK)
+        /// without `unsealed-memory`, or a region past its file's end.
+        refused_memory as "vhost_refused_memory",
+        /// Faults on guest memory survived (its file shrank): the device is
+        /// broken until the frontend sets up new memory.
+        memory_faults as "vhost_memory_faults",
+        /// Interrupts sent to the guest, for frames received and for frames
+        /// sent (transmit buffers returned).
+        rx_interrupts as "vhost_rx_interrupts",
+        tx_interrupts as "vhost_tx_interrupts",
+        /// Interrupts not sent because the guest's call eventfd was full
+        /// (an interrupt was pending anyway).
+        interrupts_pending as "vhost_interrupts_pending",
+        /// Frames written into the guest's receive buffers.
+        rx_frames as "vhost_rx_frames",
+        /// Optimistic interrupts: early virtual interrupts sent, and found the
+        /// guest's interrupts off; end-of-coalescing decisions by reason.
+        evi_sent,
+        evi_suppressed,
+        eoc_not_needed,
+        eoc_masked,
+        eoc_cold,
+        eoc_density,
+        eoc_hot,
+        /// An EoC interrupt not sent because the last one was still unread.
+        eoc_pending,
+        idle_interrupts,
+        /// Cut-through: frames from the guest sent from where they lay (bytes:
+        /// those not copied); every one had its headers copied first
+        /// (`tx_head_copied_bytes`), which is what vnetd routed on.
+        tx_in_place_frames,
+        tx_in_place_bytes,
+        tx_gathered_frames,
+        tx_head_copied_bytes,
+        /// Copied although cut-through was on: frames no longer than
+        /// `MAX_HEAD` (an iovec would cost more), and frames that could not be
+        /// gathered (more than `MAX_PIECES` buffers, a buffer across memory
+        /// regions).
+        tx_copied_small_frames,
+        tx_copied_small_bytes,
+        tx_copied_scattered_frames,
+        tx_copied_scattered_bytes,
+    }
+}

@@ -1,0 +1,325 @@
+//! One vhost-user virtio-net device: its two rings, the features the
+//! frontend acknowledged, its counters, and what a dispatcher does with it
+//! (take frames the guest sent, put frames into its receive buffers,
+//! interrupt it once per burst).
+//!
+//! The dispatcher watches one descriptor per device (`event_fd`): an epoll
+//! set holding the transmit queue's kick eventfd (which changes with each
+//! connection) and a poke the protocol thread uses when a ring starts, and
+//! the device itself uses when a pass stopped at its budget. Receive-queue
+//! kicks are never asked for: a frame for a guest with no posted buffers is
+//! dropped and counted (`queue_full`), as a full TAP's is.
+
+use crate::counters::Counters;
+use crate::frame::{GuestFrame, MAX_HEAD};
+use crate::irq::{IrqDecision, IrqPolicy};
+use crate::memory::{DirtyLog, MemoryPolicy};
+use crate::queue::{Health, Popped, Ring};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use vnet_core::offload::VnetHdr;
+use vnet_sys::epoll::{self, Epoll};
+use vnet_sys::eventfd::EventFd;
+
+/// Feature bits (virtio 1.2, 5.1.3 and 6).
+pub mod feature {
+    pub const CSUM: u64 = 1 << 0;
+    pub const GUEST_CSUM: u64 = 1 << 1;
+    pub const GUEST_TSO4: u64 = 1 << 7;
+    pub const GUEST_TSO6: u64 = 1 << 8;
+    pub const GUEST_ECN: u64 = 1 << 9;
+    pub const HOST_TSO4: u64 = 1 << 11;
+    pub const HOST_TSO6: u64 = 1 << 12;
+    pub const HOST_ECN: u64 = 1 << 13;
+    pub const MRG_RXBUF: u64 = 1 << 15;
+    pub const INDIRECT_DESC: u64 = 1 << 28;
+    pub const EVENT_IDX: u64 = 1 << 29;
+    pub const PROTOCOL_FEATURES: u64 = 1 << 30;
+    pub const VERSION_1: u64 = 1 << 32;
+    /// What vnetd offers: what a modern guest uses. Offloads both ways, so
+    /// that a guest's 64 KiB segments cross whole and merged runs reach it
+    /// whole; one queue pair (a NIC is served by one dispatcher).
+    pub const OFFERED: u64 = CSUM
+        | GUEST_CSUM
+        | GUEST_TSO4
+        | GUEST_TSO6
+        | GUEST_ECN
+        | HOST_TSO4
+        | HOST_TSO6
+        | HOST_ECN
+        | MRG_RXBUF
+        | INDIRECT_DESC
+        | EVENT_IDX
+        | PROTOCOL_FEATURES
+        | VERSION_1;
+}
+
+/// Queue 0 receives (vnetd → guest), queue 1 transmits.
+pub const RX: usize = 0;
+pub const TX: usize = 1;
+
+/// What the protocol thread and the dispatchers share.
+pub struct Device<B: DirtyLog = ()> {
+    rings: [Mutex<Ring<B>>; 2],
+    /// The features the frontend acknowledged.
+    pub(crate) acked: AtomicU64,
+    pub(crate) memory: MemoryPolicy,
+    /// The dispatcher's descriptor: the transmit kick and `poke` in it.
+    epoll: Epoll,
+    poke: EventFd,
+    /// The dispatcher wants kicks (guest-driven) or polls (VMM-driven).
+    kicks_on: AtomicBool,
+    pub connected: AtomicBool,
+    pub counters: Arc<Counters>,
+}
+
+/// A frame taken from the guest.
+pub enum Taken {
+    /// In the caller's buffer: `len` bytes, with their offload header.
+    Copied { len: usize, vnet: VnetHdr },
+    /// In the caller's `GuestFrame`.
+    InPlace,
+}
+
+impl<B: DirtyLog> Device<B> {
+    pub fn new(memory: MemoryPolicy) -> io::Result<Device<B>> {
+        let counters = Arc::new(Counters::default());
+        let d = Device {
+            rings: [Mutex::new(Ring::new(counters.clone())), Mutex::new(Ring::new(counters.clone()))],
+            acked: AtomicU64::new(0),
+            memory,
+            epoll: Epoll::new(0)?,
+            poke: EventFd::new()?,
+            kicks_on: AtomicBool::new(true),
+            connected: AtomicBool::new(false),
+            counters,
+        };
+        d.epoll.add(d.poke.as_raw_fd(), epoll::IN, 0)?;
+        Ok(d)
+    }
+
+    pub fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring<B>> {
+        self.rings[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The transmit queue's kick descriptor changed from `old` to `new`.
+    pub(crate) fn watch_kick(&self, old: Option<RawFd>, new: Option<RawFd>) {
+        if let Some(o) = old {
+            self.epoll.delete(o);
+        }
+        if let Some(n) = new {
+            // A failure (already there) changes nothing.
+            let _ = self.epoll.add(n, epoll::IN, 0);
+        }
+    }
+
+    /// Wakes the dispatcher (a ring started with frames perhaps waiting,
+    /// or a pass stopped at its budget).
+    pub(crate) fn poke(&self) {
+        let _ = self.poke.notify();
+    }
+
+    fn clear_poke(&self) {
+        self.poke.drain();
+    }
+
+    fn hdr_len(&self) -> usize {
+        if self.acked.load(Relaxed) & (feature::VERSION_1 | feature::MRG_RXBUF) != 0 {
+            12
+        } else {
+            10
+        }
+    }
+
+    /// The descriptor the dispatcher watches while the device runs
+    /// guest-driven.
+    pub fn event_fd(&self) -> RawFd {
+        self.epoll.as_raw_fd()
+    }
+
+    /// The next frame from the guest's transmit queue: into `buf`, or, given
+    /// `frame` (cut-through), its head copied there and the rest in place.
+    pub fn take(&self, buf: &mut [u8], mut frame: Option<&mut GuestFrame>) -> io::Result<Taken> {
+        let hdr_len = self.hdr_len();
+        let c = &*self.counters;
+        let mut tx = self.ring(TX);
+        // Kicks re-armed and frames found waiting: look once more, never in a
+        // loop (a guest whose avail index is nonsense would hold us there).
+        let mut looked_again = false;
+        loop {
+            if !tx.running() {
+                tx.clear_kick();
+                self.clear_poke();
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            match tx.pop_frame(buf, hdr_len, frame.as_deref_mut()) {
+                Popped::Frame { len, vnet, copied } => {
+                    if copied && len <= MAX_HEAD {
+                        c.tx_copied_small_frames.fetch_add(1, Relaxed);
+                        c.tx_copied_small_bytes.fetch_add(len as u64, Relaxed);
+                    } else if copied {
+                        c.tx_copied_scattered_frames.fetch_add(1, Relaxed);
+                        c.tx_copied_scattered_bytes.fetch_add(len as u64, Relaxed);
+                    }
+                    return Ok(Taken::Copied { len, vnet });
+                }
+                Popped::InPlace => {
+                    let f = frame.as_deref().expect("in place only when asked");
+                    let (head, all) = (f.head_len() as u64, f.len() as u64);
+                    c.tx_in_place_frames.fetch_add(1, Relaxed);
+                    c.tx_in_place_bytes.fetch_add(all - head, Relaxed);
+                    c.tx_head_copied_bytes.fetch_add(head, Relaxed);
+                    if f.pieces.len() > 1 {
+                        c.tx_gathered_frames.fetch_add(1, Relaxed);
+                    }
+                    return Ok(Taken::InPlace);
+                }
+                Popped::Bad => {
+                    c.bad_chains.fetch_add(1, Relaxed);
+                }
+                Popped::TooBig => return Err(io::Error::from_raw_os_error(libc::EMSGSIZE)),
+                Popped::Later => {
+                    // Come back after the other NICs had their turn.
+                    self.poke();
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+                Popped::Empty => {
+                    tx.clear_kick();
+                    self.clear_poke();
+                    if !looked_again && self.kicks_on.load(Relaxed) && tx.set_kicks(true) {
+                        looked_again = true;
+                        continue;
+                    }
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
+            }
+        }
+    }
+
+    /// Writes one frame into the guest's receive buffers; its length.
+    pub fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        let mergeable = self.acked.load(Relaxed) & feature::MRG_RXBUF != 0;
+        let hdr_len = self.hdr_len();
+        let mut rx = self.ring(RX);
+        if !rx.running() {
+            return Err(io::Error::from_raw_os_error(libc::ENETDOWN));
+        }
+        rx.put_frame(vnet, parts, hdr_len, mergeable)?;
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        rx.irq.bytes += len as u64;
+        self.counters.rx_frames.fetch_add(1, Relaxed);
+        Ok(len)
+    }
+
+    /// Guest-driven (kicks on) or VMM-driven (polled).
+    pub fn set_notify(&self, on: bool) {
+        self.kicks_on.store(on, Relaxed);
+        let mut tx = self.ring(TX);
+        if tx.set_kicks(on) {
+            self.poke();
+        }
+    }
+
+    /// Optimistic interrupts' early virtual interrupt: sent before the
+    /// frames are copied in if the guest has interrupts on; if it has them
+    /// off (it is polling its ring), the attempt fails and the end of
+    /// coalescing will interrupt it.
+    pub fn arriving(&self, irq: &IrqPolicy) {
+        if !irq.optimistic {
+            return;
+        }
+        let c = &*self.counters;
+        let mut rx = self.ring(RX);
+        if !rx.running() {
+            return;
+        }
+        if rx.guest_armed() && rx.signal() {
+            rx.signalled_now();
+            rx.irq.evi_sent();
+            c.evi_sent.fetch_add(1, Relaxed);
+            c.rx_interrupts.fetch_add(1, Relaxed);
+        } else {
+            rx.irq.evi_failed = true;
+            c.evi_suppressed.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// The end of a burst (the paper's end of coalescing): the frames
+    /// become visible and the guest is interrupted as `irq::IrqDecision`
+    /// says. True if an interrupt was held back for `idle`.
+    pub fn flush(&self, irq: &IrqPolicy) -> bool {
+        let c = &*self.counters;
+        let mut deferred = false;
+        {
+            let mut rx = self.ring(RX);
+            if rx.publish() {
+                let wants = rx.guest_wants_interrupt();
+                let d = rx.irq.end_of_coalescing(irq, wants);
+                match d {
+                    IrqDecision::Plain(_) => {}
+                    IrqDecision::NotNeeded => _ = c.eoc_not_needed.fetch_add(1, Relaxed),
+                    IrqDecision::Masked => _ = c.eoc_masked.fetch_add(1, Relaxed),
+                    IrqDecision::Cold => _ = c.eoc_cold.fetch_add(1, Relaxed),
+                    IrqDecision::Density => _ = c.eoc_density.fetch_add(1, Relaxed),
+                    IrqDecision::Hot => {
+                        deferred = true;
+                        c.eoc_hot.fetch_add(1, Relaxed);
+                    }
+                }
+                if d.now() && irq.optimistic && rx.signal_pending() {
+                    // The early interrupt is not even taken yet: the guest's
+                    // handler will run after these frames are visible.
+                    c.eoc_pending.fetch_add(1, Relaxed);
+                } else if d.now() && rx.signal() {
+                    c.rx_interrupts.fetch_add(1, Relaxed);
+                }
+            }
+        }
+        let mut tx = self.ring(TX);
+        if tx.publish() && tx.guest_wants_interrupt() && tx.signal() {
+            c.tx_interrupts.fetch_add(1, Relaxed);
+        }
+        deferred
+    }
+
+    /// The dispatcher that flushed this device has no more work: deliver
+    /// an interrupt held back.
+    pub fn idle(&self) {
+        let mut rx = self.ring(RX);
+        if std::mem::take(&mut rx.irq.deferred) && rx.signal() {
+            self.counters.idle_interrupts.fetch_add(1, Relaxed);
+            self.counters.rx_interrupts.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Whether the guest takes super-frames and partial checksums as they
+    /// are.
+    pub fn takes_offloads(&self) -> bool {
+        let want = feature::GUEST_CSUM | feature::GUEST_TSO4 | feature::GUEST_TSO6;
+        self.acked.load(Relaxed) & want == want
+    }
+
+    pub fn memory_policy(&self) -> MemoryPolicy {
+        self.memory
+    }
+
+    /// Why the device is broken, if a ring is.
+    pub fn broken(&self) -> Option<&'static str> {
+        [RX, TX].into_iter().find_map(|i| match self.ring(i).health() {
+            Health::Broken(why) => Some(why),
+            Health::Ok => None,
+        })
+    }
+
+    /// ` key=value` pairs for `STATS`.
+    pub fn render_stats(&self, s: &mut String) {
+        let c = &*self.counters;
+        let frames = c.rx_frames.load(Relaxed);
+        let per_frame = if frames == 0 { 0.0 } else { c.rx_interrupts.load(Relaxed) as f64 / frames as f64 };
+        s.push_str(&format!(" vhost_features={:#x}", self.acked.load(Relaxed)));
+        c.render_into(s);
+        s.push_str(&format!(" vhost_rx_interrupts_per_frame={per_frame:.3}"));
+    }
+}

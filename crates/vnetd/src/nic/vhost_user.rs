@@ -1,0 +1,386 @@
+//! A vhost-user virtio-net NIC: the VMM (QEMU, cloud-hypervisor) or a
+//! userspace driver (DPDK's virtio-user) shares the guest's memory and rings
+//! with vnetd over a Unix socket, and vnetd's dispatchers move frames
+//! straight between the guest's buffers and the overlay — the virtio NIC
+//! VNET/P put in the VMM, with no TAP and no host kernel between.
+//!
+//! The device itself (rings, guest memory, notifications, the protocol's
+//! messages, every defence against a hostile frontend) is the `vnet-vhost`
+//! crate; this is where it meets vnetd: the socket, a thread per NIC that
+//! serves it (`server`) or keeps connecting to the VMM's (`client`) and
+//! starts over whenever either side restarts, and the `VirtualNic` the
+//! dispatchers use.
+//!
+//! Sockets live in one directory (`--vhost-user-dir`, /run/vnet by
+//! default), named plainly; vnetd never follows a link there, never
+//! replaces anything but a stale socket, and makes its own mode 600 through
+//! a descriptor of the file it bound.
+
+use super::{Frame, GuestFrame, Received, VirtualNic};
+use crate::settings::IrqPolicy;
+use anyhow::{bail, Context, Result};
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use vhost::vhost_user::{BackendReqHandler, Error as VhostError};
+use vnet_core::offload::VnetHdr;
+use vnet_vhost::{Device, Frontend, MemoryPolicy, Taken};
+
+/// How the socket's other end is met.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// vnetd listens; the VMM connects (QEMU's `reconnect=1` comes back
+    /// after a vnetd restart).
+    Server,
+    /// The VMM listens (`server=on`); vnetd connects, and again whenever
+    /// the connection drops.
+    Client,
+}
+
+/// The protocol thread's stop signal and what to shut down to wake it.
+struct Control {
+    stop: AtomicBool,
+    /// The live connection (shut down to end it) and the listener.
+    conn: Mutex<Option<UnixStream>>,
+    listener: Option<RawFd>,
+}
+
+pub struct VhostUserNic {
+    shared: Arc<Device>,
+    control: Arc<Control>,
+    path: PathBuf,
+    role: Role,
+    /// The socket file this NIC made (device and inode), removed when the
+    /// NIC goes if it is still the same file.
+    made: Option<(Arc<SocketDir>, String, (u64, u64))>,
+    _listener: Option<UnixListener>,
+}
+
+/// Where a NIC's socket is: `--vhost-user-dir` and a plain name in it.
+pub struct Where<'a> {
+    pub dir: &'a Path,
+    /// A plain name, or an absolute path whose directory is `dir`.
+    pub socket: &'a str,
+}
+
+impl VhostUserNic {
+    /// Serves a vhost-user-net device on its socket (`client`: connects to
+    /// the VMM's socket there instead); `unsealed`: takes guest memory files
+    /// that are not sealed against shrinking.
+    pub fn new(name: &str, at: &Where, client: bool, unsealed: bool) -> Result<VhostUserNic> {
+        let (dir, file) = resolve(at)?;
+        let dir = Arc::new(SocketDir::open(&dir)?);
+        let path = dir.path.join(&file);
+        let shared = Arc::new(Device::new(MemoryPolicy { allow_unsealed: unsealed }).context("vhost-user device")?);
+        let (role, listener, made) = if client {
+            (Role::Client, None, None)
+        } else {
+            let (l, id) = dir.bind(&file)?;
+            (Role::Server, Some(l), Some((dir.clone(), file.clone(), id)))
+        };
+        let control = Arc::new(Control {
+            stop: AtomicBool::new(false),
+            conn: Mutex::new(None),
+            listener: listener.as_ref().map(|l| l.as_raw_fd()),
+        });
+        let (s, c) = (shared.clone(), control.clone());
+        let l = listener.as_ref().map(|l| l.try_clone()).transpose().context("listener")?;
+        let d = dir.clone();
+        std::thread::Builder::new()
+            .name(format!("vhost-{name}"))
+            .spawn(move || match l {
+                Some(l) => serve(&s, &c, &l),
+                None => connect_loop(&s, &c, &d, &file),
+            })
+            .context("cannot start the vhost-user thread")?;
+        Ok(VhostUserNic { shared, control, path, role, made, _listener: listener })
+    }
+}
+
+/// The directory and plain name a socket argument means.
+fn resolve(at: &Where) -> Result<(PathBuf, String)> {
+    let dir = at.dir;
+    let (parent, name) = match at.socket.rsplit_once('/') {
+        None => (dir.to_path_buf(), at.socket.to_string()),
+        Some((p, n)) => (PathBuf::from(if p.is_empty() { "/" } else { p }), n.to_string()),
+    };
+    if parent != dir {
+        bail!("vhost-user sockets live in {} (--vhost-user-dir): give a plain name there, not {}", dir.display(), at.socket);
+    }
+    vnet_core::command::check_socket_path(&name).map_err(anyhow::Error::msg)?;
+    Ok((parent, name))
+}
+
+/// The directory vhost-user sockets live in, held open: every name is
+/// looked up in it, never through a link.
+pub struct SocketDir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+fn cstr(s: &str) -> Result<CString> {
+    CString::new(s).context("a name with a NUL byte")
+}
+
+impl SocketDir {
+    /// Opens (making it, 0755, if missing) the directory; one others may
+    /// write into is refused.
+    fn open(dir: &Path) -> Result<SocketDir> {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot make {}", dir.display()))?;
+            std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+        }
+        let c = CString::new(dir.as_os_str().as_encoded_bytes()).context("a path with a NUL byte")?;
+        // SAFETY: open(2) of a NUL-terminated path; the result is checked.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error()).with_context(|| format!("cannot open {} (a directory, not a link)", dir.display()));
+        }
+        // SAFETY: a descriptor we just opened.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let st = fstat(fd.as_raw_fd())?;
+        if st.st_mode & 0o022 != 0 && st.st_mode & libc::S_ISVTX == 0 {
+            bail!("{} may be written by others (mode {:o}): vhost-user sockets need a directory only vnetd's user writes", dir.display(), st.st_mode & 0o7777);
+        }
+        Ok(SocketDir { fd, path: dir.to_path_buf() })
+    }
+
+    /// `name` inside the directory, reached through its descriptor (a
+    /// socket address: at most 107 bytes, which this is).
+    fn via_fd(&self, name: &str) -> String {
+        format!("/proc/self/fd/{}/{name}", self.fd.as_raw_fd())
+    }
+
+    /// What is at `name` (not following a link), if anything.
+    fn stat(&self, name: &str) -> Result<Option<libc::stat>> {
+        let n = cstr(name)?;
+        // SAFETY: fstatat into a zeroed stat; the result is checked.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        if unsafe { libc::fstatat(self.fd.as_raw_fd(), n.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) } < 0 {
+            let e = io::Error::last_os_error();
+            return if e.kind() == io::ErrorKind::NotFound { Ok(None) } else { Err(e).context(name.to_string()) };
+        }
+        Ok(Some(st))
+    }
+
+    /// Binds the server socket `name`: something already there is replaced
+    /// only if it is a socket nobody listens on (left by a vnetd that
+    /// died); never a link, never another file. Mode 600, set through a
+    /// descriptor of the very file bound. (device, inode) of the socket.
+    fn bind(&self, name: &str) -> Result<(UnixListener, (u64, u64))> {
+        let shown = self.path.join(name);
+        if let Some(st) = self.stat(name)? {
+            if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+                bail!("{} exists and is not a socket (a link or a file): not replaced", shown.display());
+            }
+            if UnixStream::connect(self.via_fd(name)).is_ok() {
+                bail!("{} is a socket something listens on: not replaced", shown.display());
+            }
+            let n = cstr(name)?;
+            // SAFETY: unlinkat of a name in our directory.
+            if unsafe { libc::unlinkat(self.fd.as_raw_fd(), n.as_ptr(), 0) } < 0 {
+                return Err(io::Error::last_os_error()).with_context(|| format!("cannot replace stale socket {}", shown.display()));
+            }
+        }
+        let l = UnixListener::bind(self.via_fd(name)).with_context(|| format!("cannot listen on {}", shown.display()))?;
+        // Whoever connects gets to map memory into vnetd and feed it
+        // descriptors: vnetd's own user only, unless the admin opens it (or
+        // uses `client`). The file bound is opened without following links
+        // and changed through that descriptor.
+        let n = cstr(name)?;
+        // SAFETY: openat(2) with O_PATH; the result is checked.
+        let fd = unsafe { libc::openat(self.fd.as_raw_fd(), n.as_ptr(), libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error()).with_context(|| format!("cannot open {}", shown.display()));
+        }
+        // SAFETY: a descriptor we just opened.
+        let file = unsafe { OwnedFd::from_raw_fd(fd) };
+        let st = fstat(file.as_raw_fd())?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
+            bail!("{} changed under vnetd while it was bound", shown.display());
+        }
+        let through = cstr(&format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+        // SAFETY: chmod(2) of the descriptor's own file (a socket, checked).
+        if unsafe { libc::chmod(through.as_ptr(), 0o600) } < 0 {
+            return Err(io::Error::last_os_error()).with_context(|| format!("cannot restrict {}", shown.display()));
+        }
+        Ok((l, (st.st_dev, st.st_ino)))
+    }
+
+    /// Connects to the VMM's socket `name` (a socket, not a link).
+    fn connect(&self, name: &str) -> Result<UnixStream> {
+        match self.stat(name)? {
+            Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFSOCK => {}
+            Some(_) => bail!("{} is not a socket (a link or a file): not connected to", self.path.join(name).display()),
+            None => bail!("{} does not exist yet", self.path.join(name).display()),
+        }
+        Ok(UnixStream::connect(self.via_fd(name))?)
+    }
+
+    /// Removes `name` if it is still the socket (device, inode) made.
+    fn remove_if(&self, name: &str, id: (u64, u64)) {
+        if let Ok(Some(st)) = self.stat(name) {
+            if (st.st_dev, st.st_ino) == id {
+                if let Ok(n) = cstr(name) {
+                    // SAFETY: unlinkat of a name in our directory.
+                    unsafe { libc::unlinkat(self.fd.as_raw_fd(), n.as_ptr(), 0) };
+                }
+            }
+        }
+    }
+}
+
+fn fstat(fd: RawFd) -> Result<libc::stat> {
+    // SAFETY: fstat into a zeroed stat; the result is checked.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } < 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    Ok(st)
+}
+
+/// Serves one frontend connection until it ends (or vnetd stops it).
+fn run_connection(shared: &Arc<Device>, control: &Control, stream: UnixStream) {
+    if let Ok(c) = stream.try_clone() {
+        *control.conn.lock().unwrap() = Some(c);
+    }
+    if control.stop.load(Relaxed) {
+        return;
+    }
+    let fe = Arc::new(Mutex::new(Frontend::new(shared.clone())));
+    let mut handler = BackendReqHandler::from_stream(stream, fe.clone());
+    shared.counters.connects.fetch_add(1, Relaxed);
+    shared.connected.store(true, Relaxed);
+    tracing::info!("vhost-user frontend connected");
+    loop {
+        match handler.handle_request() {
+            Ok(()) => {}
+            // The device refused one request; the frontend was told.
+            Err(e @ (VhostError::InvalidParam | VhostError::InvalidOperation(_) | VhostError::InactiveFeature(_) | VhostError::InactiveOperation(_) | VhostError::ReqHandlerError(_))) => {
+                tracing::debug!("vhost-user request refused: {e}");
+            }
+            Err(e) => {
+                if !control.stop.load(Relaxed) {
+                    tracing::info!("vhost-user frontend gone: {e}");
+                }
+                break;
+            }
+        }
+    }
+    shared.connected.store(false, Relaxed);
+    fe.lock().unwrap().reset();
+    *control.conn.lock().unwrap() = None;
+}
+
+fn serve(shared: &Arc<Device>, control: &Control, listener: &UnixListener) {
+    while !control.stop.load(Relaxed) {
+        match listener.accept() {
+            Ok((s, _)) => run_connection(shared, control, s),
+            Err(e) => {
+                if control.stop.load(Relaxed) {
+                    return;
+                }
+                tracing::warn!("vhost-user accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn connect_loop(shared: &Arc<Device>, control: &Control, dir: &SocketDir, name: &str) {
+    let mut logged = false;
+    while !control.stop.load(Relaxed) {
+        match dir.connect(name) {
+            Ok(s) => {
+                logged = false;
+                run_connection(shared, control, s);
+            }
+            Err(e) => {
+                if !logged {
+                    tracing::info!(socket = name, "vhost-user: cannot connect yet ({e:#}); retrying");
+                    logged = true;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+impl Drop for VhostUserNic {
+    fn drop(&mut self) {
+        self.control.stop.store(true, Relaxed);
+        if let Some(c) = self.control.conn.lock().unwrap().take() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        if let Some(l) = self.control.listener {
+            // SAFETY: shutdown(2) on our listening socket wakes its accept.
+            unsafe { libc::shutdown(l, libc::SHUT_RDWR) };
+        }
+        if let Some((dir, name, id)) = &self.made {
+            dir.remove_if(name, *id);
+        }
+    }
+}
+
+impl VirtualNic for VhostUserNic {
+    fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
+        match self.shared.take(buf, None)? {
+            Taken::Copied { len, vnet } => Ok(Received { start: 0, end: len, vnet }),
+            Taken::InPlace => unreachable!("in place only when asked"),
+        }
+    }
+
+    fn recv_in_place(&self, buf: &mut [u8], at: &mut GuestFrame) -> io::Result<Frame> {
+        match self.shared.take(buf, Some(at))? {
+            Taken::Copied { len, vnet } => Ok(Frame::Copied(Received { start: 0, end: len, vnet })),
+            Taken::InPlace => Ok(Frame::InPlace),
+        }
+    }
+
+    fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
+        self.shared.send(vnet, parts)
+    }
+
+    fn event_fd(&self) -> RawFd {
+        self.shared.event_fd()
+    }
+
+    fn set_notify(&self, on: bool) {
+        self.shared.set_notify(on);
+    }
+
+    fn arriving(&self, irq: &IrqPolicy) {
+        self.shared.arriving(irq);
+    }
+
+    fn flush(&self, irq: &IrqPolicy) -> bool {
+        self.shared.flush(irq)
+    }
+
+    fn idle(&self) {
+        self.shared.idle();
+    }
+
+    fn takes_offloads(&self) -> bool {
+        self.shared.takes_offloads()
+    }
+
+    fn describe(&self) -> String {
+        let role = if self.role == Role::Client { " client" } else { "" };
+        let unsealed = if self.shared.memory_policy().allow_unsealed { " unsealed-memory" } else { "" };
+        let up = if self.shared.connected.load(Relaxed) { "yes" } else { "no" };
+        let broken = self.shared.broken().map(|why| format!(" broken={}", why.replace(' ', "-"))).unwrap_or_default();
+        format!("vhost-user={}{role}{unsealed} connected={up}{broken}", self.path.display())
+    }
+
+    fn extra_stats(&self) -> String {
+        let mut s = String::new();
+        self.shared.render_stats(&mut s);
+        s
+    }
+}
