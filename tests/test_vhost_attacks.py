@@ -402,3 +402,118 @@ def test_s4_a_frontend_that_truncates_its_memory_breaks_only_its_device(lab):
     f = t.connect()
     t.exchange(f)
     assert "broken=" not in t.fe_line()
+
+
+# ---- S7 ----
+
+def test_s7_vhost_user_sockets_are_confined_to_the_vhost_user_dir(lab):
+    """S7: a vhost-user socket is a plain name in vnetd's --vhost-user-dir
+    (the lab's vnetds get the lab's directory, tests/netlab.py), or an
+    absolute path directly in it; anything else is refused by INTERFACE ADD
+    with an error naming the directory, for the `client` role too (vnetd
+    then connects to nothing). A symbolic link or a regular file planted at
+    a name is neither followed nor replaced (the link's target keeps its
+    mode and content). The socket vnetd makes is mode 0600. A directory
+    that does not exist is made, mode 0755.
+
+    Today's code takes any absolute path (and follows a link with chmod)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, "")
+    home = lab.tmp
+    outside = Path(tempfile.mkdtemp(prefix=f"vnet-{lab.prefix}outside-"))
+    macs = iter(f"52:54:00:00:07:{i:02x}" for i in range(1, 100))
+
+    def add(name, sock, *extra):
+        return d.ctl("INTERFACE", "ADD", name, next(macs), "vhost-user", str(sock), *extra, check=False)
+
+    def listed():
+        return d.ctl("INTERFACE", "LIST").stdout
+
+    try:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(outside / "peer.sock"))
+        listener.listen()
+        listener.settimeout(1)
+        (home / "sub").mkdir()
+        refused = [
+            (outside / "vm.sock",),
+            (home / "sub" / "vm.sock",),
+            ("sub/vm.sock",),
+            ("../vm.sock",),
+            ("..",),
+            (".",),
+            ("vm@1",),
+            ("vm.sock/",),
+            (outside / "peer.sock", "client"),
+            ("../" + outside.name + "/peer.sock", "client"),
+        ]
+        for args in refused:
+            r = add("vm0", *args)
+            assert r.returncode != 0, f"{args} taken"
+            assert str(home) in r.stderr + r.stdout, f"{args}: the error does not name the directory: {r.stderr}"
+            assert "vm0" not in listed()
+        assert not os.path.lexists(outside / "vm.sock") and not os.path.lexists(home / "sub" / "vm.sock")
+        try:
+            listener.accept()[0].close()
+            raise AssertionError("vnetd connected to a socket outside its directory")
+        except socket.timeout:
+            pass
+
+        # Planted at a name: a link to a file of someone else's, a link to a
+        # stale socket, a regular file. Refused, left as they were.
+        target = outside / "precious"
+        target.write_text("keep me\n")
+        target.chmod(0o644)
+        (home / "planted").symlink_to(target)
+        stale = outside / "stale.sock"
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(stale))
+        s.close()
+        os.chmod(stale, 0o755)
+        (home / "planted-stale").symlink_to(stale)
+        (home / "regular").write_text("mine\n")
+        before = {p: os.lstat(p) for p in (home / "planted", home / "planted-stale", home / "regular", target, stale)}
+        for name in ("planted", "planted-stale", "regular", home / "planted"):
+            r = add("vm0", name)
+            assert r.returncode != 0, f"{name} taken"
+            assert "vm0" not in listed()
+        for p, st in before.items():
+            now = os.lstat(p)
+            assert (now.st_ino, now.st_mode, now.st_mtime_ns) == (st.st_ino, st.st_mode, st.st_mtime_ns), p
+        assert target.read_text() == "keep me\n" and (home / "regular").read_text() == "mine\n"
+
+        # Taken: a plain name and an absolute path in the directory; a
+        # client of a plain name connects there.
+        assert add("vm1", "vm1.sock").returncode == 0
+        assert add("vm2", home / "vm2.sock").returncode == 0
+        for p in (home / "vm1.sock", home / "vm2.sock"):
+            st = os.lstat(p)
+            assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, (p, oct(st.st_mode))
+        f = vf.Frontend(home / "vm1.sock")
+        assert wait_until(lambda: "connected=yes" in next(l for l in listed().splitlines() if "name=vm1 " in l), 5)
+        f.close()
+        inside = socket.socket(socket.AF_UNIX)
+        inside.bind(str(home / "peer.sock"))
+        inside.listen()
+        inside.settimeout(10)
+        assert add("vm3", "peer.sock", "client").returncode == 0
+        inside.accept()[0].close()
+        inside.close()
+        listener.close()
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+    # A directory that does not exist yet is made, mode 0755, and sockets
+    # go there.
+    made = lab.tmp / "run" / "vnet"
+    h2 = lab.add_host(2)
+    d2 = lab.start_vnetd(h2, "", "--vhost-user-dir", made)
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o755, oct(os.stat(made).st_mode)
+    assert d2.ctl("INTERFACE", "ADD", "vm1", "52:54:00:00:07:f0", "vhost-user", "vm1.sock").returncode == 0
+    assert stat.S_ISSOCK(os.lstat(made / "vm1.sock").st_mode)
+    r = d2.ctl("INTERFACE", "ADD", "vm2", "52:54:00:00:07:f1", "vhost-user", str(home / "vm2b.sock"), check=False)
+    assert r.returncode != 0 and str(made) in r.stderr + r.stdout, r
