@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import stat
+import subprocess
 import struct
 import sys
 import time
@@ -517,3 +518,59 @@ def test_s7_vhost_user_sockets_are_confined_to_the_vhost_user_dir(lab):
     assert stat.S_ISSOCK(os.lstat(made / "vm1.sock").st_mode)
     r = d2.ctl("INTERFACE", "ADD", "vm2", "52:54:00:00:07:f1", "vhost-user", str(home / "vm2b.sock"), check=False)
     assert r.returncode != 0 and str(made) in r.stderr + r.stdout, r
+
+
+# ---- one guest can never hurt another ----
+
+def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
+    """Issue 26, item 2: while fe does its worst (tools/vhost_frontend.py
+    `attack`: S1 flips, S2 full pipes as call descriptors, S3 chains of
+    65535 empty descriptors with g1 sending it 20 frames a second, S4
+    truncated memory on an interface with `unsealed-memory`, random bytes
+    and well-formed wrong messages on its socket, reconnecting whenever
+    vnetd drops it), g3 and g4's ping p99 and iperf3 TCP throughput stay
+    within 1.5 times their values without it, and no frame crosses
+    networks (g2 receives nothing). Measured baseline, attack, baseline
+    again, against the better baseline.
+
+    The attacker runs at the lowest priority (SCHED_IDLE and nice 19):
+    this 2-core machine would otherwise share its CPUs between the
+    attacker's own Python and the guests' traffic, and the test is of
+    vnetd's isolation, not of the CPU scheduler's.
+
+    Today's code: a full pipe freezes the dispatcher, the chains starve it,
+    a truncated memfd kills vnetd by SIGBUS."""
+    t = Lab3(lab, fe_opts="unsealed-memory")
+    g2_before = rx_packets(lab, t.g2)
+
+    def measure(what):
+        p, gbps = t.pings(), t.iperf(3)
+        print(f"noisy neighbour, {what}: g3 -> g4 ping {p}, iperf3 {gbps:.2f} Gbit/s", flush=True)
+        return p, gbps
+
+    base1 = measure("baseline")
+    assert base1[0].lost == 0 and base1[1] > 0, base1
+    feed = t.feeder(20)
+    attacker = lab.popen(t.h2, "chrt", "-i", "0", "nice", "-n", "19", sys.executable,
+                         REPO / "tests" / "tools" / "vhost_frontend.py", "attack", t.sock,
+                         t.g1.mac, t.g2.mac, FE_MAC, 14, 26, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        attacked = measure("under attack")
+        done = attacker.communicate(timeout=60)[0].strip()
+    finally:
+        feed.kill()
+        feed.wait()
+    print(f"noisy neighbour: the attacker did {done}")
+    t.alive()
+    base2 = measure("baseline again")
+    best_p99 = min(base1[0].p99, base2[0].p99)
+    best_gbps = max(base1[1], base2[1])
+    assert attacked[0].lost == 0, f"g3 -> g4 lost {attacked[0].lost} of {attacked[0].sent} pings under attack"
+    assert attacked[0].p99 <= 1.5 * best_p99, f"ping p99 {attacked[0].p99} ms under attack, {best_p99} ms without"
+    assert attacked[1] * 1.5 >= best_gbps, f"iperf3 {attacked[1]:.2f} Gbit/s under attack, {best_gbps:.2f} without"
+    assert rx_packets(lab, t.g2) == g2_before, "frames crossed into network b"
+    counts = dict(kv.split("=") for kv in done.split())
+    assert all(int(v) > 0 for v in counts.values()), f"not every attack ran: {done}"
+    f = t.connect()
+    t.exchange(f)

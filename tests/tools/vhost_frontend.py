@@ -272,17 +272,29 @@ def full_eventfd() -> int:
 BOMB_FEATURES = F_VERSION_1 | F_INDIRECT | F_MRG_RXBUF
 
 
+_tables: dict[int, bytes] = {}
+
+
+def _empty_table(entries) -> bytes:
+    """An indirect table of `entries` zero-length read-only descriptors,
+    each chained to the next."""
+    if entries not in _tables:
+        body = bytearray(16 * entries)
+        for i in range(entries):
+            nxt = i + 1 < entries
+            struct.pack_into("<QIHH", body, 16 * i, 0x10000, 0, D_NEXT if nxt else 0, i + 1 if nxt else 0)
+        _tables[entries] = bytes(body)
+    return _tables[entries]
+
+
 def empty_chain_bomb(f: Frontend, table=0x200000, entries=65535, chains=None):
     """S3: `chains` receive chains (the whole queue by default), each an
     indirect table of `entries` zero-length read-only descriptors (one table
     shared by all, at `table`: 1 MiB for 65535 entries), offered on queue 0.
     Needs a guest memory of table + 16 * entries bytes, and BOMB_FEATURES
     negotiated to hurt."""
-    body = bytearray(16 * entries)
-    for i in range(entries):
-        nxt = i + 1 < entries
-        struct.pack_into("<QIHH", body, 16 * i, 0x10000, 0, D_NEXT if nxt else 0, i + 1 if nxt else 0)
-    f.mem[table:table + len(body)] = bytes(body)
+    body = _empty_table(entries)
+    f.mem[table:table + len(body)] = body
     for h in range(f.size if chains is None else chains):
         f.desc(0, h, table, len(body), D_INDIRECT)
         f.offer(0, h, kick=False)
@@ -436,13 +448,16 @@ def attack(path, a: bytes, b: bytes, src: bytes, seconds: float, seed: int):
     """Does its worst on the socket at `path` for `seconds`: S1 flips
     (frames to `a` turned to `b`), S2 full pipes as call descriptors, S3
     empty chain bombs, S4 truncated memory, random bytes and wrong messages,
-    in a random order, reconnecting whenever the backend drops it. Prints
-    how many of each it did."""
+    each once in every round, in a random order, reconnecting whenever the
+    backend drops it. Prints how many of each it did."""
     rnd = random.Random(seed)
     done = {a_.__name__: 0 for a_ in ATTACKS}
     end = time.monotonic() + seconds
+    order = []
     while time.monotonic() < end:
-        what = rnd.choice(ATTACKS)
+        if not order:
+            order = rnd.sample(ATTACKS, len(ATTACKS))
+        what = order.pop()
         try:
             what(path, rnd, a, b, src)
             done[what.__name__] += 1
