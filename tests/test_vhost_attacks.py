@@ -359,7 +359,7 @@ def test_s4_guest_memory_that_can_shrink_is_refused(lab):
     try:
         f.negotiate(vf.F_VERSION_1 | vf.F_INDIRECT, vf.MEM)
         taken = True
-    except RuntimeError:  # the memory table refused
+    except (RuntimeError, ConnectionError):  # the memory table refused (or the connection dropped)
         taken = False
     assert not taken, "an unsealed memory file was taken"
     assert t.counter("vhost_refused_memory") == refused + 1, t.fe()
