@@ -501,7 +501,8 @@ def test_the_socket_replaces_only_a_stale_socket_and_goes_with_its_interface(lab
     listens on are refused and left as they were; a stale socket (nobody
     listens) is replaced; the socket is made mode 0600; it goes with INTERFACE
     DEL and when vnetd exits, but only if it is still the one vnetd made.
-    Paths are not confined to a directory yet (issue 26).
+    (The paths are in the lab's --vhost-user-dir; paths elsewhere, plain
+    names and planted links: test_vhost_attacks.py, S7.)
 
     Catches (tried): the listening check removed (vnetd replaced the live
     socket)."""
