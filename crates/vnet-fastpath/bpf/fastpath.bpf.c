@@ -432,7 +432,7 @@ int from_network(struct __sk_buff *skb)
 	// this host's MAC (not one the device saw for another host, nor a
 	// broadcast or multicast), to an address of this host.
 	if (skb->pkt_type != PACKET_HOST) {
-		stat(S_NOT_FOR_US); // another host's: the stack drops it
+		stat(S_NOT_FOR_US); // the stack drops another host's, judges a broadcast
 		return PASS;
 	}
 	struct addr_key ak = { .addr = ip->saddr, .port = udp->source };
