@@ -14,6 +14,7 @@ from netlab import Guest, Lab, REPO, UnixSession, guest_mac, mesh_config, overla
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 UNDERLAY = REPO / "tests" / "tools" / "underlay.py"
+SPOOF = REPO / "tests" / "tools" / "spoof.py"
 
 # Guest MTU that lets every frame cross a 1500-byte underlay whole (the
 # VNET/P wire adds 42 bytes: outer IPv4, UDP, and the frame's own Ethernet).
@@ -70,15 +71,18 @@ def rx_packets(lab, g: Guest) -> int:
     return int(lab.x(g.ns, "cat", f"/sys/class/net/{g.tap}/statistics/rx_packets").stdout)
 
 
-def from_peer(lab, hosts, kind: str, count: int, inner_dst: str, inner_src: str, rate: float = 0):
+def from_peer(lab, hosts, kind: str, count: int, inner_dst: str, inner_src: str, rate: float = 0,
+              dst_mac: str | None = None, dst_ip: str | None = None):
     """`count` VNET/P datagrams of `kind` (tools/underlay.py) with host 2's
     address and port, as if its vnetd sent them to host 1, written straight
     onto host 1's wire (its switch port, p1): the switch's bridge would check
     and trim IPv4 headers on the way (br_netfilter), which a plain wire does
-    not."""
-    h1_mac = lab.x(hosts[1], "cat", "/sys/class/net/eth0/address").stdout.strip()
-    out = lab.x(lab.switch, "python3", UNDERLAY, "p1", h1_mac, underlay_ip(2), underlay_ip(1), kind, count,
-                inner_dst, inner_src, rate, timeout=120).stdout
+    not. `dst_mac`, `dst_ip`: the frame's and the datagram's destination
+    (default: host 1's)."""
+    if dst_mac is None:
+        dst_mac = lab.x(hosts[1], "cat", "/sys/class/net/eth0/address").stdout.strip()
+    out = lab.x(lab.switch, "python3", UNDERLAY, "p1", dst_mac, underlay_ip(2), dst_ip or underlay_ip(1), kind,
+                count, inner_dst, inner_src, rate, timeout=120).stdout
     assert out.split() == ["sent", str(count)], out
 
 
@@ -554,6 +558,80 @@ def test_the_kernel_takes_only_whole_valid_ipv4_headers_from_a_link(lab):
             return {k: v - c0[k] for k, v in counts().items()}
 
         got[kind] = wait_until(lambda: (c := delta()) == expect and c, timeout=3) or delta()
+    assert got == want
+
+
+def test_the_kernel_takes_only_datagrams_addressed_to_this_host_with_a_checksum_it_can_trust(lab):
+    """A hostile host on the underlay forges datagrams from host 2's vnetd
+    to host 1 (the peer's address and port, an inner frame g2 -> g1 whose
+    flow is in host 1's kernel) that host 1's UDP socket would never take.
+    `from_network` carries none of them: each goes up the host stack,
+    counted `not_for_us` or `slow_csum`, and the stack does with it what it
+    does without the fast path (here: drops it, and counts it).
+    - to another address (198.18.0.77), sent by the hostile host through the
+      switch with a neighbour entry giving host 1's MAC for it (tools/spoof.py);
+    - to host 1's address in a frame for another MAC (the device takes it as
+      PACKET_OTHERHOST: promiscuous, or a switch flooding);
+    - to host 1's address in an Ethernet broadcast: the stack takes it (Linux
+      accepts unicast IP in an L2 broadcast unless
+      drop_unicast_in_l2_multicast is set) and vnetd's socket delivers it;
+    - with a wrong UDP checksum: the device did not verify it, so the stack
+      does, and drops it (Udp InCsumErrors); a right one goes by vnetd.
+    Datagrams with no UDP checksum (as the fast path sends) stay in the kernel.
+    Catches: the pkt_type, destination address or UDP checksum check gone
+    from `from_network` (the kernel delivers those datagrams to g1)."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    evil = lab.add_host(9)
+    for a, b in ((1, 2), (2, 1)):
+        lab.x(g[a].ns, "ip", "neigh", "replace", g[b].ip, "lladdr", g[b].mac, "dev", g[a].tap, "nud", "permanent")
+    assert "5 received" in lab.ping(g[1], g[2], count=5).stdout  # (link, g1, g2) installed on host 1
+    h1_mac = lab.x(hosts[1], "cat", "/sys/class/net/eth0/address").stdout.strip()
+    elsewhere = "198.18.0.77"  # no host's
+    lab.x(evil, "ip", "neigh", "replace", elsewhere, "lladdr", h1_mac, "dev", "eth0", "nud", "permanent")
+    n = 50
+
+    def snmp(proto, name):
+        lines = [l.split() for l in lab.x(hosts[1], "cat", "/proc/net/snmp").stdout.splitlines()
+                 if l.startswith(proto + ":")]
+        return int(dict(zip(lines[0], lines[1]))[name])
+
+    def counts():
+        s = d[1].stats()
+        f, link = s["fastpath"], s["link 198.18.0.2"]
+        return {"kernel": f["hit_net"], "not_for_us": f.get("not_for_us"), "slow_csum": f.get("slow_csum"),
+                "slow path": link["in_frames"] - link["fast_in_frames"], "g1 received": rx_packets(lab, g[1]),
+                "Ip InAddrErrors": snmp("Ip", "InAddrErrors"), "Udp InCsumErrors": snmp("Udp", "InCsumErrors")}
+
+    # g2's frame to g1, as host 2's vnetd sends it: its MACs, then padding.
+    frame = bytes.fromhex(g[1].mac.replace(":", "") + g[2].mac.replace(":", "")) + b"\x88\xb5" + bytes(46)
+    send = {
+        "to another address": lambda: lab.x(evil, "python3", SPOOF, underlay_ip(2), 9000, elsewhere, 9000,
+                                            frame.hex(), n),
+        "for another MAC": lambda: from_peer(lab, hosts, "good", n, g[1].mac, g[2].mac, dst_mac="02:00:00:00:99:99"),
+        "broadcast": lambda: from_peer(lab, hosts, "good", n, g[1].mac, g[2].mac, dst_mac="ff:ff:ff:ff:ff:ff"),
+        "bad UDP checksum": lambda: from_peer(lab, hosts, "udp_csum", n, g[1].mac, g[2].mac),
+        "good UDP checksum": lambda: from_peer(lab, hosts, "udp_sum", n, g[1].mac, g[2].mac),
+        "no UDP checksum": lambda: from_peer(lab, hosts, "good", n, g[1].mac, g[2].mac),
+    }
+    zero = {k: 0 for k in counts()}
+    want = {
+        "to another address": {**zero, "not_for_us": n, "Ip InAddrErrors": n},
+        "for another MAC": {**zero, "not_for_us": n},
+        "broadcast": {**zero, "not_for_us": n, "slow path": n, "g1 received": n},
+        "bad UDP checksum": {**zero, "slow_csum": n, "Udp InCsumErrors": n},
+        "good UDP checksum": {**zero, "slow_csum": n, "slow path": n, "g1 received": n},
+        "no UDP checksum": {**zero, "kernel": n, "g1 received": n},
+    }
+    got = {}
+    for kind, expect in want.items():
+        c0 = counts()
+        send[kind]()
+
+        def delta():
+            return {k: (v - c0[k] if v is not None and c0[k] is not None else None) for k, v in counts().items()}
+
+        got[kind] = wait_until(lambda: (c := delta()) == expect and c, timeout=3) or delta()
+        print(kind, got[kind])
     assert got == want
 
 

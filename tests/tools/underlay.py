@@ -17,6 +17,8 @@ datagrams a second (default: as fast as it goes). KIND:
   options   an IPv4 header with options (IHL 6: one word of NOPs)
   trailing  8 bytes after the IPv4 packet (total length < what arrives)
   udp_len   the UDP length 4 bytes short of the IPv4 payload
+  udp_sum   valid, with a UDP checksum (the others carry none: 0)
+  udp_csum  a UDP checksum that is wrong
 
 Prints "sent <n>".
 """
@@ -61,8 +63,13 @@ def main():
             isrc = isrc[:2] + struct.pack("!I", i)
         frame = idst + isrc + b"\x88\xb5" + bytes(46)
         udp = struct.pack("!HHHH", PORT, PORT, 8 + len(frame), 0) + frame  # checksum 0: none
+        if kind in ("udp_sum", "udp_csum"):
+            c = checksum(src + dst + struct.pack("!BBH", 0, 17, len(udp)) + udp) or 0xFFFF
+            if kind == "udp_csum":
+                c ^= 0x00FF
+            udp = udp[:6] + struct.pack("!H", c) + udp[8:]
         ident = i & 0xFFFF
-        if kind in ("good", "flows"):
+        if kind in ("good", "flows", "udp_sum", "udp_csum"):
             pkts = [ipv4(src, dst, udp, ident)]
         elif kind == "csum":
             pkts = [ipv4(src, dst, udp, ident, good_sum=False)]

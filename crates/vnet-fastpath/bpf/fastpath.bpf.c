@@ -12,10 +12,13 @@
 //                 out of the underlay device. A miss goes, unchanged, to the
 //                 port's upcall TAP, whose file side vnetd reads.
 //   from_network  ingress of an underlay device. UDP to vnetd's port from a
-//                 known link address whose inner frame hits is decapsulated
-//                 and delivered; everything else goes up the host stack as
-//                 if this program were not there (vnetd's UDP socket gets
-//                 what is VNET's).
+//                 known link address, addressed to this host (its MAC, and
+//                 the address this host sends the link's datagrams from),
+//                 with no UDP checksum or one the device or this kernel
+//                 vouches for, whose inner frame hits is decapsulated and
+//                 delivered; everything else goes up the host stack as if
+//                 this program were not there (vnetd's UDP socket gets what
+//                 is VNET's, and the stack judges the rest).
 //   from_vnetd    ingress of an upcall TAP: a frame vnetd wrote for the
 //                 guest is passed to the guest port.
 //
@@ -37,6 +40,9 @@
 
 #ifndef AF_INET
 #define AF_INET 2
+#endif
+#ifndef PACKET_HOST
+#define PACKET_HOST 0 // skb->pkt_type of a frame to this host's MAC
 #endif
 
 // ---- shared with vnetd (crates/vnet-fastpath/src/lib.rs: same layout) ----
@@ -81,6 +87,13 @@ struct addr_key {
 	__u16 _pad;
 };
 
+// A link's peer, as `link_addrs` finds it by the peer's address and port.
+struct link_addr {
+	__u32 link;
+	__u32 local; // the address this host sends the link's datagrams from
+		     // (network order): the one its datagrams must be sent to
+};
+
 struct port_info {
 	__u32 origin; // this port's id (from_guest) or the guest port to pass to (from_vnetd)
 	__u32 ifindex; // from_guest: its upcall TAP; from_vnetd: the guest port's device
@@ -93,6 +106,7 @@ struct config {
 	__u16 port;    // vnetd's UDP port, network order
 	__u8 finish_mac[6]; // MAC of the finishing pair's receiving end
 	__u32 finish_ifindex; // its sending end (0: none)
+	__u32 finish_recv;    // its receiving end
 };
 
 enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE };
@@ -124,6 +138,11 @@ enum stat {
 	S_DISABLED,     // fast path off: every frame to vnetd
 	S_FINISH,       // datagram for vnetd still unsegmented or with a partial
 	                // inner checksum: sent round the finishing pair first
+	S_NOT_FOR_US,   // datagram to vnetd's port in a frame for another MAC
+	                // (or broadcast, multicast), or from a link's peer to
+	                // another address than the link's own: up the stack
+	S_SLOW_CSUM,    // UDP checksum set but not verified by the device: up
+	                // the stack, which verifies it (and drops a bad one)
 	S_MAX,
 };
 
@@ -148,7 +167,7 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 4096);
 	__type(key, struct addr_key);
-	__type(value, __u32);
+	__type(value, struct link_addr);
 } link_addrs SEC(".maps");
 
 struct {
@@ -201,12 +220,18 @@ extern void *bpf_rdonly_cast(const void *, __u32) __ksym;
 #define SKB_GSO_UDP_TUNNEL_CSUM (1u << 11)
 #define SKB_GSO_UDP_L4 (1u << 16)
 
+#define CHECKSUM_UNNECESSARY 1
 #define CHECKSUM_PARTIAL 3
+
+static __always_inline unsigned int ip_summed(struct __sk_buff *skb)
+{
+	struct sk_buff *k = bpf_cast_to_kern_ctx(skb);
+	return BPF_CORE_READ_BITFIELD(k, ip_summed);
+}
 
 static __always_inline int csum_partial(struct __sk_buff *skb)
 {
-	struct sk_buff *k = bpf_cast_to_kern_ctx(skb);
-	return BPF_CORE_READ_BITFIELD(k, ip_summed) == CHECKSUM_PARTIAL;
+	return ip_summed(skb) == CHECKSUM_PARTIAL;
 }
 
 static __always_inline unsigned int gso_type(struct __sk_buff *skb)
@@ -403,14 +428,43 @@ int from_network(struct __sk_buff *skb)
 	struct config *c = bpf_map_lookup_elem(&config, &zero);
 	if (!c || udp->dest != c->port)
 		return PASS;
+	// What the socket path takes, the stack has taken first: a frame to
+	// this host's MAC (not one the device saw for another host, nor a
+	// broadcast or multicast), to an address of this host.
+	if (skb->pkt_type != PACKET_HOST) {
+		stat(S_NOT_FOR_US); // the stack drops another host's, judges a broadcast
+		return PASS;
+	}
 	struct addr_key ak = { .addr = ip->saddr, .port = udp->source };
-	__u32 *link = bpf_map_lookup_elem(&link_addrs, &ak);
-	if (!link)
+	struct link_addr *la = bpf_map_lookup_elem(&link_addrs, &ak);
+	if (!la)
 		return PASS; // vnetd counts datagrams from strangers
+	if (ip->daddr != la->local) {
+		// Not to the address this host sends the link's datagrams from:
+		// the stack gives vnetd's socket what is addressed to this host
+		// (another of its addresses, when the socket binds them all),
+		// and drops or forwards the rest, as without this program.
+		stat(S_NOT_FOR_US);
+		return PASS;
+	}
 	if (fold(bpf_csum_diff(0, 0, (void *)ip, sizeof(*ip), 0)) != 0)
 		return PASS; // corrupt: the stack drops it and counts it
+	// A UDP checksum (vnetd's socket sends one; the fast path does not) is
+	// taken only as vouched for: checked by the device, not yet computed
+	// (sent by this machine's kernel over a veth), or computed by this
+	// kernel on the finishing pair. Any other (no receive checksum offload,
+	// or a device that leaves the sum to the stack) goes up the stack,
+	// which verifies it: the datagram was sent by the peer's vnetd, on
+	// its slow path, anyway.
+	if (udp->check && skb->ifindex != c->finish_recv) {
+		unsigned int summed = ip_summed(skb);
+		if (summed != CHECKSUM_UNNECESSARY && summed != CHECKSUM_PARTIAL) {
+			stat(S_SLOW_CSUM);
+			return PASS;
+		}
+	}
 
-	struct flow_key key = { .origin = *link | LINK_BIT };
+	struct flow_key key = { .origin = la->link | LINK_BIT };
 	__builtin_memcpy(key.dst, inner->h_dest, ETH_ALEN);
 	__builtin_memcpy(key.src, inner->h_source, ETH_ALEN);
 	struct flow_action *a = 0;

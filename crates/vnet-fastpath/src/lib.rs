@@ -95,6 +95,8 @@ impl RawAction {
 /// How a link's frames leave: the outer IPv4/UDP header and where it goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinkPath {
+    /// This host's address the link's datagrams leave from; `from_network`
+    /// takes the peer's datagrams only when sent to it.
     pub src: Ipv4Addr,
     pub dst: Ipv4Addr,
     pub sport: u16,
@@ -154,6 +156,15 @@ struct AddrKey {
     _pad: u16,
 }
 
+/// `link_addrs`' value: the link, and the address this host sends its
+/// datagrams from (the one the peer's must be sent to).
+#[repr(C)]
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+struct LinkAddr {
+    link: u32,
+    local: u32,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct PortInfo {
@@ -170,6 +181,7 @@ struct Config {
     port: u16,
     finish_mac: [u8; 6],
     finish_ifindex: u32,
+    finish_recv: u32,
 }
 
 /// Counter kinds in the `counters` map.
@@ -192,7 +204,7 @@ struct CounterKey {
 
 /// What the programs did with frames, summed over CPUs (the `stats` map;
 /// the order is the program's `enum stat`).
-pub const STAT_NAMES: [&str; 14] = [
+pub const STAT_NAMES: [&str; 16] = [
     "hit_guest",
     "hit_net",
     "miss_guest",
@@ -207,6 +219,8 @@ pub const STAT_NAMES: [&str; 14] = [
     "drop_no_port",
     "disabled",
     "finish",
+    "not_for_us",
+    "slow_csum",
 ];
 
 fn bytes_of<T: Copy>(v: &T) -> &[u8] {
@@ -281,7 +295,7 @@ impl Drop for LinkEntry {
         // entry, or its datagrams reach vnetd's socket with their checksums
         // unfinished instead of going round the finishing pair.
         if let Ok(Some(v)) = self.kernel.link_addrs.lookup(bytes_of(&self.addr), MapFlags::ANY) {
-            if v == bytes_of(&self.id) {
+            if from_bytes::<LinkAddr>(&v).link == self.id {
                 let _ = self.kernel.link_addrs.delete(bytes_of(&self.addr));
             }
         }
@@ -344,6 +358,7 @@ impl Kernel {
         *self.finisher.lock().unwrap() = Some(fd);
         self.update_config(|c| {
             c.finish_ifindex = send;
+            c.finish_recv = recv;
             c.finish_mac = recv_mac;
         })
     }
@@ -384,7 +399,8 @@ impl Kernel {
     }
 
     /// Describes link `id` to the programs and attaches `from_network` to
-    /// its underlay device (once per device).
+    /// its underlay device (once per device). The peer's datagrams are
+    /// carried only from `path.dst`:`path.dport` to `path.src`.
     pub fn add_link(self: &Arc<Self>, id: u32, path: &LinkPath) -> Result<LinkEntry> {
         {
             let mut u = self.underlays.lock().unwrap();
@@ -398,7 +414,8 @@ impl Kernel {
         let addr = AddrKey { addr: u32::from_ne_bytes(path.dst.octets()), port: path.dport.to_be(), _pad: 0 };
         let entry = LinkEntry { kernel: self.clone(), id, addr, underlay: path.ifindex };
         self.links.update(bytes_of(&id), bytes_of(&RawLink::new(path)), MapFlags::ANY)?;
-        self.link_addrs.update(bytes_of(&addr), bytes_of(&id), MapFlags::ANY)?;
+        let value = LinkAddr { link: id, local: u32::from_ne_bytes(path.src.octets()) };
+        self.link_addrs.update(bytes_of(&addr), bytes_of(&value), MapFlags::ANY)?;
         Ok(entry)
     }
 
