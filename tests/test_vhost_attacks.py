@@ -268,7 +268,6 @@ def test_s2_a_full_eventfd_as_call_descriptor_freezes_nobody(lab):
     try:
         for q in vf.RINGS:
             assert f.set_call(q, full[q]) == 0, f"an eventfd refused as queue {q}'s call"
-        f.post_rx()
         for _ in range(3):
             t.to_fe()
         f.send_frame(mac(t.g1.mac) + mac(FE_MAC) + ETHERTYPE + bytes(46))

@@ -36,6 +36,8 @@ pub struct GuestMemory<B: DirtyLog = ()> {
     // Field order matters: the regions are unmapped before the guard goes.
     mmap: GuestMemoryMmap<B>,
     guard: Guard,
+    /// The fault was counted (by the first ring that saw it).
+    reported: std::sync::atomic::AtomicBool,
     /// (frontend's virtual address, size, guest physical address) of each
     /// region: ring addresses come as the frontend's addresses.
     user: Vec<(u64, u64, u64)>,
@@ -79,7 +81,7 @@ impl<B: DirtyLog> GuestMemory<B> {
         let spans: Vec<(usize, usize)> = regions.iter().map(|r| (r.as_ptr() as usize, r.len() as usize)).collect();
         let mmap = GuestMemoryMmap::from_regions(regions).map_err(|e| Refused(format!("overlapping regions: {e}")))?;
         let guard = Guard::new(&spans).ok_or_else(|| Refused("too many guest memory regions mapped in vnetd".into()))?;
-        Ok(Arc::new(GuestMemory { mmap, guard, user }))
+        Ok(Arc::new(GuestMemory { mmap, guard, reported: Default::default(), user }))
     }
 
     /// Guest memory for tests and fuzzing: anonymous, guarded like the rest.
@@ -87,7 +89,7 @@ impl<B: DirtyLog> GuestMemory<B> {
         let mmap = GuestMemoryMmap::<B>::from_ranges(ranges).expect("anonymous guest memory");
         let spans: Vec<(usize, usize)> = mmap.iter().map(|r| (r.as_ptr() as usize, r.len() as usize)).collect();
         let guard = Guard::new(&spans).expect("a free fault-guard slot");
-        Arc::new(GuestMemory { mmap, guard, user: ranges.iter().map(|&(a, l)| (a.0, l as u64, a.0)).collect() })
+        Arc::new(GuestMemory { mmap, guard, reported: Default::default(), user: ranges.iter().map(|&(a, l)| (a.0, l as u64, a.0)).collect() })
     }
 
     /// The guest physical address of the frontend's virtual address `va`.
@@ -100,6 +102,11 @@ impl<B: DirtyLog> GuestMemory<B> {
     #[inline]
     pub fn faulted(&self) -> bool {
         self.guard.faulted()
+    }
+
+    /// True once, the first time a fault is seen (to count it once).
+    pub fn take_fault(&self) -> bool {
+        self.faulted() && !self.reported.swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -190,6 +190,9 @@ impl<B: DirtyLog> Ring<B> {
     #[inline]
     fn memory_sound(&mut self) -> bool {
         if self.mem.as_ref().is_some_and(|m| m.faulted()) {
+            if self.mem.as_ref().is_some_and(|m| m.take_fault()) {
+                self.counters.memory_faults.fetch_add(1, Relaxed);
+            }
             self.break_ring("a fault on guest memory (its file shrank)");
             return false;
         }
@@ -230,7 +233,16 @@ impl<B: DirtyLog> Ring<B> {
         let Ring { queue, mem, segs, .. } = self;
         let mem = mem.as_deref()?;
         let size = queue.size();
-        let chain = queue.pop_descriptor_chain(&**mem)?;
+        let Some(chain) = queue.pop_descriptor_chain(&**mem) else {
+            // Nothing waits, or the guest's avail index is further ahead
+            // than the queue holds (nonsense, which virtio-queue refuses,
+            // every time): broken, rather than refused again each pass.
+            let ahead = queue.avail_idx(&**mem, Ordering::Acquire).map(|i| i.0.wrapping_sub(queue.next_avail()));
+            if ahead.is_ok_and(|n| n > size) {
+                self.break_ring("an avail index further ahead than the queue holds");
+            }
+            return None;
+        };
         let head = chain.head_index();
         segs.clear();
         // An indirect table longer than the queue is refused before it is

@@ -193,6 +193,17 @@ pub fn run(args: Args) -> Result<()> {
     for dev in &args.allow_direct {
         vnet_core::command::check_ifname(dev).map_err(|e| anyhow::anyhow!("--allow-direct: {e}"))?;
     }
+    // The vhost-user directory, made now (0755) if missing, so that a VMM
+    // can be pointed at it before the first NIC; a failure only means the
+    // first vhost-user NIC will say why.
+    if !args.vhost_user_dir.exists() {
+        match std::fs::create_dir_all(&args.vhost_user_dir) {
+            Ok(()) => {
+                let _ = std::fs::set_permissions(&args.vhost_user_dir, std::os::unix::fs::PermissionsExt::from_mode(0o755));
+            }
+            Err(e) => tracing::info!("cannot make {} yet: {e}", args.vhost_user_dir.display()),
+        }
+    }
     let settings = Settings {
         default_link_port: args.udp_port,
         default_mtu: args.default_mtu,
