@@ -215,7 +215,7 @@ class Frontend:
     def post_rx(self, n=None, length=BUF, first=0):
         """Posts receive buffers in descriptors first..first+n-1 of queue 0
         (n: the rest of the queue)."""
-        self.rx_bufs = {} if first == 0 else self.rx_bufs
+        self.rx_bufs = {} if first == 0 else getattr(self, "rx_bufs", {})
         for i in range(first, first + (self.size - first if n is None else n)):
             addr = self.buffer()
             self.rx_bufs[i] = addr
