@@ -6,6 +6,7 @@
 //! goes on forwarding with the routes it has. docs/controller.md has the
 //! keys, the rules and the failure handling.
 
+mod auth;
 mod etcd;
 mod model;
 mod records;
@@ -42,6 +43,9 @@ enum Cmd {
     /// Show the overlay as etcd holds it: hosts, networks, guests, and the
     /// traffic between hosts and between guests.
     Show(show::ShowArgs),
+    /// Provision etcd's users and roles, so each host's agent writes only
+    /// its own records.
+    Auth(auth::AuthArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -82,6 +86,7 @@ fn main() {
     let done = match cli.cmd {
         Cmd::Run(args) => rt.block_on(run(args)),
         Cmd::Show(args) => rt.block_on(show::show(args)),
+        Cmd::Auth(args) => rt.block_on(auth::auth(args)),
     };
     if let Err(e) = done {
         eprintln!("vnet-agent: {e:#}");
