@@ -851,6 +851,61 @@ def test_routes_agent_adds_no_route_and_vnet_agent_routes_by_network(lab):
         assert routes and all(r.endswith(" owner agent") for r in routes), routes
 
 
+def test_a_mac_another_guest_holds_is_refused_on_this_host_and_across_the_overlay(lab):
+    """Security review S9: a tenant that picks its MAC (CNI_ARGS `MAC=`,
+    podman's --mac-address) could take another guest's, on its host or on
+    any other: the later claim won in etcd and the guest's frames went to
+    the tenant. ADD now refuses it (code 105, nothing made), from vnetd's
+    interfaces here and from the overlay's guests as vnet-agent lists them
+    (`--macs-file`, the config's `macsFile`); the guest keeps its traffic."""
+    etcd_ns = lab.add_host(100)
+    url = f"http://{underlay_ip(100)}:2379"
+    peer = f"http://{underlay_ip(100)}:2380"
+    lab.popen(etcd_ns, "etcd", "--name", "t1", "--data-dir", lab.tmp / "etcd", "--listen-client-urls", url,
+              "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+              "--initial-cluster", f"t1={peer}", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert wait_until(lambda: lab.x(etcd_ns, "env", "ETCDCTL_API=3", "etcdctl", "--endpoints", url, "endpoint",
+                                    "health", check=False).returncode == 0, timeout=20)
+    hosts = {i: lab.add_host(i) for i in (1, 2)}
+    d = {i: lab.start_vnetd(h) for i, h in hosts.items()}
+    macs = {i: lab.tmp / f"macs-h{i}" for i in (1, 2)}
+
+    def add(h, name, ip, args=""):
+        ipam = {"type": "host-local", "dataDir": str(lab.tmp / f"ipam-{name}"),
+                "ranges": [[{"subnet": "10.77.15.0/24", "rangeStart": ip, "rangeEnd": ip}]]}
+        conf = plugin_conf(lab, f"h{h}", d[h].sock, "", network="blue", routes="agent", ipam=ipam,
+                           macsFile=str(macs[h]))
+        return cni("ADD", conf, cid=name, netns=netns_path(ns[name]), args=args)
+
+    ns = {n: lab.guest_ns(n) for n in ("b1", "b2", "t1", "t2")}
+    for i in (1, 2):
+        lab.popen(hosts[i], BIN / "vnet-agent", "run", "--etcd", url, "--host", f"h{i}", "--underlay", underlay_ip(i),
+                  "--socket", d[i].sock, "--ttl", 2, "--interval-ms", 100, "--macs-file", macs[i],
+                  stdout=open(lab.tmp / f"agent-h{i}.log", "a"), stderr=subprocess.STDOUT)
+    # The agents list the overlay (empty yet) before containers come.
+    assert wait_until(lambda: all(macs[i].exists() for i in (1, 2)), timeout=10)
+    b1 = ok(add(1, "b1", "10.77.15.11"))["interfaces"][0]["mac"]
+    ok(add(2, "b2", "10.77.15.12"))
+    assert wait_until(lambda: ping(lab, ns["b2"], "10.77.15.11", tries=1), timeout=20), \
+        (lab.tmp / "agent-h2.log").read_text()
+    # Host 2's agent lists b1 (on host 1) once it has seen it.
+    assert wait_until(lambda: macs[2].exists() and f"{b1} h1 blue" in macs[2].read_text(), timeout=10)
+    before = {i: vnetd_state(d[i]) for i in (1, 2)}
+    # A tenant on host 2 picks b1's MAC: refused, from the overlay's list.
+    e = cni_error(add(2, "t2", "10.77.15.22", args=f"IgnoreUnknown=1;MAC={b1}"), 105)
+    assert b1 in e["msg"] and "host h1" in e["msg"], e
+    # One on host 1 itself: refused, from vnetd's interfaces.
+    e = cni_error(add(1, "t1", "10.77.15.21", args=f"IgnoreUnknown=1;MAC={b1}"), 105)
+    assert b1 in e["msg"] and "on this host" in e["msg"], e
+    # Nothing was made, and b1's traffic stays with b1.
+    assert {i: vnetd_state(d[i]) for i in (1, 2)} == before
+    assert device(lab, ns["t1"]) is None and device(lab, ns["t2"]) is None
+    assert ping(lab, ns["b2"], "10.77.15.11")
+    # A MAC no guest has is given as asked.
+    r = ok(add(2, "t2", "10.77.15.22", args="IgnoreUnknown=1;MAC=02:00:00:00:77:22"))
+    assert r["interfaces"][0]["mac"] == "02:00:00:00:77:22"
+
+
 def test_concurrent_add_del_gc_and_restore_leave_records_and_vnetd_in_agreement(lab):
     """docs/containers.md: every command that reads or writes records holds
     the state lock, so concurrent ADD, DEL, GC and restore never interleave.

@@ -9,7 +9,11 @@ with `INTERFACE ADD ... network <name>`, and the agents derive the rest.
 - an agent killed: its host's guests are withdrawn elsewhere once its lease
   expires; restarted: they come back;
 - a guest migrated under an open TCP connection, which survives; the
-  re-route time is measured.
+  re-route time is measured;
+- etcd's RBAC as `vnet-agent auth` provisions it (every test runs with it):
+  a host with its own credentials cannot rewrite, delete or revoke another
+  host's records, and its claim of a MAC another host holds is ignored and
+  counted everywhere.
 """
 
 from __future__ import annotations
@@ -40,6 +44,16 @@ def mac(n: int) -> str:
     return "02:00:00:00:00:%02x" % n
 
 
+def reg(h: int) -> str:
+    """Host h's registration key (docs/controller.md)."""
+    return f"/vnet/host/h{h}/reg"
+
+
+def gkey(h: int, n: int) -> str:
+    """Host h's claim of guest n's MAC."""
+    return f"/vnet/host/h{h}/guests/{mac(n)}"
+
+
 def make_certs(dir):
     """A CA, etcd's server certificate (for its underlay IP) and a client
     certificate for the agents, all EC P-256, made with openssl."""
@@ -66,6 +80,7 @@ class Overlay:
         self.etcd_url = f"{'https' if tls else 'http'}://{underlay_ip(100)}:{ETCD_PORT}"
         self.start_etcd()
         wait_until(lambda: self.etcdctl("endpoint", "health", check=False).returncode == 0, timeout=20)
+        self.provision()
         self.hosts = {i: lab.add_host(i) for i in (1, 2, 3)}
         self.d = {i: lab.start_vnetd(h) for i, h in self.hosts.items()}
         self.agents: dict[int, subprocess.Popen] = {}
@@ -90,13 +105,34 @@ class Overlay:
             "--initial-cluster", f"t1=http://{underlay_ip(100)}:2380", *tls,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
+    def password(self, user: str):
+        """The file holding `user`'s etcd password (made on first use)."""
+        f = self.lab.tmp / f"etcd-{user}.pw"
+        if not f.exists():
+            f.write_text(base64.b32encode(__import__("os").urandom(15)).decode() + "\n")
+        return f
+
+    def provision(self):
+        """etcd's RBAC as docs/controller.md says to set it up: root, a user
+        per host that writes only its own records, a reader for `show`."""
+        base = [AGENT, "auth", "--etcd", self.etcd_url, *self.tls_args()]
+        self.lab.x(self.etcd_ns, *base, "enable", "--root-password-file", self.password("root"))
+        root = [*base, "--user", "root", "--password-file", self.password("root")]
+        for i in (1, 2, 3):
+            self.lab.x(self.etcd_ns, *root, "add-host", f"h{i}", "--new-password-file", self.password(f"vnet-host-h{i}"))
+        self.lab.x(self.etcd_ns, *root, "add-reader", "vnet-show", "--new-password-file", self.password("vnet-show"))
+
+    def creds(self, user: str) -> list:
+        return ["--user", user, "--password-file", self.password(user)]
+
     def tls_args(self, cert="agent"):
         t = self.tls
         return ["--cacert", t / "ca.crt", "--cert", t / f"{cert}.crt", "--key", t / f"{cert}.key"] if t else []
 
-    def etcdctl(self, *args, check=True):
+    def etcdctl(self, *args, check=True, user="root"):
+        pw = self.password(user).read_text().strip()
         return self.lab.x(self.etcd_ns, "env", "ETCDCTL_API=3", "etcdctl", "--endpoints", self.etcd_url,
-                          *self.tls_args(), *args, check=check)
+                          *self.tls_args(), f"--user={user}:{pw}", *args, check=check)
 
     def add_guest(self, host: int, n: int, net: str):
         ns = self.guest_ns.get(n) or self.lab.guest_ns(f"g{n}")
@@ -109,7 +145,7 @@ class Overlay:
         log = open(self.lab.tmp / f"agent-h{i}.log", "a")
         p = self.lab.popen(self.hosts[i], AGENT, "run", "--etcd", self.etcd_url, "--host", f"h{i}",
                            "--underlay", underlay_ip(i), "--socket", self.d[i].sock, "--ttl", TTL,
-                           "--interval-ms", 100, "--traffic-s", 1, *self.tls_args(), *extra,
+                           "--interval-ms", 100, "--traffic-s", 1, *self.tls_args(), *self.creds(f"vnet-host-h{i}"), *extra,
                            stdout=log, stderr=subprocess.STDOUT)
         self.agents[i] = p
 
@@ -128,7 +164,7 @@ class Overlay:
 
 
 def show(o: Overlay) -> dict:
-    out = o.lab.x(o.etcd_ns, AGENT, "show", "--etcd", o.etcd_url, *o.tls_args(), "--json").stdout
+    out = o.lab.x(o.etcd_ns, AGENT, "show", "--etcd", o.etcd_url, *o.tls_args(), *o.creds("vnet-show"), "--json").stdout
     return json.loads(out)
 
 
@@ -180,8 +216,8 @@ def test_networks_declared_once_reach_their_members_across_hosts_and_no_one_else
     assert "name=agent.h2" in links and "name=agent.h3" in links
     # etcd holds the hosts and the guests as docs/controller.md says.
     keys = o.etcdctl("get", "--prefix", "/vnet/", "--keys-only").stdout.split()
-    want = [f"/vnet/hosts/h{i}" for i in (1, 2, 3)] + [f"/vnet/guests/{mac(n)}" for _, n, _ in GUESTS]
-    assert sorted(k for k in keys if not k.startswith("/vnet/traffic/")) == sorted(want)
+    want = [reg(i) for i in (1, 2, 3)] + [gkey(h, n) for h, n, _ in GUESTS]
+    assert sorted(k for k in keys if not k.endswith("/traffic")) == sorted(want)
 
 
 def test_a_users_routes_stay_and_the_agent_fills_in_around_them(overlay):
@@ -271,9 +307,9 @@ def test_a_guest_migrated_under_an_open_tcp_connection_is_rerouted_everywhere(ov
     out = cli.communicate(timeout=30)[0]
     srv.wait(timeout=10)
     assert "ok" in out, out
-    # The guest's key now names host 3, with a higher sequence.
-    val = o.etcdctl("get", f"/vnet/guests/{mac(12)}", "--print-value-only").stdout
-    assert '"host":"h3"' in val and '"seq":2' in val, val
+    # Host 3 claims the guest now, and host 2 no longer.
+    keys = o.etcdctl("get", "--prefix", "/vnet/", "--keys-only").stdout.split()
+    assert gkey(3, 12) in keys and gkey(2, 12) not in keys, keys
     # A measured figure (docs/controller.md), not a pass/fail bound: the
     # agents' 100 ms pass and the polling above are in it.
     print(f"re-routed on every host {reroute * 1000:.0f} ms after the INTERFACE ADD")
@@ -337,7 +373,7 @@ def test_the_overlay_and_its_traffic_matrix_are_shown_from_etcd(overlay):
             a, b = pair.split(">")
             nets = {mac(n): net for _, n, net in GUESTS}
             assert nets[a] == nets[b], pair
-    text = o.lab.x(o.etcd_ns, AGENT, "show", "--etcd", o.etcd_url, *o.tls_args()).stdout
+    text = o.lab.x(o.etcd_ns, AGENT, "show", "--etcd", o.etcd_url, *o.tls_args(), *o.creds("vnet-show")).stdout
     assert "network a guests=3" in text and "traffic between hosts" in text, text
 
 
@@ -345,14 +381,14 @@ def leases(o: Overlay) -> dict[str, int]:
     """Every host and guest key in etcd, with the lease it is on."""
     kvs = json.loads(o.etcdctl("get", "--prefix", "/vnet/", "-w", "json").stdout).get("kvs", [])
     keys = {base64.b64decode(kv["key"]).decode(): kv.get("lease", 0) for kv in kvs}
-    return {k: v for k, v in keys.items() if k.startswith(("/vnet/hosts/", "/vnet/guests/"))}
+    return {k: v for k, v in keys.items() if k.endswith("/reg") or "/guests/" in k}
 
 
 def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(overlay):
     o = overlay
     converged(o)
     before = leases(o)
-    assert all(before.get(f"/vnet/guests/{mac(n)}") == before[f"/vnet/hosts/h{h}"] != 0 for h, n, _ in GUESTS), before
+    assert all(before.get(gkey(h, n)) == before[reg(h)] != 0 for h, n, _ in GUESTS), before
     o.etcd.terminate()
     o.etcd.wait(timeout=10)
     # etcd gone: forwarding goes on, within networks only, for longer than the leases.
@@ -375,7 +411,7 @@ def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(o
     # guests' keys stayed on the old leases, and went with them).
     def republished():
         now = leases(o)
-        return all(now.get(f"/vnet/guests/{mac(n)}") == now.get(f"/vnet/hosts/h{h}") not in (None, before[f"/vnet/hosts/h{h}"])
+        return all(now.get(gkey(h, n)) == now.get(reg(h)) not in (None, before[reg(h)])
                    for h, n, _ in GUESTS + [(2, 22, "b")])
     assert wait_until(republished, timeout=15), (before, leases(o))
     # Past the old leases' TTL (etcd restored them, and expires them), every
@@ -391,7 +427,7 @@ def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(o
     o.agents[1].send_signal(signal.SIGSTOP)
     try:
         o.add_guest(3, 14, "a")
-        assert wait_until(lambda: o.etcdctl("get", f"/vnet/guests/{mac(14)}", "--print-value-only").stdout.strip(), timeout=10)
+        assert wait_until(lambda: o.etcdctl("get", gkey(3, 14), "--print-value-only").stdout.strip(), timeout=10)
         rev = json.loads(o.etcdctl("endpoint", "status", "-w", "json").stdout)[0]["Status"]["header"]["revision"]
         o.etcdctl("compact", str(rev))
     finally:
@@ -421,28 +457,88 @@ def test_etcd_over_tls_with_client_certificates(overlay):
     assert o.routes(3) == before
 
 
-def test_a_mac_published_by_two_hosts_goes_to_the_later_claim(overlay):
+def test_a_mac_published_by_two_hosts_stays_with_the_first_claim(overlay):
     o = overlay
     converged(o)
     assert o.ping(11, 13)
     # Host 2 gets an interface with g13's MAC (a user forgot g13 on host 3,
-    # or a clone): its claim is later, so it wins everywhere.
+    # a clone, or a tenant picking its MAC): its claim is later, so it
+    # waits; g13 stays routed to host 3 everywhere. (Before per-host
+    # records, the later claim won: host 2 took g13's traffic.)
     dup = o.lab.guest_ns("dup")
     o.d[2].ctl("INTERFACE", "ADD", "dup13", mac(13), "netns", dup, "network", "a")
-    assert wait_until(lambda: any(f"{mac(11)} {mac(13)} edge agent.h2" in r for r in o.routes(1)), timeout=10), o.log(1)
-    val = o.etcdctl("get", f"/vnet/guests/{mac(13)}", "--print-value-only").stdout
-    assert '"host":"h2"' in val and '"seq":2' in val, val
-    # Host 3 keeps its interface, stale: it does not claim back, and says so.
-    time.sleep(1.0)
-    assert '"host":"h2"' in o.etcdctl("get", f"/vnet/guests/{mac(13)}", "--print-value-only").stdout
-    assert "claimed it after us" in o.log(3)
-    # The later claim goes: host 3 claims its guest again (seq 3), and the
-    # overlay routes it there.
-    o.d[2].ctl("INTERFACE", "DEL", "dup13")
-    assert wait_until(lambda: any(f"{mac(11)} {mac(13)} edge agent.h3" in r for r in o.routes(1)), timeout=10), o.log(3)
-    val = o.etcdctl("get", f"/vnet/guests/{mac(13)}", "--print-value-only").stdout
-    assert '"host":"h3"' in val and '"seq":3' in val, val
+    assert wait_until(lambda: "host h2 claims it" in o.log(1) and "claimed it before us" in o.log(2), timeout=10), o.log(2)
+    assert any(f"{mac(11)} {mac(13)} edge agent.h3" in r for r in o.routes(1))
+    assert not any(f"{mac(11)} {mac(13)} edge agent.h2" in r for r in o.routes(1))
+    assert not any(f"any {mac(13)} interface {mac(13)}" in r for r in o.routes(2)), "host 2 routes the waiting interface"
     assert o.ping(11, 13, count=2)
+    assert show(o)["contested"] == {mac(13): ["h2"]}
+    # The first claim goes (g13 leaves host 3): host 2's claim holds the MAC
+    # now, and the overlay routes it there.
+    o.d[3].ctl("INTERFACE", "DEL", "g13")
+    assert wait_until(lambda: any(f"{mac(11)} {mac(13)} edge agent.h2" in r for r in o.routes(1)), timeout=10), o.log(1)
+    assert "ours holds it now" in o.log(2)
+    assert show(o)["guests"][mac(13)] == {"host": "h2", "network": "a"}
+
+
+def rogue(o: Overlay, *args):
+    """etcdctl with host 3's credentials: what a host taken over can do."""
+    return o.etcdctl(*args, check=False, user="vnet-host-h3")
+
+
+def test_a_rogue_host_cannot_rewrite_delete_or_revoke_another_hosts_records(overlay):
+    # Security review S9: every agent could write the whole prefix. Host
+    # 3's credentials (its agent's, as a host taken over has them) now
+    # write host 3's records only: etcd refuses the rest.
+    o = overlay
+    converged(o)
+    assert o.ping(12, 11) and o.ping(13, 11)
+    before = leases(o)
+    routes, links = routes_and_links(o)
+    lease1 = "%x" % before[reg(1)]
+    attacks = [
+        # host 1's address moved to host 3's: host 1's traffic to host 3
+        ("put", reg(1), f'{{"underlay":"{underlay_ip(3)}","port":9000}}'),
+        # host 1's guest dropped, host 1's records dropped, all at once
+        ("del", gkey(1, 11)),
+        ("del", "--prefix", "/vnet/host/h1/"),
+        ("del", "--prefix", "/vnet/"),
+        # a guest made up under host 1's name; host 1's lease revoked (its
+        # keys would go with it)
+        ("put", gkey(1, 77), '{"network":"a"}'),
+        ("lease", "revoke", lease1),
+    ]
+    for a in attacks:
+        r = rogue(o, *a)
+        assert r.returncode != 0 and "permission denied" in r.stderr, (a, r.stdout, r.stderr)
+    # Host 3's own records it may write, and read everything.
+    assert rogue(o, "put", "/vnet/host/h3/note", "x").returncode == 0
+    assert rogue(o, "get", reg(1)).returncode == 0
+    time.sleep(1.0)
+    assert leases(o) == before
+    assert routes_and_links(o) == (routes, links)
+    assert o.ping(12, 11, count=2) and o.ping(13, 11, count=2)
+
+
+def test_a_rogue_hosts_claim_of_a_mac_another_host_holds_is_ignored_and_counted(overlay):
+    # Host 3's credentials claim g12's MAC (g12 is on host 2, in network a,
+    # which host 3 has a member of too): a claim host 3 may write, in its
+    # own records, but later than host 2's. Every agent ignores it, says so
+    # and counts it; g12's traffic keeps going to host 2. (Before, the later
+    # claim won: hosts 1 and 3 sent g12's frames to host 3.)
+    o = overlay
+    converged(o)
+    assert o.ping(11, 12) and o.ping(13, 12)
+    assert rogue(o, "put", gkey(3, 12), '{"network":"a"}').returncode == 0
+    for i in o.hosts:
+        assert wait_until(lambda: f"guest {mac(12)}: host h3 claims it" in o.log(i), timeout=10), o.log(i)
+    # Each agent's count, as it publishes it (`show`).
+    assert wait_until(lambda: all(show(o)["traffic"].get(f"h{i}", {}).get("contested") == 1 for i in o.hosts), timeout=10), show(o)
+    v = show(o)
+    assert v["guests"][mac(12)] == {"host": "h2", "network": "a"} and v["contested"] == {mac(12): ["h3"]}
+    assert any(f"{mac(11)} {mac(12)} edge agent.h2" in r for r in o.routes(1))
+    assert not any(r.split()[3] == mac(12) and "edge agent.h3" in r for r in o.routes(1))
+    assert o.ping(11, 12, count=2) and o.ping(13, 12, count=2)
 
 
 def routes_and_links(o):
@@ -481,23 +577,27 @@ def test_hostile_values_in_etcd_are_ignored_and_inject_nothing(overlay):
     # Each value is one a guest of network a would be routed by, so each
     # would reach a control line if the agent did not check it.
     evil_host = "h9\nLINK DEL agent.h2"
+    g = lambda host, m: f"/vnet/host/{host}/guests/{m}"
+    net_a = '{"network":"a"}'
     hostile = {
-        # a host name carrying a second command (its guest is in network a)
-        f"/vnet/hosts/{evil_host}": '{"underlay":"198.18.0.9","port":9000}',
-        f"/vnet/guests/{mac(99)}": '{"host":"h9\\nLINK DEL agent.h2","network":"a","seq":1}',
+        # a host name carrying a second command, with a guest in network a
+        f"/vnet/host/{evil_host}/reg": '{"underlay":"198.18.0.9","port":9000}',
+        g(evil_host, mac(99)): net_a,
         # a MAC carrying one, a MAC that is not one, a multicast MAC
-        f"/vnet/guests/{mac(98)} edge agent.h2 any\nLINK DEL agent.h2": '{"host":"h2","network":"a","seq":1}',
-        "/vnet/guests/zz:zz:zz:zz:zz:zz": '{"host":"h2","network":"a","seq":1}',
-        "/vnet/guests/01:00:5e:00:00:01": '{"host":"h2","network":"a","seq":1}',
+        g("h2", f"{mac(98)} edge agent.h2 any\nLINK DEL agent.h2"): net_a,
+        g("h2", "zz:zz:zz:zz:zz:zz"): net_a,
+        g("h2", "01:00:5e:00:00:01"): net_a,
+        # a network carrying one
+        g("h2", mac(92)): '{"network":"a\nLINK DEL agent.h2"}',
         # hosts whose address or port is not one, each with a guest in a
-        "/vnet/hosts/h8": '{"underlay":"198.18.0.8; LINK DEL 0","port":9000}',
-        f"/vnet/guests/{mac(97)}": '{"host":"h8","network":"a","seq":1}',
-        "/vnet/hosts/h7": '{"underlay":"198.18.0.7","port":70000}',
-        f"/vnet/guests/{mac(96)}": '{"host":"h7","network":"a","seq":1}',
+        "/vnet/host/h8/reg": '{"underlay":"198.18.0.8; LINK DEL 0","port":9000}',
+        g("h8", mac(97)): net_a,
+        "/vnet/host/h7/reg": '{"underlay":"198.18.0.7","port":70000}',
+        g("h7", mac(96)): net_a,
         # not JSON, fields missing or of the wrong type
-        f"/vnet/guests/{mac(95)}": "not json",
-        f"/vnet/guests/{mac(94)}": '{"host":"h2"}',
-        f"/vnet/guests/{mac(93)}": '{"host":"h2","network":"a","seq":-1}',
+        g("h2", mac(95)): "not json",
+        g("h2", mac(94)): '{"host":"h2"}',
+        g("h2", mac(93)): '{"network":7}',
     }
     for k, v in hostile.items():
         o.etcdctl("put", k, v)

@@ -1,5 +1,6 @@
 //! How an agent reaches etcd: the command-line arguments every subcommand
-//! shares, and the client connection (TLS when given certificates).
+//! shares, and the client connection (TLS when given certificates, as an
+//! etcd user when given one).
 
 use anyhow::{Context, Result};
 use std::path::PathBuf;
@@ -25,6 +26,13 @@ pub struct EtcdArgs {
     pub cert: Option<PathBuf>,
     #[arg(long, requires = "cert")]
     pub key: Option<PathBuf>,
+    /// The etcd user to authenticate as (etcd's RBAC: a host's agent as
+    /// its host's user, `vnet-agent auth add-host`).
+    #[arg(long, requires = "password_file")]
+    pub user: Option<String>,
+    /// A file holding the user's password (its first line).
+    #[arg(long, requires = "user")]
+    pub password_file: Option<PathBuf>,
 }
 
 impl EtcdArgs {
@@ -42,6 +50,10 @@ impl EtcdArgs {
                 tls = tls.identity(Identity::from_pem(cert, key));
             }
             o = o.with_tls(tls);
+        }
+        if let (Some(u), Some(f)) = (&self.user, &self.password_file) {
+            let pw = std::fs::read_to_string(f).with_context(|| format!("{}", f.display()))?;
+            o = o.with_user(u, pw.lines().next().unwrap_or("")).with_auto_token_refresh(true);
         }
         Ok(etcd_client::Client::connect(&self.endpoints, Some(o)).await?)
     }

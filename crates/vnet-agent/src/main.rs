@@ -6,6 +6,7 @@
 //! goes on forwarding with the routes it has. docs/controller.md has the
 //! keys, the rules and the failure handling.
 
+mod auth;
 mod etcd;
 mod model;
 mod records;
@@ -42,6 +43,9 @@ enum Cmd {
     /// Show the overlay as etcd holds it: hosts, networks, guests, and the
     /// traffic between hosts and between guests.
     Show(show::ShowArgs),
+    /// Provision etcd's users and roles, so each host's agent writes only
+    /// its own records.
+    Auth(auth::AuthArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -71,6 +75,11 @@ pub struct Args {
     /// (seconds; 0: never).
     #[arg(long, default_value_t = 5)]
     pub traffic_s: u64,
+    /// A file the agent keeps listing every guest the overlay holds, one
+    /// `<mac> <host> <network>` a line: vnet-cni's `macsFile`, so that a
+    /// container is never given a MAC another guest holds.
+    #[arg(long)]
+    pub macs_file: Option<PathBuf>,
 }
 
 fn main() {
@@ -82,10 +91,25 @@ fn main() {
     let done = match cli.cmd {
         Cmd::Run(args) => rt.block_on(run(args)),
         Cmd::Show(args) => rt.block_on(show::show(args)),
+        Cmd::Auth(args) => rt.block_on(auth::auth(args)),
     };
     if let Err(e) = done {
         eprintln!("vnet-agent: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// Writes the overlay's guests to `file` (a new file renamed over the old,
+/// so a reader sees one or the other whole) when they changed.
+fn write_macs(file: &std::path::Path, guests: &BTreeMap<String, model::Guest>, last: &mut Option<String>) {
+    let text: String = guests.iter().map(|(m, g)| format!("{m} {} {}\n", g.host, g.network)).collect();
+    if last.as_ref() == Some(&text) {
+        return;
+    }
+    let tmp = file.with_extension("new");
+    match std::fs::write(&tmp, &text).and_then(|_| std::fs::rename(&tmp, file)) {
+        Ok(()) => *last = Some(text),
+        Err(e) => tracing::warn!("cannot write {}: {e}", file.display()),
     }
 }
 
@@ -102,6 +126,7 @@ async fn run(args: Args) -> Result<()> {
     // derive the same: the local interfaces, and when it ran.
     let mut last_ifaces: Option<BTreeMap<String, (u32, String)>> = None;
     let mut last_full = Instant::now();
+    let mut last_macs: Option<String> = None;
     tracing::info!("vnet-agent for host {} ({}:{}), etcd {}", args.host, args.underlay, args.port, args.etcd.endpoints.join(","));
     loop {
         let event = tokio::select! {
@@ -150,6 +175,9 @@ async fn run(args: Args) -> Result<()> {
             }
         }
         let Some(view) = store.view() else { continue };
+        if let Some(f) = &args.macs_file {
+            write_macs(f, view.guests, &mut last_macs);
+        }
         let held = store.held(&state.ifaces);
         let want = model::derive(&args.host, view.hosts, view.guests, &held);
         let changes = model::plan(&want, &state.links, &state.routes, &state.user_routes);

@@ -1,7 +1,7 @@
 //! The overlay as a whole, from etcd: hosts, networks and guests, and the
 //! traffic matrix between hosts and between guests, which each agent builds
 //! from its vnetd's route counters and publishes under
-//! `<p>/traffic/<host>` (the measurement VNET's adaptation work, VTTIF and
+//! `<p>/host/<host>/traffic` (the measurement VNET's adaptation work, VTTIF and
 //! VADAPT, started from).
 //!
 //! A route of the agent's carries one guest's frames to one guest
@@ -12,7 +12,7 @@
 
 use crate::model::{check_host_name, check_mac, LINK_PREFIX};
 use crate::etcd::EtcdArgs;
-use crate::records::{GuestValue, HostValue, Traffic};
+use crate::records::{holder, ClaimSeen, GuestValue, HostValue, Record, Traffic};
 use crate::vnetd::State;
 use anyhow::Result;
 use etcd_client::GetOptions;
@@ -59,33 +59,57 @@ pub fn traffic_of(state: &State, stats: &[String]) -> Traffic {
     t
 }
 
+/// A guest as shown: the host holding its MAC, and its network.
+#[derive(serde::Serialize)]
+struct Shown {
+    host: String,
+    network: String,
+}
+
 pub async fn show(args: ShowArgs) -> Result<()> {
     let mut client = args.etcd.connect().await?;
     let prefix = format!("{}/", args.etcd.prefix);
     let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
     let mut hosts: BTreeMap<String, HostValue> = BTreeMap::new();
-    let mut guests: BTreeMap<String, GuestValue> = BTreeMap::new();
+    let mut claimed: BTreeMap<String, BTreeMap<String, ClaimSeen>> = BTreeMap::new();
     let mut traffic: BTreeMap<String, Traffic> = BTreeMap::new();
     for kv in resp.kvs() {
         let key = String::from_utf8_lossy(kv.key());
-        let Some(rest) = key.strip_prefix(&prefix) else { continue };
-        if let Some(h) = rest.strip_prefix("hosts/") {
-            if let (Ok(v), Ok(())) = (serde_json::from_slice(kv.value()), check_host_name(h)) {
-                hosts.insert(h.to_string(), v);
+        match Record::parse(&args.etcd.prefix, &key) {
+            Some(Record::Reg(h)) => {
+                if let (Ok(v), Ok(())) = (serde_json::from_slice(kv.value()), check_host_name(h)) {
+                    hosts.insert(h.to_string(), v);
+                }
             }
-        } else if let Some(m) = rest.strip_prefix("guests/") {
-            if let (Ok(v), Ok(m)) = (serde_json::from_slice(kv.value()), check_mac(m)) {
-                guests.insert(m, v);
+            Some(Record::Guest(h, m)) => {
+                if let (Ok(v), Ok(m), Ok(())) = (serde_json::from_slice::<GuestValue>(kv.value()), check_mac(m), check_host_name(h)) {
+                    let c = ClaimSeen { network: v.network, create_revision: kv.create_revision() };
+                    claimed.entry(m).or_default().insert(h.to_string(), c);
+                }
             }
-        } else if let Some(h) = rest.strip_prefix("traffic/") {
-            if let (Ok(v), Ok(())) = (serde_json::from_slice(kv.value()), check_host_name(h)) {
-                traffic.insert(h.to_string(), v);
+            Some(Record::Traffic(h)) => {
+                if let (Ok(v), Ok(())) = (serde_json::from_slice(kv.value()), check_host_name(h)) {
+                    traffic.insert(h.to_string(), v);
+                }
             }
+            None => {}
+        }
+    }
+    // Each MAC as the agents route it (its holder), and the claims that
+    // wait behind another host's.
+    let mut guests: BTreeMap<String, Shown> = BTreeMap::new();
+    let mut contested: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (m, claims) in &claimed {
+        let Some((h, c)) = holder(claims) else { continue };
+        guests.insert(m.clone(), Shown { host: h.to_string(), network: c.network.clone() });
+        let waiting: Vec<String> = claims.keys().filter(|x| x.as_str() != h).cloned().collect();
+        if !waiting.is_empty() {
+            contested.insert(m.clone(), waiting);
         }
     }
     let revision = resp.header().map_or(0, |h| h.revision());
     if args.json {
-        let v = serde_json::json!({ "revision": revision, "hosts": hosts, "guests": guests, "traffic": traffic });
+        let v = serde_json::json!({ "revision": revision, "hosts": hosts, "guests": guests, "contested": contested, "traffic": traffic });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -94,7 +118,10 @@ pub async fn show(args: ShowArgs) -> Result<()> {
         let n = guests.values().filter(|g| &g.host == name).count();
         println!("host {name} underlay={}:{} guests={n}", h.underlay, h.port);
     }
-    let mut nets: BTreeMap<&str, Vec<(&String, &GuestValue)>> = BTreeMap::new();
+    for (m, waiting) in &contested {
+        println!("contested {m} held by {}, also claimed by {} (ignored)", guests[m].host, waiting.join(" "));
+    }
+    let mut nets: BTreeMap<&str, Vec<(&String, &Shown)>> = BTreeMap::new();
     for (m, g) in &guests {
         nets.entry(g.network.as_str()).or_default().push((m, g));
     }

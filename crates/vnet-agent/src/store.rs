@@ -2,22 +2,24 @@
 //! registration on a lease, its guests' claims, and a cache of everyone's
 //! keys kept current by a watch.
 //!
-//! Keys (under `--prefix`, default `/vnet`), values JSON:
+//! Keys (under `--prefix`, default `/vnet`; each host writes only its own
+//! `<p>/host/<host>/`, which etcd's RBAC enforces: `auth.rs`), values JSON:
 //!
 //! ```text
-//! <p>/hosts/<host>   {"underlay": "198.18.0.1", "port": 9000}           on the host's lease
-//! <p>/guests/<mac>   {"host": "h1", "network": "blue", "seq": 3}         on the claiming host's lease
+//! <p>/host/<host>/reg             {"underlay": "198.18.0.1", "port": 9000}   on the host's lease
+//! <p>/host/<host>/guests/<mac>    {"network": "blue"}                        on the host's lease
+//! <p>/host/<host>/traffic         counters (show.rs)                         on the host's lease
 //! ```
 //!
-//! A guest's key says which host has it. A host claims a MAC when its vnetd
-//! gets an interface with it: with `seq` one past the key's (or, if there is
-//! none, one past the highest this agent has seen for the MAC), in a transaction that holds only if the key is unchanged since
-//! the agent read it. So claims are ordered: the later claim (a migration's
-//! new host) has the higher `seq` and wins, and a late write from the old
-//! host fails its transaction rather than overwrite the new claim. A host
-//! that lost a MAC to a later claim does not claim it again while that
-//! claim stands (its interface is stale: logged, not routed); it deletes a
-//! key only if the key is still the one it wrote.
+//! A host claims a MAC when its vnetd gets an interface with it, and
+//! withdraws the claim when the interface goes. Two hosts may claim one MAC
+//! (a migration's new host before the old one let go, a clone, a rogue
+//! host): every reader gives it to the claim etcd created first
+//! (`records::holder`). So a later claim never takes a MAC another host
+//! holds; it waits, and holds the MAC once the earlier claim is withdrawn
+//! or its host's lease runs out. A host whose claim waits does not route
+//! its interface (logged); every agent counts the claims it saw waiting
+//! behind another host's (`contested`, in its traffic record and the log).
 //!
 //! When a host's agent dies, its lease expires and etcd deletes its keys:
 //! the other agents see the deletes and withdraw its guests. When etcd is
@@ -27,38 +29,22 @@
 
 use crate::etcd::{EtcdArgs, OP_TIMEOUT};
 use crate::model::{Guest, Host};
-use crate::records::{key, GuestValue, HostValue, Traffic};
-use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, LeaseKeeper, LeaseKeepAliveStream, PutOptions, Txn, TxnOp, WatchOptions,
-    WatchStream,
-};
-use std::collections::BTreeMap;
+use crate::records::{guest_key, holder, reg_key, traffic_key, ClaimSeen, GuestValue, HostValue, Record, Traffic};
+use etcd_client::{Client, EventType, GetOptions, LeaseKeeper, LeaseKeepAliveStream, PutOptions, WatchOptions, WatchStream};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
-
-
-/// A guest key as last seen.
-#[derive(Clone, Debug)]
-struct GuestEntry {
-    value: GuestValue,
-    mod_revision: i64,
-}
 
 /// This host's claim on a local interface's MAC.
 #[derive(Clone, Debug)]
 struct Claim {
-    /// The vnetd interface id it is for: a claim lost to another host is
-    /// made again only by a new interface with the MAC.
+    /// The vnetd interface id it is for.
     iface: u32,
     network: String,
-    /// The revision our write got, once written (under this lease).
-    written: Option<i64>,
-    /// The seq of our last write of it, under any lease: a key of another
-    /// host with a higher one is a later claim, even once our lease (and
-    /// with it `written`) is gone.
-    seq: Option<u64>,
-    /// Another host claimed the MAC after us.
-    lost: bool,
+    /// Written under the current lease.
+    written: bool,
+    /// Another host's earlier claim holds the MAC (logged once).
+    waiting: bool,
 }
 
 pub struct View<'a> {
@@ -89,16 +75,18 @@ pub struct Store {
     /// followed by the watch); None until the first listing.
     revision: Option<i64>,
     hosts: BTreeMap<String, Host>,
-    guests: BTreeMap<String, GuestEntry>,
-    /// `guests` as the model wants them.
+    /// Every host's claims, by MAC then host.
+    claimed: BTreeMap<String, BTreeMap<String, ClaimSeen>>,
+    /// Each MAC's holder, as the model wants them.
     routed: BTreeMap<String, Guest>,
     claims: BTreeMap<String, Claim>,
     retry_at: Instant,
     /// A host or guest key changed since `take_dirty` was last asked.
     dirty: bool,
-    /// The highest seq seen for each MAC, its key deleted or not: a claim
-    /// of a MAC whose key is gone still comes after every claim seen.
-    seqs: BTreeMap<String, u64>,
+    /// Claims seen waiting behind another host's (MAC, host, create
+    /// revision), each counted once in `contested`.
+    seen_waiting: BTreeSet<(String, String, i64)>,
+    pub contested: u64,
 }
 
 impl Store {
@@ -111,15 +99,15 @@ impl Store {
             watch: None,
             revision: None,
             hosts: BTreeMap::new(),
-            guests: BTreeMap::new(),
+            claimed: BTreeMap::new(),
             routed: BTreeMap::new(),
             claims: BTreeMap::new(),
             retry_at: Instant::now(),
             dirty: true,
-            seqs: BTreeMap::new(),
+            seen_waiting: BTreeSet::new(),
+            contested: 0,
         }
     }
-
 
     /// Connects, registers the host and lists the overlay, as far as etcd
     /// lets it; what fails is tried again a second later.
@@ -170,14 +158,13 @@ impl Store {
             let id = client.lease_grant(ttl, None).await?.id();
             let (keeper, stream) = client.lease_keep_alive(id).await?;
             let v = serde_json::to_string(&HostValue { underlay: self.me.underlay, port: self.me.port })?;
-            let key = key(&self.etcd.prefix, "hosts", &self.me.host);
-            client.put(key, v, Some(PutOptions::new().with_lease(id))).await?;
+            client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
-            // Our claims are to be written again under the new lease; one
-            // lost to another host's later claim stays lost (it is made
-            // again only when that claim's key goes, as ever).
+            // Our claims are written again under the new lease (where the
+            // key still exists, it keeps its create revision, and with it
+            // its place among the MAC's claims).
             for c in self.claims.values_mut() {
-                c.written = None;
+                c.written = false;
             }
             tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.me.host);
         }
@@ -194,50 +181,63 @@ impl Store {
         let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
         let rev = resp.header().map_or(0, |h| h.revision());
         self.hosts.clear();
-        self.guests.clear();
-        let kvs: Vec<(String, Vec<u8>, i64)> =
-            resp.kvs().iter().map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec(), kv.mod_revision())).collect();
+        self.claimed.clear();
+        let kvs: Vec<(String, Vec<u8>, i64)> = resp
+            .kvs()
+            .iter()
+            .map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec(), kv.create_revision()))
+            .collect();
         let stream = client.watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
-        for (k, v, m) in kvs {
-            self.put_cached(&k, &v, m);
+        for (k, v, c) in kvs {
+            self.put_cached(&k, &v, c);
         }
         self.watch = Some(stream);
         self.revision = Some(rev);
         self.rebuild();
-        tracing::info!("etcd: listed {} hosts and {} guests at revision {rev}", self.hosts.len(), self.guests.len());
+        tracing::info!("etcd: listed {} hosts and {} guests at revision {rev}", self.hosts.len(), self.claimed.len());
         Ok(())
     }
 
-    /// Takes a key into the cache. A value that does not parse is ignored
-    /// (and logged): one bad writer cannot stop the overlay.
-    fn put_cached(&mut self, key: &str, value: &[u8], mod_revision: i64) {
-        let Some(rest) = key.strip_prefix(&format!("{}/", self.etcd.prefix)) else { return };
-        if let Some(name) = rest.strip_prefix("hosts/") {
-            match serde_json::from_slice::<HostValue>(value) {
+    /// Takes a key into the cache; true if it is a host's registration or
+    /// a guest claim. A value that does not parse is ignored (and logged):
+    /// one bad writer cannot stop the overlay.
+    fn put_cached(&mut self, key: &str, value: &[u8], create_revision: i64) -> bool {
+        match Record::parse(&self.etcd.prefix, key) {
+            Some(Record::Reg(name)) => match serde_json::from_slice::<HostValue>(value) {
                 Ok(h) if crate::model::check_host_name(name).is_ok() => {
                     self.hosts.insert(name.to_string(), Host { underlay: h.underlay, port: h.port });
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a host entry"),
-            }
-        } else if let Some(mac) = rest.strip_prefix("guests/") {
-            match (serde_json::from_slice::<GuestValue>(value), crate::model::check_mac(mac)) {
-                (Ok(g), Ok(mac)) if crate::model::check_host_name(&g.host).is_ok() && crate::model::check_network(&g.network).is_ok() => {
-                    let seen = self.seqs.entry(mac.clone()).or_default();
-                    *seen = (*seen).max(g.seq);
-                    self.guests.insert(mac, GuestEntry { value: g, mod_revision });
+            },
+            Some(Record::Guest(host, mac)) => match (serde_json::from_slice::<GuestValue>(value), crate::model::check_mac(mac)) {
+                (Ok(g), Ok(mac)) if crate::model::check_host_name(host).is_ok() && crate::model::check_network(&g.network).is_ok() => {
+                    let c = ClaimSeen { network: g.network, create_revision };
+                    self.claimed.entry(mac).or_default().insert(host.to_string(), c);
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a guest entry"),
-            }
+            },
+            Some(Record::Traffic(_)) | None => return false,
         }
+        true
     }
 
-    fn delete_cached(&mut self, key: &str) {
-        let Some(rest) = key.strip_prefix(&format!("{}/", self.etcd.prefix)) else { return };
-        if let Some(name) = rest.strip_prefix("hosts/") {
-            self.hosts.remove(name);
-        } else if let Some(mac) = rest.strip_prefix("guests/") {
-            self.guests.remove(&mac.to_ascii_lowercase());
+    fn delete_cached(&mut self, key: &str) -> bool {
+        match Record::parse(&self.etcd.prefix, key) {
+            Some(Record::Reg(name)) => {
+                self.hosts.remove(name);
+            }
+            Some(Record::Guest(host, mac)) => {
+                let mac = mac.to_ascii_lowercase();
+                if let Some(c) = self.claimed.get_mut(&mac) {
+                    c.remove(host);
+                    if c.is_empty() {
+                        self.claimed.remove(&mac);
+                    }
+                }
+            }
+            Some(Record::Traffic(_)) | None => return false,
         }
+        true
     }
 
     /// Whether the overlay changed (a host or guest key, or a claim of ours)
@@ -250,36 +250,39 @@ impl Store {
         std::mem::take(&mut self.dirty)
     }
 
+    /// Gives each MAC to its holder, and notes the claims that wait.
     fn rebuild(&mut self) {
         self.dirty = true;
-        self.routed = self
-            .guests
-            .iter()
-            .map(|(m, e)| (m.clone(), Guest { host: e.value.host.clone(), network: e.value.network.clone() }))
-            .collect();
-        // A claim of ours that another host's later claim replaced is lost;
-        // one lost whose key is gone since is made again.
-        for (mac, c) in self.claims.iter_mut() {
-            if c.lost && !self.guests.contains_key(mac) {
-                tracing::info!("guest {mac}: the claim that replaced ours is gone; claiming it again");
-                c.lost = false;
-                c.written = None;
-                continue;
-            }
-            if let Some(e) = self.guests.get(mac) {
-                let later = match (c.written, c.seq) {
-                    (Some(w), _) => e.mod_revision != w,
-                    (None, Some(s)) => e.value.seq > s,
-                    (None, None) => false,
-                };
-                if later && e.value.host != self.me.host && !c.lost {
-                    c.lost = true;
+        self.routed.clear();
+        let mut waiting = BTreeSet::new();
+        for (mac, claims) in &self.claimed {
+            let Some((holder, first)) = holder(claims) else { continue };
+            self.routed.insert(mac.clone(), Guest { host: holder.to_string(), network: first.network.clone() });
+            for (host, c) in claims.iter().filter(|(h, _)| h.as_str() != holder) {
+                let w = (mac.clone(), host.clone(), c.create_revision);
+                if !self.seen_waiting.contains(&w) {
+                    self.contested += 1;
                     tracing::warn!(
-                        "guest {mac}: host {} claimed it after us (seq {}): our interface is stale and not routed",
-                        e.value.host,
-                        e.value.seq
+                        "guest {mac}: host {host} claims it (revision {}), but host {holder} holds it (revision {}): \
+                         ignored while that claim stands ({} contested claims seen)",
+                        c.create_revision,
+                        first.create_revision,
+                        self.contested
                     );
                 }
+                waiting.insert(w);
+            }
+        }
+        self.seen_waiting = waiting;
+        for (mac, c) in self.claims.iter_mut() {
+            let ours = self.routed.get(mac).is_some_and(|g| g.host == self.me.host);
+            if c.written && !ours && !c.waiting {
+                c.waiting = true;
+                let by = self.routed.get(mac).map_or("no one", |g| g.host.as_str());
+                tracing::warn!("guest {mac}: host {by} claimed it before us: our interface is not routed until that claim goes");
+            } else if ours && c.waiting {
+                c.waiting = false;
+                tracing::info!("guest {mac}: the earlier claim is gone; ours holds it now");
             }
         }
     }
@@ -317,17 +320,14 @@ impl Store {
                     self.watch = None;
                     return;
                 }
-                let overlay = format!("{}/hosts/", self.etcd.prefix);
-                let guests = format!("{}/guests/", self.etcd.prefix);
                 let mut changed = false;
                 for ev in resp.events() {
                     let Some(kv) = ev.kv() else { continue };
                     let key = String::from_utf8_lossy(kv.key()).into_owned();
-                    changed |= key.starts_with(&overlay) || key.starts_with(&guests);
-                    match ev.event_type() {
-                        EventType::Put => self.put_cached(&key, kv.value(), kv.mod_revision()),
+                    changed |= match ev.event_type() {
+                        EventType::Put => self.put_cached(&key, kv.value(), kv.create_revision()),
                         EventType::Delete => self.delete_cached(&key),
-                    }
+                    };
                     self.revision = Some(kv.mod_revision().max(self.revision.unwrap_or(0)));
                 }
                 if let Some(h) = resp.header() {
@@ -350,74 +350,46 @@ impl Store {
         if self.lease.is_none() || self.revision.is_none() {
             return;
         }
-        // Interfaces gone.
+        let (prefix, host) = (self.etcd.prefix.clone(), self.me.host.clone());
+        // Interfaces gone: their keys are ours alone, deleted as they are.
         let gone: Vec<String> = self.claims.keys().filter(|m| !local.contains_key(*m)).cloned().collect();
         for mac in gone {
             let c = self.claims.remove(&mac).expect("listed above");
-            if let (Some(w), false) = (c.written, c.lost) {
-                let key = key(&self.etcd.prefix, "guests", &mac);
-                let txn = Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, w)]).and_then([TxnOp::delete(key, None)]);
-                match self.client.as_mut().expect("connected").txn(txn).await {
-                    Ok(r) if r.succeeded() => tracing::info!("guest {mac}: withdrawn (its interface is gone)"),
-                    Ok(_) => tracing::info!("guest {mac}: its key is another host's now; left as it is"),
-                    Err(e) => {
-                        tracing::warn!("etcd: cannot withdraw guest {mac}: {e}");
-                        self.claims.insert(mac, c);
-                    }
+            match self.client.as_mut().expect("connected").delete(guest_key(&prefix, &host, &mac), None).await {
+                Ok(_) => tracing::info!("guest {mac}: withdrawn (its interface is gone)"),
+                Err(e) => {
+                    tracing::warn!("etcd: cannot withdraw guest {mac}: {e}");
+                    self.claims.insert(mac, c);
                 }
             }
         }
         let lease = self.lease.as_ref().expect("checked").0;
         for (mac, (id, network)) in local {
-            let c = self.claims.entry(mac.clone()).or_insert_with(|| Claim { iface: *id, network: network.clone(), written: None, seq: None, lost: false });
-            if c.iface != *id {
-                // The interface was added again (or vnetd restarted and
-                // numbered it anew). Ours still: kept, and other hosts see
-                // no change. Lost to another host: a new interface claims
-                // again (the user says the guest is here now).
-                c.iface = *id;
-                if c.lost {
-                    c.lost = false;
-                    c.written = None;
-                    c.seq = None;
-                }
-            }
+            let c = self.claims.entry(mac.clone()).or_insert_with(|| Claim { iface: *id, network: network.clone(), written: false, waiting: false });
+            // An interface added again (or renumbered by a restarted vnetd)
+            // keeps its claim, and with it its place.
+            c.iface = *id;
             if &c.network != network {
-                // Moved to another network: written again (same seq).
+                // Moved to another network: written again.
                 c.network = network.clone();
-                c.written = None;
+                c.written = false;
             }
-            if c.written.is_some() || c.lost {
+            if c.written {
                 continue;
             }
-            let key = key(&self.etcd.prefix, "guests", mac);
-            let seen = self.guests.get(mac);
-            // Ours already (a restarted agent, or a new lease): written again
-            // with its seq; another host's: the next seq; none: 1.
-            let (seq, cmp) = match seen {
-                Some(e) if e.value.host == self.me.host => (e.value.seq, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
-                Some(e) => (e.value.seq + 1, Compare::mod_revision(key.clone(), CompareOp::Equal, e.mod_revision)),
-                None => (self.seqs.get(mac).map_or(1, |s| s + 1), Compare::version(key.clone(), CompareOp::Equal, 0)),
-            };
-            let v = GuestValue { host: self.me.host.clone(), network: c.network.clone(), seq };
-            let txn = Txn::new()
-                .when([cmp])
-                .and_then([TxnOp::put(key.clone(), serde_json::to_string(&v).expect("plain struct"), Some(PutOptions::new().with_lease(lease)))]);
-            match self.client.as_mut().expect("connected").txn(txn).await {
-                Ok(r) if r.succeeded() => {
+            let v = serde_json::to_string(&GuestValue { network: c.network.clone() }).expect("plain struct");
+            let key = guest_key(&prefix, &host, mac);
+            match self.client.as_mut().expect("connected").put(key, v, Some(PutOptions::new().with_lease(lease))).await {
+                Ok(r) => {
+                    c.written = true;
+                    tracing::info!("guest {mac}: published in network {}", c.network);
+                    // Our own write comes back through the watch too; note
+                    // it now (a key written before keeps its create revision).
                     let rev = r.header().map_or(0, |h| h.revision());
-                    c.written = Some(rev);
-                    c.seq = Some(seq);
-                    if let Some(prev) = seen.filter(|e| e.value.host != self.me.host) {
-                        tracing::info!("guest {mac}: claimed from host {} (seq {seq})", prev.value.host);
-                    } else {
-                        tracing::info!("guest {mac}: published in network {} (seq {seq})", c.network);
-                    }
-                    // Our own write comes back through the watch too; note it now.
-                    self.seqs.insert(mac.clone(), seq.max(self.seqs.get(mac).copied().unwrap_or(0)));
-                    self.guests.insert(mac.clone(), GuestEntry { value: v, mod_revision: rev });
+                    let claims = self.claimed.entry(mac.clone()).or_default();
+                    let create_revision = claims.get(&host).map_or(rev, |s| s.create_revision);
+                    claims.insert(host.clone(), ClaimSeen { network: c.network.clone(), create_revision });
                 }
-                Ok(_) => tracing::debug!("guest {mac}: its key changed under us; trying again"),
                 Err(e) => tracing::warn!("etcd: cannot publish guest {mac}: {e}"),
             }
         }
@@ -426,11 +398,11 @@ impl Store {
 
     /// Publishes this host's traffic counters (on its lease, so they go
     /// with the host).
-    pub async fn publish_traffic(&mut self, t: Traffic) {
+    pub async fn publish_traffic(&mut self, mut t: Traffic) {
+        t.contested = self.contested;
         let (Some((lease, ..)), Some(client)) = (self.lease.as_ref(), self.client.as_mut()) else { return };
-        let key = key(&self.etcd.prefix, "traffic", &self.me.host);
         let v = serde_json::to_string(&t).expect("plain struct");
-        if let Err(e) = client.put(key, v, Some(PutOptions::new().with_lease(*lease))).await {
+        if let Err(e) = client.put(traffic_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(*lease))).await {
             tracing::warn!("etcd: cannot publish traffic: {e}");
         }
     }
@@ -441,12 +413,12 @@ impl Store {
     }
 
     /// The local interfaces this host holds in etcd (MAC → network): a
-    /// claim written and not lost.
+    /// claim written that no earlier claim of another host's outranks.
     pub fn held(&self, local: &BTreeMap<String, (u32, String)>) -> BTreeMap<String, String> {
         local
             .iter()
             .filter(|(m, (id, _))| {
-                self.claims.get(*m).is_some_and(|c| c.iface == *id && c.written.is_some() && !c.lost)
+                self.claims.get(*m).is_some_and(|c| c.iface == *id && c.written)
                     && self.routed.get(*m).is_some_and(|g| g.host == self.me.host)
             })
             .map(|(m, (_, n))| (m.clone(), n.clone()))

@@ -1,17 +1,14 @@
 //! Claims against a real etcd (docs/controller.md "Claims, migration and
-//! conflicts"): a host that lost a guest to a migration and has not yet
-//! seen it (its watch not read, as when its agent was stalled or its etcd
-//! connection slow) deletes or writes its old claim late. Each such write
-//! is a transaction that compares the key's mod_revision with the one the
-//! old host saw, so it fails, and the migration stands.
+//! conflicts"): two hosts claim one MAC; the first claim holds it, whatever
+//! the second host writes or however late its agent reads, until the first
+//! host withdraws it; then the second holds it.
 //!
 //! The test starts its own etcd (`etcd` from Debian's etcd-server, which
 //! scripts/setup installs) on free loopback ports, in a temporary
-//! directory. Catches (each mutated so, in crates/vnet-agent/src/store.rs's
-//! `publish`): the compare taken out of the delete (the late delete removed
-//! the new host's key) or out of the put (the late write took the guest
-//! back to the old host); and a new lease making the old host forget it
-//! lost the guest (it claimed it back with a higher seq).
+//! directory. Catches (each mutated so, in records.rs's `holder` or
+//! store.rs): the later claim winning (the rule before the per-host
+//! records: a rogue host took any MAC), a claim written again under a new
+//! lease losing its place, and a waiting claim not taking over.
 
 use super::*;
 use std::collections::BTreeMap;
@@ -72,7 +69,7 @@ impl Drop for Etcd {
 
 /// A store for host `host` on the etcd at `url`.
 fn store(url: &str, host: &str) -> Store {
-    let etcd = EtcdArgs { endpoints: vec![url.to_string()], prefix: "/vnet".into(), cacert: None, cert: None, key: None };
+    let etcd = EtcdArgs { endpoints: vec![url.to_string()], prefix: "/vnet".into(), cacert: None, cert: None, key: None, user: None, password_file: None };
     Store::new(&etcd, Registration { host: host.into(), underlay: "198.18.0.1".parse().expect("an address"), port: 9000, ttl: 5 })
 }
 
@@ -81,65 +78,52 @@ fn ifaces(list: &[(&str, u32)]) -> BTreeMap<String, (u32, String)> {
     list.iter().map(|(m, id)| (m.to_string(), (*id, "a".to_string()))).collect()
 }
 
-/// The guest key of `mac` as etcd holds it: (host, seq, lease).
-async fn guest(c: &mut Client, mac: &str) -> Option<(String, u64, i64)> {
-    let r = c.get(format!("/vnet/guests/{mac}"), None).await.expect("etcd answers");
-    r.kvs().first().map(|kv| {
-        let v: GuestValue = serde_json::from_slice(kv.value()).expect("a guest value");
-        (v.host, v.seq, kv.lease())
-    })
+/// Reads what the watch brought.
+async fn settle(s: &mut Store) {
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    s.drain().await;
+}
+
+/// Who holds `mac` as store `s` routes it.
+fn holder_of(s: &Store, mac: &str) -> Option<String> {
+    s.routed.get(mac).map(|g| g.host.clone())
 }
 
 #[test]
-fn an_old_hosts_late_delete_or_write_fails_instead_of_undoing_a_migration() {
+fn the_first_claim_holds_a_mac_until_it_is_withdrawn() {
     let etcd = Etcd::start();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
     rt.block_on(async {
-        let mut c = etcd.client().await;
-        let (m1, m2) = ("02:00:00:00:00:0c", "02:00:00:00:00:0d");
-        // Host h2 has both guests; then both move to h3, whose claims come
-        // after h2's (seq 2). h2's agent has not read its watch since.
-        let mut old = store(&etcd.url, "h2");
-        old.maintain().await;
-        old.publish(&ifaces(&[(m1, 1), (m2, 2)])).await;
-        for m in [m1, m2] {
-            assert_eq!(guest(&mut c, m).await.map(|g| (g.0, g.1)), Some(("h2".into(), 1)), "h2 published {m}");
-        }
-        let mut new = store(&etcd.url, "h3");
-        new.maintain().await;
-        new.publish(&ifaces(&[(m1, 7), (m2, 8)])).await;
-        let moved = |g: Option<(String, u64, i64)>| g.map(|g| (g.0, g.1)) == Some(("h3".into(), 2));
-        assert!(moved(guest(&mut c, m1).await) && moved(guest(&mut c, m2).await), "h3 claimed both");
-
-        // A late delete: h2's interface with m1 is gone, and h2 withdraws
-        // the claim it wrote, from its stale view.
-        old.publish(&ifaces(&[(m2, 2)])).await;
-        assert!(moved(guest(&mut c, m1).await), "h2's late delete undid the migration: {:?}", guest(&mut c, m1).await);
-
-        // A late write: h2's lease was lost meanwhile (etcd unreachable
-        // longer than its TTL); it registers again and writes every claim
-        // again under the new lease, still from its stale view.
-        old.lease = None;
-        old.maintain().await;
-        assert!(old.lease.is_some(), "h2 registered again");
-        assert!(old.claims.get(m2).is_some_and(|c| c.written.is_none()), "h2's claim of m2 is to be written again");
-        old.publish(&ifaces(&[(m2, 2)])).await;
-        assert!(moved(guest(&mut c, m2).await), "h2's late write undid the migration: {:?}", guest(&mut c, m2).await);
-
-        // Once h2 has read what happened, it knows it lost m2 and does not
-        // claim it back on its new lease while h3's claim stands (it used
-        // to: the new lease made it forget the loss, and it claimed m2 with
-        // a higher seq).
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        old.drain().await;
-        old.publish(&ifaces(&[(m2, 2)])).await;
-        assert!(old.claims.get(m2).is_some_and(|c| c.lost), "h2 knows it lost m2");
-        old.lease = None;
-        old.maintain().await;
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        old.drain().await;
-        old.publish(&ifaces(&[(m2, 2)])).await;
-        assert!(moved(guest(&mut c, m2).await), "h2 took m2 back on its new lease: {:?}", guest(&mut c, m2).await);
-        assert!(old.claims.get(m2).is_some_and(|c| c.lost));
+        let _c = etcd.client().await;
+        let m = "02:00:00:00:00:0c";
+        let mut h1 = store(&etcd.url, "h1");
+        h1.maintain().await;
+        h1.publish(&ifaces(&[(m, 1)])).await;
+        // h3 claims the same MAC later (a clone, a migration begun, a rogue
+        // host): every reader, h3 too, gives it to h1.
+        let mut h3 = store(&etcd.url, "h3");
+        h3.maintain().await;
+        h3.publish(&ifaces(&[(m, 7)])).await;
+        settle(&mut h1).await;
+        settle(&mut h3).await;
+        assert_eq!(holder_of(&h1, m).as_deref(), Some("h1"));
+        assert_eq!(holder_of(&h3, m).as_deref(), Some("h1"), "h3's later claim took the MAC");
+        assert!(h3.held(&ifaces(&[(m, 7)])).is_empty(), "h3 routes an interface it does not hold");
+        assert_eq!(h1.held(&ifaces(&[(m, 1)])).len(), 1);
+        assert_eq!((h1.contested, h3.contested), (1, 1), "each saw the contested claim once");
+        // h1 registers again on a new lease (etcd was slow past its TTL):
+        // its claim, written again, keeps its place.
+        h1.lease = None;
+        h1.maintain().await;
+        h1.publish(&ifaces(&[(m, 1)])).await;
+        settle(&mut h3).await;
+        assert_eq!(holder_of(&h3, m).as_deref(), Some("h1"), "h1's claim lost its place on its new lease");
+        // h1's interface goes: h3's claim, waiting, holds the MAC now.
+        h1.publish(&ifaces(&[])).await;
+        settle(&mut h3).await;
+        settle(&mut h1).await;
+        assert_eq!(holder_of(&h3, m).as_deref(), Some("h3"));
+        assert_eq!(holder_of(&h1, m).as_deref(), Some("h3"));
+        assert_eq!(h3.held(&ifaces(&[(m, 7)])).len(), 1);
     });
 }

@@ -75,6 +75,35 @@ pub fn choose_mac(conf: &NetConf, env: &CniEnv) -> CniResult<Mac> {
     Ok(names::derived_mac(&env.container_id, &env.ifname))
 }
 
+/// Whether `mac` is free for container interface `interface`: no other
+/// interface of this host's vnetd has it, and no guest of the overlay holds
+/// it (the `macsFile` vnet-agent keeps, when configured). A tenant picking
+/// its MAC (`MAC=`, `runtimeConfig.mac`) must not take another guest's.
+/// Read under the state lock, so two ADDs on this host cannot both pass.
+pub fn check_mac_free(conf: &NetConf, interface: &str, mac: Mac, local: &[crate::vnetd::Iface]) -> CniResult<()> {
+    let m = mac.to_string();
+    let in_use = |msg: String| CniError::new(code::MAC_IN_USE, format!("MAC {m} is in use: {msg}"));
+    if let Some(i) = local.iter().find(|i| i.mac == m && i.name != interface) {
+        return Err(in_use(format!("vnetd's interface {} on this host has it", i.name)));
+    }
+    if local.iter().any(|i| i.name == interface) {
+        // This attachment's own interface (an ADD repeated): vnetd says.
+        return Ok(());
+    }
+    let Some(f) = &conf.macs_file else { return Ok(()) };
+    let text = std::fs::read_to_string(f).map_err(|e| {
+        CniError::new(code::TRY_AGAIN_LATER, format!("macsFile {}: {e} (is vnet-agent running with --macs-file?)", f.display()))
+    })?;
+    for line in text.lines() {
+        let mut w = line.split(' ');
+        if w.next() == Some(m.as_str()) {
+            let (host, net) = (w.next().unwrap_or("?"), w.next().unwrap_or("?"));
+            return Err(in_use(format!("a guest of host {host} in network {net} holds it (vnet-agent's {})", f.display())));
+        }
+    }
+    Ok(())
+}
+
 /// The one request that makes the attachment in vnetd: the veth (its guest
 /// end `ifname` in the container's namespace) and, with `routes: local`,
 /// the rules that deliver frames to it, owner-tagged so that they go with it.
@@ -220,7 +249,9 @@ fn add_steps(
     let interface = names::interface_name(&env.container_id, &env.ifname);
     let mut commands = vnetd_commands(&interface, mac, conf, &ns.name, &env.ifname);
     let ipam = Ipam::of(conf)?; // found (or not) before anything changes
-    Vnetd::connect(&conf.socket)?.apply(&commands)?;
+    let mut vnetd = Vnetd::connect(&conf.socket)?;
+    check_mac_free(conf, &interface, mac, &vnetd.interfaces()?)?;
+    vnetd.apply(&commands)?;
     undo.interface = Some(interface.clone());
 
     let ipam_result = match ipam {
@@ -556,6 +587,27 @@ mod tests {
         assert_eq!(lines, vec!["ROUTE ADD any 33:33:ff:12:34:56 interface 02:00:00:00:00:01 any owner cni"]);
         assert!(vnet_core::command::parse_line(&lines[0]).unwrap().is_some());
         assert!(neighbour_routes(mac, &AddResult::default()).is_empty());
+    }
+
+    #[test]
+    fn a_mac_another_guest_holds_is_refused() {
+        use crate::vnetd::Iface;
+        let mac: Mac = "02:00:00:00:00:0b".parse().unwrap();
+        let other = Iface { name: "g11".into(), mac: "02:00:00:00:00:0b".into(), ..Iface::default() };
+        let e = check_mac_free(&conf(""), "c0123456789ab", mac, &[other.clone()]).unwrap_err();
+        assert_eq!(e.code, code::MAC_IN_USE);
+        assert!(e.msg.contains("interface g11"), "{}", e.msg);
+        let list = std::env::temp_dir().join(format!("vnet-cni-macs-{}", std::process::id()));
+        std::fs::write(&list, "02:00:00:00:00:0a h1 a\n02:00:00:00:00:0b h2 a\n").unwrap();
+        let c = conf(&format!(r#","macsFile":"{}""#, list.display()));
+        let e = check_mac_free(&c, "c0123456789ab", mac, &[]).unwrap_err();
+        assert_eq!(e.code, code::MAC_IN_USE);
+        assert!(e.msg.contains("host h2 in network a"), "{}", e.msg);
+        let free: Mac = "02:00:00:00:00:0c".parse().unwrap();
+        assert!(check_mac_free(&c, "c0123456789ab", free, &[other]).is_ok());
+        std::fs::remove_file(&list).unwrap();
+        let e = check_mac_free(&c, "c0123456789ab", free, &[]).unwrap_err();
+        assert_eq!(e.code, code::TRY_AGAIN_LATER, "a list configured but missing");
     }
 
     #[test]

@@ -54,6 +54,9 @@ pub struct NetConf {
     pub mtu: u32,
     pub routes: Routes,
     pub state_dir: PathBuf,
+    /// vnet-agent's list of the overlay's guests (`vnet-agent run
+    /// --macs-file`): a MAC in it is not given to a container.
+    pub macs_file: Option<PathBuf>,
     /// The IPAM plugin's type (a binary in CNI_PATH), if any.
     pub ipam: Option<String>,
     /// `runtimeConfig.mac` (the `mac` capability).
@@ -139,6 +142,11 @@ impl NetConf {
             Some(s) if s.starts_with('/') => PathBuf::from(s),
             Some(s) => return Err(invalid_config(format!("stateDir \"{s}\" is not an absolute path"))),
         };
+        let macs_file = match string(m, "macsFile")? {
+            None => None,
+            Some(s) if s.starts_with('/') => Some(PathBuf::from(s)),
+            Some(s) => return Err(invalid_config(format!("macsFile \"{s}\" is not an absolute path"))),
+        };
         let ipam = match m.get("ipam") {
             None | Some(Value::Null) => None,
             Some(Value::Object(i)) => match string(i, "type")? {
@@ -167,7 +175,7 @@ impl NetConf {
             None | Some(Value::Null) => None,
             Some(v) => Some(attachments(v)?),
         };
-        Ok(NetConf { cni_version, name, socket, network, mtu, routes, state_dir, ipam, runtime_mac, dns, prev_result, valid_attachments, raw })
+        Ok(NetConf { cni_version, name, socket, network, mtu, routes, state_dir, macs_file, ipam, runtime_mac, dns, prev_result, valid_attachments, raw })
     }
 }
 

@@ -38,6 +38,9 @@ pub mod code {
     pub const STATE: u32 = 103;
     /// CHECK: the attachment is not as ADD left it.
     pub const CHECK_FAILED: u32 = 104;
+    /// ADD: the MAC is another guest's (on this host, or in the overlay as
+    /// vnet-agent lists it): nothing was done.
+    pub const MAC_IN_USE: u32 = 105;
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
