@@ -165,6 +165,30 @@ impl<B: DirtyLog> Ring<B> {
         self.strikes = 0;
     }
 
+    /// A ring laid out by a driver in `mem` (tests and fuzzing): `size`
+    /// entries, its three parts at these guest addresses, started.
+    pub fn with_layout(counters: Arc<Counters>, mem: Arc<GuestMemory<B>>, size: u16, desc: u64, avail: u64, used: u64, event_idx: bool) -> Option<Ring<B>> {
+        let mut r = Ring::new(counters);
+        r.queue.set_size(size);
+        r.queue.try_set_desc_table_address(GuestAddress(desc)).ok()?;
+        r.queue.try_set_avail_ring_address(GuestAddress(avail)).ok()?;
+        r.queue.try_set_used_ring_address(GuestAddress(used)).ok()?;
+        r.queue.set_event_idx(event_idx);
+        r.mem = Some(mem);
+        r.kick = Some(Kick::new(std::fs::File::from(vnet_sys::eventfd::EventFd::new().ok()?.into_owned())).ok()?);
+        r.try_start().then_some(r)
+    }
+
+    /// Descriptors read this pass (bounded by the budget plus one chain).
+    pub fn spent(&self) -> u32 {
+        self.spent
+    }
+
+    /// The limits in force.
+    pub fn budget(&self) -> Budget {
+        self.budget
+    }
+
     pub fn health(&self) -> Health {
         self.health
     }
