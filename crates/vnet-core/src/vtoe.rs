@@ -21,7 +21,8 @@
 //! stream.
 //!
 //! **Guest messages** travel on a Unix SOCK_SEQPACKET socket, one message a
-//! packet, a socket passed with `Connected` and `Incoming` (SCM_RIGHTS).
+//! packet, a socket passed with `Connected` and `Incoming` (SCM_RIGHTS),
+//! and from the runner with `Listen` (the listening socket, as proof).
 //! vnetd parses what a guest sends as hostile input: exact lengths, known
 //! types, reserved bytes zero.
 

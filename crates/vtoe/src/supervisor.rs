@@ -597,7 +597,7 @@ impl Supervisor {
                 // The listen stands, for the guest kernel's connections only:
                 // its accepts are the kernel's again.
                 self.tally.listeners_refused += 1;
-                eprintln!("vtoe: listener {addr} not registered by vnetd: {} (it takes plain connections only)", why.name());
+                self.say(|| format!("listener {addr} not registered by vnetd: {} (it takes plain connections only)", why.name()));
                 for id in self.listens.remove(&addr).unwrap_or_default() {
                     notify::reply(&self.notif, id, Ok(0));
                 }
@@ -609,7 +609,7 @@ impl Supervisor {
                 if !is_overlay_unicast(*local.ip()) || !is_overlay_unicast(*peer.ip()) {
                     // Never from or to a loopback (or other such) address.
                     self.tally.incoming_refused += 1;
-                    eprintln!("vtoe: an offloaded connection {peer} -> {local} refused: not a unicast address");
+                    self.say(|| format!("an offloaded connection {peer} -> {local} refused: not a unicast address"));
                     return;
                 }
                 let (Some(sock), Some(&inode)) = (fd, self.by_addr.get(&listener)) else {

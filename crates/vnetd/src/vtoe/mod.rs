@@ -534,7 +534,7 @@ impl Vtoe {
         if !again && mine >= MAX_LISTENERS_PER_RUNNER {
             return Err(ListenRefusal::Limit);
         }
-        tracing::info!(
+        tracing::debug!(
             ns = %runner.ns.name,
             "VTOE: listener {addr} registered (socket {} of uid {}, runner pid {}, uid {})",
             proof.cookie, proof.owner, runner.cred.0, runner.cred.1
