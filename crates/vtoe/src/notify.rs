@@ -156,6 +156,42 @@ pub fn take_fd(notif: &OwnedFd, n: &Notif, fd: RawFd) -> Option<OwnedFd> {
     Some(unsafe { OwnedFd::from_raw_fd(got as RawFd) })
 }
 
+/// The process (thread group) of thread `tid`.
+pub fn tgid(tid: i32) -> Option<i32> {
+    std::fs::read_to_string(format!("/proc/{tid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("Tgid:").and_then(|v| v.trim().parse().ok()))
+}
+
+/// A copy of the socket with inode `inode` from process `pid`: at
+/// descriptor `fd` if it is still there, else wherever the process holds
+/// it now (/proc/<pid>/fd). None when the process no longer holds it.
+pub fn retake(pid: i32, fd: RawFd, inode: u64) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open returns a new descriptor or -1.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if pidfd < 0 {
+        return None;
+    }
+    // SAFETY: pidfd was just opened and is ours.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as RawFd) };
+    let get = |n: RawFd| -> Option<OwnedFd> {
+        // SAFETY: pidfd_getfd returns a new descriptor or -1.
+        let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), n, 0) };
+        // SAFETY: got is a new descriptor, ours.
+        (got >= 0).then(|| unsafe { OwnedFd::from_raw_fd(got as RawFd) })
+    };
+    if let Some(d) = get(fd).filter(|d| crate::sock::inode(d.as_raw_fd()) == Some(inode)) {
+        return Some(d);
+    }
+    let want = format!("socket:[{inode}]");
+    let dir = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
+    dir.flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == want.as_str()))
+        .find_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()).and_then(get))
+        .filter(|d| crate::sock::inode(d.as_raw_fd()) == Some(inode))
+}
+
 /// Reads `len` bytes at `addr` in the thread's memory.
 pub fn read_mem(tid: i32, addr: u64, len: usize) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; len];

@@ -2,7 +2,8 @@
 //! and offloaded connections, and the listeners' wake-ups, on one thread.
 //!
 //! **connect.** An IPv4 TCP socket never connected, to an address that is
-//! not loopback: the runner holds a port of the source address for it (the
+//! not loopback, unspecified, multicast or broadcast, from one that is not
+//! loopback either: the runner holds a port of the source address for it (the
 //! guest's kernel then gives it to nobody else), asks vnetd, and meanwhile
 //! the program's call waits. Offloaded: the shadow socket takes the
 //! program's options and blocking mode and replaces its socket at the same
@@ -12,7 +13,12 @@
 //! with vnetd's errno.
 //!
 //! **listen** is made by the runner on the program's socket, which is then
-//! registered with vnetd (listen returns once vnetd has it).
+//! registered with vnetd, the listening socket passed along as its proof
+//! (listen returns once vnetd answered). The runner keeps no copy of it
+//! (the program's close must close it): to register it again with a vnetd
+//! that restarted, it takes it from the program again, by its inode. A
+//! listener on a loopback address is not registered (nothing on the
+//! overlay may reach it).
 //!
 //! **accept.** A listener gets two kinds of connections: the guest kernel's
 //! own (plain ones) and offloaded ones, which vnetd hands to the runner.
@@ -35,7 +41,7 @@ use crate::vnetd::Vnetd;
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddrV4;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use vnet_core::vtoe::{FromVnetd, ToVnetd};
+use vnet_core::vtoe::{is_overlay_unicast, FromVnetd, ToVnetd};
 use vnet_sys::epoll::Epoll;
 
 const T_NOTIF: u64 = 0;
@@ -72,6 +78,9 @@ struct Listener {
     ready: VecDeque<Ready>,
     /// Wake connections not yet met by an accept, by their local address.
     wakes: HashMap<SocketAddrV4, (u64, OwnedFd)>,
+    /// Where the program held it when it listened (process, descriptor), to
+    /// take it again for a vnetd that restarted.
+    held: (i32, RawFd),
 }
 
 /// A blocking accept with nothing to give yet.
@@ -88,6 +97,11 @@ pub struct Tally {
     pub not_offloaded: u64,
     pub refused: u64,
     pub ioctl_refused: u64,
+    /// Offloaded connections vnetd handed over for a loopback, unspecified,
+    /// multicast or broadcast end: closed.
+    pub incoming_refused: u64,
+    /// Listeners vnetd did not register.
+    pub listeners_refused: u64,
 }
 
 pub struct Supervisor {
@@ -239,8 +253,18 @@ impl Supervisor {
             self.retry_at = std::time::Instant::now() + std::time::Duration::from_secs(1);
             if let Ok(v) = Vnetd::connect(&self.socket) {
                 if self.watch(v.fd(), T_VNETD, libc::EPOLLIN as u32).is_ok() {
-                    for addr in self.by_addr.keys() {
-                        let _ = v.send(&ToVnetd::Listen { addr: *addr });
+                    // Each listener again, with its socket taken from the
+                    // program again (one it no longer holds is gone).
+                    let mut gone = Vec::new();
+                    for (addr, inode) in &self.by_addr {
+                        let Some(l) = self.listeners.get(inode) else { continue };
+                        match notify::retake(l.held.0, l.held.1, *inode) {
+                            Some(fd) => drop(v.send_with(&ToVnetd::Listen { addr: *addr }, fd.as_raw_fd())),
+                            None => gone.push(*inode),
+                        }
+                    }
+                    for inode in gone {
+                        self.listener_gone(inode, "the program no longer holds it");
                     }
                     eprintln!("vtoe: vnetd is back: connections are offloaded again");
                     self.vnetd = Some(v);
@@ -260,10 +284,7 @@ impl Supervisor {
             .then(|| notify::read_mem(n.tid, addr, 16).ok())
             .flatten()
             .and_then(|b| sock::parse_sockaddr_in(&b));
-        let Some(dst) = dst.filter(|d| {
-            let ip = d.ip();
-            !(ip.is_loopback() || ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() || d.port() == 0)
-        }) else {
+        let Some(dst) = dst.filter(|d| is_overlay_unicast(*d.ip()) && d.port() != 0) else {
             return notify::proceed(&self.notif, n.id);
         };
         let Some(guest) = notify::take_fd(&self.notif, &n, fd) else { return notify::proceed(&self.notif, n.id) };
@@ -274,11 +295,14 @@ impl Supervisor {
             return notify::proceed(&self.notif, n.id);
         }
         let bound = sock::local_addr(g).unwrap_or(SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0));
+        if !bound.ip().is_unspecified() && !is_overlay_unicast(*bound.ip()) {
+            return notify::proceed(&self.notif, n.id); // bound to loopback: the kernel's to refuse
+        }
         let (src, reservation) = if bound.port() != 0 {
             (bound, None) // the program's own socket holds its port
         } else {
             let ip = if bound.ip().is_unspecified() { sock::source_toward(dst).ok() } else { Some(*bound.ip()) };
-            match ip.map(sock::reserve_port) {
+            match ip.filter(|ip| is_overlay_unicast(*ip)).map(sock::reserve_port) {
                 Some(Ok((res, port))) => (SocketAddrV4::new(ip.expect("some"), port), Some(res)),
                 _ => return notify::proceed(&self.notif, n.id),
             }
@@ -329,11 +353,19 @@ impl Supervisor {
             notify::reply(&self.notif, n.id, Ok(0));
             return;
         };
-        let l = self.listeners.entry(inode).or_insert_with(|| Listener { addr, v6, ready: VecDeque::new(), wakes: HashMap::new() });
+        // A loopback listener is the guest's own business.
+        if addr.ip().is_loopback() {
+            notify::reply(&self.notif, n.id, Ok(0));
+            return;
+        }
+        let held = (notify::tgid(n.tid).unwrap_or(n.tid), n.args[0] as RawFd);
+        let l = self.listeners.entry(inode).or_insert_with(|| Listener { addr, v6, ready: VecDeque::new(), wakes: HashMap::new(), held });
         l.addr = addr;
+        l.held = held;
         self.by_addr.insert(addr, inode);
         let Some(v) = &self.vnetd else { return notify::proceed(&self.notif, n.id) };
-        if v.send(&ToVnetd::Listen { addr }).is_err() {
+        // The listening socket goes along: vnetd checks it.
+        if v.send_with(&ToVnetd::Listen { addr }, d).is_err() {
             notify::reply(&self.notif, n.id, Ok(0));
             return;
         }
@@ -561,7 +593,25 @@ impl Supervisor {
                     notify::reply(&self.notif, id, Ok(0));
                 }
             }
-            FromVnetd::Incoming { listener, peer, .. } => {
+            FromVnetd::NotListening { addr, why } => {
+                // The listen stands, for the guest kernel's connections only:
+                // its accepts are the kernel's again.
+                self.tally.listeners_refused += 1;
+                self.say(|| format!("listener {addr} not registered by vnetd: {} (it takes plain connections only)", why.name()));
+                for id in self.listens.remove(&addr).unwrap_or_default() {
+                    notify::reply(&self.notif, id, Ok(0));
+                }
+                if let Some(inode) = self.by_addr.remove(&addr) {
+                    self.listeners.remove(&inode);
+                }
+            }
+            FromVnetd::Incoming { listener, peer, local, .. } => {
+                if !is_overlay_unicast(*local.ip()) || !is_overlay_unicast(*peer.ip()) {
+                    // Never from or to a loopback (or other such) address.
+                    self.tally.incoming_refused += 1;
+                    self.say(|| format!("an offloaded connection {peer} -> {local} refused: not a unicast address"));
+                    return;
+                }
                 let (Some(sock), Some(&inode)) = (fd, self.by_addr.get(&listener)) else {
                     if let Some(v) = &self.vnetd {
                         let _ = v.send(&ToVnetd::Unlisten { addr: listener });

@@ -6,7 +6,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
-use vnet_core::vtoe::{FromVnetd, ToVnetd, MAX_MSG, VERSION};
+use vnet_core::vtoe::{FromVnetd, ToVnetd, MAX_MSG, RUNNER_VERSION};
 
 pub struct Vnetd {
     sock: OwnedFd,
@@ -44,9 +44,9 @@ impl Vnetd {
             libc::setsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as u32)
         };
         let v = Vnetd { sock };
-        v.send(&ToVnetd::Hello { version: VERSION })?;
+        v.send(&ToVnetd::Hello { version: RUNNER_VERSION })?;
         match v.recv()? {
-            Some((FromVnetd::Welcome { version: VERSION }, _)) => {}
+            Some((FromVnetd::Welcome { version: RUNNER_VERSION }, _)) => {}
             Some((FromVnetd::NotGuest, _)) => bail!("vnetd serves no interface in this network namespace"),
             Some((m, _)) => bail!("vnetd answered {m:?}"),
             None => bail!("vnetd closed the session (another version of VTOE?)"),
@@ -69,6 +69,24 @@ impl Vnetd {
         // SAFETY: send from a buffer we own.
         let n = unsafe { libc::send(self.sock.as_raw_fd(), b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL) };
         if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Sends a message with a socket (a Listen, with the listening socket
+    /// that proves it).
+    pub fn send_with(&self, m: &ToVnetd, fd: RawFd) -> io::Result<()> {
+        let b = m.encode();
+        let mut iov = libc::iovec { iov_base: b.as_ptr() as *mut libc::c_void, iov_len: b.len() };
+        let mut space: vnet_sys::cmsg::Space = [0; 8];
+        // SAFETY: msghdr is plain data; all-zero is valid.
+        let mut h: libc::msghdr = unsafe { std::mem::zeroed() };
+        h.msg_iov = &mut iov;
+        h.msg_iovlen = 1;
+        vnet_sys::cmsg::put(&mut h, &mut space, libc::SOL_SOCKET, libc::SCM_RIGHTS, &fd.to_ne_bytes());
+        // SAFETY: h points at live buffers.
+        if unsafe { libc::sendmsg(self.sock.as_raw_fd(), &h, libc::MSG_NOSIGNAL) } < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(())

@@ -32,6 +32,8 @@ pub struct TcpDiag {
     pub bytes_acked: u64,
     pub bytes_received: u64,
     pub rtt_us: u32,
+    /// Its local port.
+    pub port: u16,
 }
 
 /// The kernel's name of a TCP state.
@@ -79,7 +81,7 @@ fn parse_diag(msg: &[u8]) -> Option<(u64, TcpDiag)> {
     }
     let lo = u32::from_ne_bytes(msg[44..48].try_into().ok()?) as u64;
     let hi = u32::from_ne_bytes(msg[48..52].try_into().ok()?) as u64;
-    let mut d = TcpDiag { state: msg[1], ..TcpDiag::default() };
+    let mut d = TcpDiag { state: msg[1], port: u16::from_be_bytes([msg[4], msg[5]]), ..TcpDiag::default() };
     let mut at = DIAG_MSG;
     while at + 4 <= msg.len() {
         let len = u16::from_ne_bytes([msg[at], msg[at + 1]]) as usize;
@@ -153,13 +155,47 @@ pub fn tcp_sockets() -> io::Result<HashMap<u64, TcpDiag>> {
     let fd = diag_socket(0)?;
     let mut req = request(SOCK_DIAG_BY_FAMILY, (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16);
     req[18] = 1 << (INET_DIAG_INFO - 1);
-    send(&fd, &req)?;
     let mut out = HashMap::new();
+    dump(&fd, &req, |cookie, d| {
+        out.insert(cookie, d);
+    })?;
+    Ok(out)
+}
+
+/// A sock_diag socket of the calling thread's network namespace (open it in
+/// a guest's, for `listening`).
+pub fn open() -> io::Result<OwnedFd> {
+    diag_socket(0)
+}
+
+/// The cookies of the TCP sockets of `family` (AF_INET, AF_INET6) listening
+/// on `port` in the namespace of `fd` (a socket from `open`). The kernel
+/// filters the listeners by port itself.
+pub fn listening(fd: &OwnedFd, family: u8, port: u16) -> io::Result<Vec<u64>> {
+    let mut req = request(SOCK_DIAG_BY_FAMILY, (libc::NLM_F_REQUEST | libc::NLM_F_DUMP) as u16);
+    req[16] = family;
+    req[20..24].copy_from_slice(&(1u32 << 10).to_ne_bytes()); // TCPF_LISTEN
+    req[NLMSG_HDR + 8..NLMSG_HDR + 10].copy_from_slice(&port.to_be_bytes());
+    let mut out = Vec::new();
+    dump(fd, &req, |cookie, d| {
+        if d.state == 10 && d.port == port {
+            out.push(cookie);
+        }
+    })?;
+    Ok(out)
+}
+
+/// Sends a dump request and calls `each` for every socket it reports.
+fn dump(fd: &OwnedFd, req: &[u8], mut each: impl FnMut(u64, TcpDiag)) -> io::Result<()> {
+    send(fd, req)?;
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         // SAFETY: recv into a buffer we own.
         let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
         if n < 0 {
+            if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
             return Err(io::Error::last_os_error());
         }
         let mut at = 0;
@@ -168,17 +204,17 @@ pub fn tcp_sockets() -> io::Result<HashMap<u64, TcpDiag>> {
             let len = u32::from_ne_bytes(buf[at..at + 4].try_into().expect("4")) as usize;
             let kind = u16::from_ne_bytes(buf[at + 4..at + 6].try_into().expect("2"));
             if len < NLMSG_HDR || at + len > n {
-                return Ok(out);
+                return Ok(());
             }
             match kind {
-                NLMSG_DONE => return Ok(out),
+                NLMSG_DONE => return Ok(()),
                 NLMSG_ERROR => {
                     let code = i32::from_ne_bytes(buf[at + 16..at + 20].try_into().unwrap_or([0; 4]));
                     return Err(io::Error::from_raw_os_error(-code));
                 }
                 SOCK_DIAG_BY_FAMILY => {
                     if let Some((cookie, d)) = parse_diag(&buf[at + NLMSG_HDR..at + len]) {
-                        out.insert(cookie, d);
+                        each(cookie, d);
                     }
                 }
                 _ => {}
@@ -291,5 +327,25 @@ mod tests {
         let all = tcp_sockets().unwrap();
         let d = all[&socket_cookie(s.as_raw_fd()).unwrap()];
         assert!((5000..=5001).contains(&d.bytes_received), "{}", d.bytes_received);
+    }
+
+    #[test]
+    fn a_listener_is_found_by_port_while_it_listens() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let cookie = socket_cookie(l.as_raw_fd()).unwrap();
+        let fd = open().unwrap();
+        assert!(listening(&fd, libc::AF_INET as u8, port).unwrap().contains(&cookie));
+        // Not under another port, nor another family.
+        assert!(!listening(&fd, libc::AF_INET as u8, port ^ 1).unwrap().contains(&cookie));
+        assert!(!listening(&fd, libc::AF_INET6 as u8, port).unwrap().contains(&cookie));
+        // A connection to it is not a listener.
+        let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let c_cookie = socket_cookie(c.as_raw_fd()).unwrap();
+        let (_s, _) = l.accept().unwrap();
+        assert!(!listening(&fd, libc::AF_INET as u8, port).unwrap().contains(&c_cookie));
+        // Closed: gone.
+        drop(l);
+        assert!(!listening(&fd, libc::AF_INET as u8, port).unwrap().contains(&cookie));
     }
 }

@@ -39,7 +39,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
-use vnet_core::vtoe::{FromVnetd, Reason, Request};
+use vnet_core::vtoe::{is_overlay_unicast, FromVnetd, ListenRefusal, Reason, Request};
 use vnet_core::{Mac, Port};
 use vnet_fastpath::guard::{self, Ends, Guard};
 
@@ -63,6 +63,7 @@ pub struct Config {
 }
 
 const N: usize = Reason::ALL.len();
+const NL: usize = ListenRefusal::ALL.len();
 
 crate::stats::counter_set! {
     /// What VTOE did, for `STATS vtoe`.
@@ -94,6 +95,8 @@ pub struct Counters {
     pub refused: [AtomicU64; N],
     /// Incoming shadow connections declined, by reason.
     pub declined: [AtomicU64; N],
+    /// Runners' listeners not registered, by reason.
+    pub listen_refused: [AtomicU64; NL],
 }
 
 /// An offloaded connection vnetd handed over.
@@ -112,11 +115,28 @@ pub struct Conn {
     since: Instant,
 }
 
+/// A registered listener: the runner of the program listening, and the
+/// listening socket it proved it with (vnetd keeps no descriptor of it: the
+/// program's close must close it; it is found again by its cookie).
+struct Registered {
+    runner: Weak<Runner>,
+    proof: runners::Proof,
+}
+
+impl Registered {
+    /// Whether its runner is there and its socket still listens, as the
+    /// guest's kernel says.
+    fn live(&self) -> Option<Arc<Runner>> {
+        let r = self.runner.upgrade()?;
+        r.ns.listens(self.proof.family, self.proof.port, self.proof.cookie).then_some(r)
+    }
+}
+
 #[derive(Default)]
 struct Registry {
-    /// Listeners: (guest namespace cookie, address) -> the runner of the
-    /// program listening there.
-    listeners: HashMap<(u64, SocketAddrV4), Weak<Runner>>,
+    /// Listeners: (guest namespace cookie, address) -> the one registered
+    /// there.
+    listeners: HashMap<(u64, SocketAddrV4), Registered>,
     /// Offloaded connections by socket cookie.
     conns: HashMap<u64, Conn>,
     /// Offloaded connections per guest namespace.
@@ -227,6 +247,13 @@ impl Vtoe {
     fn try_offer(&self, runner: &Runner, src: SocketAddrV4, dst: SocketAddrV4) -> Result<Offloaded, Outcome> {
         use Outcome::{Fallback, Refused};
         let ns = &runner.ns;
+        // Never a loopback, unspecified, multicast or broadcast destination,
+        // whatever the guest's routes say (a guest may route 127.0.0.1 to
+        // another guest's MAC; its runner does not offer such a connect,
+        // but anyone in the guest can speak to vnetd).
+        if !is_overlay_unicast(*dst.ip()) || dst.port() == 0 {
+            return Err(Fallback(Reason::BadAddress));
+        }
         // The guest kernel's own view: where its packets for dst would go.
         let route = ns.route(*dst.ip()).map_err(|_| Fallback(Reason::OtherDevice))?;
         match route.kind {
@@ -243,6 +270,11 @@ impl Vtoe {
             (_, Some(ip)) => ip,
             _ => return Err(Refused(libc::EADDRNOTAVAIL, Reason::SourceNotLocal)),
         };
+        if !is_overlay_unicast(src_ip) {
+            // A loopback source: the far program would see its own loopback
+            // as its peer. The guest's kernel refuses such a connect itself.
+            return Err(Fallback(Reason::BadAddress));
+        }
         if src.port() == 0 || (Some(src_ip) != route.src && !ns.is_local(src_ip)) {
             return Err(Refused(libc::EADDRNOTAVAIL, Reason::SourceNotLocal));
         }
@@ -355,32 +387,53 @@ impl Vtoe {
         }
     }
 
-    /// The responder's decision: frames from the link's side with these MACs
-    /// must go to exactly one interface, a namespace guest of ours, where a
-    /// program under `vtoe` listens on the destination, which must be one
-    /// of that guest's addresses.
+    /// The responder's decision: both ends must be unicast addresses (no
+    /// loopback, unspecified, multicast or broadcast), frames from the
+    /// link's side with these MACs must go to exactly one interface, a
+    /// namespace guest of ours, whose device in the guest holds the
+    /// destination address, where a program under `vtoe` listens on it (its
+    /// listening socket still listening).
     #[allow(clippy::type_complexity)]
     fn admit(&self, snap: &Snapshot, link: &Link, req: &Request) -> Result<(Arc<Runner>, SocketAddrV4, String, u64, u32), Reason> {
+        if !is_overlay_unicast(*req.dst.ip()) || !is_overlay_unicast(*req.src.ip()) || req.dst.port() == 0 || req.src.port() == 0 {
+            return Err(Reason::BadAddress);
+        }
         let iface = match route_one(snap, Port::Link(link.id), req.src_mac, req.dst_mac) {
             Ok(Port::Interface(id)) => snap.iface_slot(id).map(|s| snap.ifaces[s as usize].clone()).ok_or(Reason::PeerRoutes)?,
             _ => return Err(Reason::PeerRoutes),
         };
         let name = iface.netns.as_deref().ok_or(Reason::NotGuest)?;
         let ns = self.namespaces.get(name).map_err(|_| Reason::NotGuest)?;
+        // The destination must be an address of the device the frames go
+        // to: not the guest's loopback, nor an address of another device.
+        let on_iface = match ns.index_of(&iface.name) {
+            Some(i) => ns.addresses(i).is_ok_and(|a| a.contains(req.dst.ip())),
+            None => false,
+        };
+        if !on_iface {
+            return Err(Reason::NotLocal);
+        }
         let wildcard = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, req.dst.port());
         let (runner, listener) = {
-            let reg = self.lock();
+            let mut reg = self.lock();
             if reg.per_guest.get(&ns.cookie).copied().unwrap_or(0) >= MAX_CONNS_PER_GUEST {
                 return Err(Reason::Limit);
             }
-            [req.dst, wildcard]
-                .into_iter()
-                .find_map(|a| reg.listeners.get(&(ns.cookie, a)).and_then(Weak::upgrade).map(|r| (r, a)))
-                .ok_or(Reason::NoListener)?
+            let mut found = None;
+            for a in [req.dst, wildcard] {
+                let key = (ns.cookie, a);
+                let Some(l) = reg.listeners.get(&key) else { continue };
+                match l.live() {
+                    Some(r) => {
+                        found = Some((r, a));
+                        break;
+                    }
+                    // Closed, or no longer listening: the registration ends.
+                    None => drop(reg.listeners.remove(&key)),
+                }
+            }
+            found.ok_or(Reason::NoListener)?
         };
-        if !ns.is_local(*req.dst.ip()) {
-            return Err(Reason::NotLocal);
-        }
         Ok((runner, listener, iface.name.clone(), ns.cookie, iface.id))
     }
 
@@ -442,27 +495,65 @@ impl Vtoe {
         live
     }
 
-    fn listen(&self, runner: &Arc<Runner>, addr: SocketAddrV4) -> bool {
+    /// Registers the listener `addr` of `runner`'s program, proved by its
+    /// listening socket (`runners::prove`). A live registration is never
+    /// replaced: another socket on the same address, or another owner's on
+    /// an overlapping one (a specific address and the wildcard, on one
+    /// port), is refused while the first still listens.
+    fn listen(&self, runner: &Arc<Runner>, addr: SocketAddrV4, proof: runners::Proof) -> Result<(), ListenRefusal> {
+        let ns = runner.ns.cookie;
         let mut reg = self.lock();
-        let mine = reg.listeners.values().filter(|w| w.as_ptr() == Arc::as_ptr(runner)).count();
-        if mine >= MAX_LISTENERS_PER_RUNNER {
-            return false;
+        let overlapping: Vec<SocketAddrV4> = reg
+            .listeners
+            .iter()
+            .filter(|((n, a), l)| {
+                *n == ns
+                    && a.port() == addr.port()
+                    && if *a == addr {
+                        l.proof.cookie != proof.cookie
+                    } else {
+                        (a.ip().is_unspecified() || addr.ip().is_unspecified()) && l.proof.owner != proof.owner
+                    }
+            })
+            .map(|((_, a), _)| *a)
+            .collect();
+        for a in overlapping {
+            if reg.listeners[&(ns, a)].live().is_some() {
+                let holder = &reg.listeners[&(ns, a)].proof;
+                tracing::warn!(
+                    ns = %runner.ns.name,
+                    "VTOE: listener {addr} of uid {} (runner pid {}, uid {}) refused: {a} is held by uid {}",
+                    proof.owner, runner.cred.0, runner.cred.1, holder.owner
+                );
+                return Err(ListenRefusal::Taken);
+            }
+            reg.listeners.remove(&(ns, a));
         }
-        reg.listeners.insert((runner.ns.cookie, addr), Arc::downgrade(runner));
-        true
+        let again = reg.listeners.get(&(ns, addr)).is_some_and(|l| l.runner.as_ptr() == Arc::as_ptr(runner));
+        let mine = reg.listeners.values().filter(|l| l.runner.as_ptr() == Arc::as_ptr(runner)).count();
+        if !again && mine >= MAX_LISTENERS_PER_RUNNER {
+            return Err(ListenRefusal::Limit);
+        }
+        tracing::debug!(
+            ns = %runner.ns.name,
+            "VTOE: listener {addr} registered (socket {} of uid {}, runner pid {}, uid {})",
+            proof.cookie, proof.owner, runner.cred.0, runner.cred.1
+        );
+        reg.listeners.insert((ns, addr), Registered { runner: Arc::downgrade(runner), proof });
+        Ok(())
     }
 
     fn unlisten(&self, runner: &Arc<Runner>, addr: SocketAddrV4) {
         let mut reg = self.lock();
         let key = (runner.ns.cookie, addr);
-        if reg.listeners.get(&key).is_some_and(|w| w.as_ptr() == Arc::as_ptr(runner)) {
+        if reg.listeners.get(&key).is_some_and(|l| l.runner.as_ptr() == Arc::as_ptr(runner)) {
             reg.listeners.remove(&key);
         }
     }
 
     /// A runner went away: its listeners go with it.
     fn runner_gone(&self, runner: &Arc<Runner>) {
-        self.lock().listeners.retain(|_, w| w.as_ptr() != Arc::as_ptr(runner) && w.strong_count() > 0);
+        self.lock().listeners.retain(|_, l| l.runner.as_ptr() != Arc::as_ptr(runner) && l.runner.strong_count() > 0);
     }
 
     // ---- reporting ----
@@ -471,10 +562,12 @@ impl Vtoe {
     pub fn render(&self, out: &mut Vec<String>) {
         let live = self.sweep();
         let c = &self.counters;
-        let reg = self.lock();
+        let mut reg = self.lock();
+        // Listeners whose socket closed or stopped listening end here too.
+        reg.listeners.retain(|_, l| l.live().is_some());
         let mut line = String::from("vtoe");
         c.events.render_into(&mut line);
-        line.push_str(&format!(" open={} listeners={}", reg.conns.len(), reg.listeners.values().filter(|w| w.strong_count() > 0).count()));
+        line.push_str(&format!(" open={} listeners={}", reg.conns.len(), reg.listeners.len()));
         for (name, v) in guard::COUNTER_NAMES.iter().zip(self.guard.counters()) {
             line.push_str(&format!(" guard_{name}={v}"));
         }
@@ -484,6 +577,12 @@ impl Vtoe {
                 if v > 0 {
                     line.push_str(&format!(" {what}_{}={v}", r.name()));
                 }
+            }
+        }
+        for r in ListenRefusal::ALL {
+            let v = c.listen_refused[r.index()].load(Relaxed);
+            if v > 0 {
+                line.push_str(&format!(" listen_refused_{}={v}", r.name()));
             }
         }
         out.push(line);

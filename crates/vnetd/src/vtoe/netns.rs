@@ -4,6 +4,11 @@
 //! opened inside it, for the guest kernel's own view of a connection: its
 //! route to the destination, its ARP entry, whether an address is its own.
 //!
+//! Also a sock_diag socket opened inside it, to tell whether a listener a
+//! runner registered still listens, and a second rtnetlink socket for the
+//! addresses of one device (is a destination an address of the interface
+//! its frames go to?).
+//!
 //! Namespaces are found by the names interfaces were made with (`netns
 //! <name>`, a file in /run/netns) and kept while that file stays the same.
 
@@ -14,7 +19,7 @@ use netlink_packet_route::neighbour::NeighbourState;
 use netlink_packet_route::route::RouteType;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,6 +41,10 @@ pub struct GuestNs {
     pub name: String,
     pub cookie: u64,
     rtnl: Rtnl,
+    /// sock_diag in the guest's namespace (its listeners).
+    diag: Mutex<OwnedFd>,
+    /// rtnetlink in the guest's namespace, for address dumps.
+    addrs: Mutex<netlink_sys::Socket>,
     /// The namespace file's identity, to notice it being replaced.
     file: (u64, u64),
     /// Devices' indices by name, as last looked up (a device made again
@@ -53,13 +62,17 @@ impl GuestNs {
         let fd = open_netns(name)?;
         let meta = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd())).context("netns file")?;
         // setns changes only the calling thread: do it in one of our own.
-        let (rtnl, cookie) = std::thread::scope(|s| {
-            s.spawn(|| -> Result<(Rtnl, u64)> {
+        let (rtnl, cookie, diag, addrs) = std::thread::scope(|s| {
+            s.spawn(|| -> Result<(Rtnl, u64, OwnedFd, netlink_sys::Socket)> {
                 // SAFETY: setns on a network namespace file we opened and checked.
                 if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
                     bail!("cannot enter network namespace {name}: {}", std::io::Error::last_os_error());
                 }
                 let rtnl = Rtnl::open().context("rtnetlink in the guest's namespace")?;
+                let diag = super::diag::open().context("sock_diag in the guest's namespace")?;
+                let addrs = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE)?;
+                addrs.connect(&netlink_sys::SocketAddr::new(0, 0))?;
+                addrs.set_non_blocking(false)?;
                 let probe = std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"));
                 let cookie = match probe {
                     Ok(p) => netns_cookie(p.as_raw_fd())?,
@@ -69,12 +82,20 @@ impl GuestNs {
                         netns_cookie(s.as_raw_fd())?
                     }
                 };
-                Ok((rtnl, cookie))
+                Ok((rtnl, cookie, diag, addrs))
             })
             .join()
             .map_err(|_| anyhow!("namespace thread panicked"))?
         })?;
-        Ok(GuestNs { name: name.to_string(), cookie, rtnl, file: (meta.dev(), meta.ino()), indices: Mutex::default() })
+        Ok(GuestNs {
+            name: name.to_string(),
+            cookie,
+            rtnl,
+            diag: Mutex::new(diag),
+            addrs: Mutex::new(addrs),
+            file: (meta.dev(), meta.ino()),
+            indices: Mutex::default(),
+        })
     }
 
     /// The guest kernel's route toward `dst`.
@@ -85,6 +106,70 @@ impl GuestNs {
     /// Whether `ip` is one of the guest's own addresses.
     pub fn is_local(&self, ip: Ipv4Addr) -> bool {
         matches!(self.rtnl.route_get(ip), Ok(r) if r.kind == RouteType::Local)
+    }
+
+    /// Whether the guest's socket with this cookie still listens (on `port`,
+    /// of `family`). An error counts as not.
+    pub fn listens(&self, family: u8, port: u16, cookie: u64) -> bool {
+        let fd = self.diag.lock().unwrap_or_else(|p| p.into_inner());
+        super::diag::listening(&fd, family, port).is_ok_and(|c| c.contains(&cookie))
+    }
+
+    /// The IPv4 addresses of the guest's device `ifindex` (RTM_GETADDR).
+    pub fn addresses(&self, ifindex: u32) -> std::io::Result<Vec<Ipv4Addr>> {
+        use netlink_packet_core::{NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST};
+        use netlink_packet_route::address::{AddressAttribute, AddressMessage};
+        use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+        let mut msg = AddressMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        msg.header.index = ifindex;
+        let mut packet = NetlinkMessage::from(RouteNetlinkMessage::GetAddress(msg));
+        packet.header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+        packet.header.sequence_number = 1;
+        packet.finalize();
+        let mut req = vec![0; packet.buffer_len()];
+        packet.serialize(&mut req);
+        let sock = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
+        sock.send(&req, 0)?;
+        let mut out = Vec::new();
+        loop {
+            let (buf, _) = sock.recv_from_full()?;
+            let mut at = 0;
+            while at < buf.len() {
+                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..])
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("rtnetlink reply: {e}")))?;
+                let len = m.header.length as usize;
+                match m.payload {
+                    NetlinkPayload::Done(_) => return Ok(out),
+                    NetlinkPayload::Error(e) if e.code.is_none() => return Ok(out),
+                    NetlinkPayload::Error(e) => return Err(e.to_io()),
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(a)) if a.header.index == ifindex => {
+                        // IFA_LOCAL is the device's own address (IFA_ADDRESS
+                        // the peer's, on point-to-point devices).
+                        let local = a.attributes.iter().find_map(|x| match x {
+                            AddressAttribute::Local(std::net::IpAddr::V4(ip)) => Some(*ip),
+                            _ => None,
+                        });
+                        let addr = a.attributes.iter().find_map(|x| match x {
+                            AddressAttribute::Address(std::net::IpAddr::V4(ip)) => Some(*ip),
+                            _ => None,
+                        });
+                        out.extend(local.or(addr));
+                    }
+                    _ => {}
+                }
+                if len == 0 {
+                    return Ok(out);
+                }
+                at += len.next_multiple_of(4);
+            }
+        }
+    }
+
+    /// The index of the guest's device `name`, asked now (a device made
+    /// again has another).
+    pub fn index_of(&self, name: &str) -> Option<u32> {
+        self.rtnl.index_of(name).ok().flatten()
     }
 
     /// Which of the devices `names` has index `oif` in the guest's
