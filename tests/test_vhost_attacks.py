@@ -278,6 +278,18 @@ def test_s2_a_full_eventfd_as_call_descriptor_freezes_nobody(lab):
         t.alive()
         t.exchange(f)
         assert os.get_blocking(full[0]) is False, "vnetd left the call eventfd blocking"
+        # The frontend shares the eventfd's open file: it makes it blocking
+        # again, its counter still full. vnetd looks before it writes and
+        # breaks the ring rather than block.
+        os.set_blocking(full[0], True)
+        for _ in range(3):
+            t.to_fe()
+        time.sleep(0.3)
+        p = t.pings(n=40, interval=0.05)
+        print(f"g3 -> g4 after fe made its full call eventfd blocking again: {p}")
+        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings: {p}"
+        t.alive()
+        assert wait_until(lambda: "broken=a-call-descriptor-made-blocking-again" in t.fe_line(), 5), t.fe_line()
     finally:
         for fd in full:
             os.close(fd)

@@ -44,6 +44,9 @@ pub enum Signal {
     Signalled,
     /// The eventfd's counter is full: an interrupt is pending already.
     AlreadyPending,
+    /// The frontend made the descriptor blocking again (it shares the open
+    /// file): not written, since a write could block.
+    Blocking,
     Failed,
 }
 
@@ -55,9 +58,17 @@ impl Notifier {
         verified(file).map(Notifier)
     }
 
-    /// Interrupts the guest; never blocks.
+    /// Interrupts the guest; never blocks. The frontend shares the
+    /// eventfd's open file and could clear `O_NONBLOCK` again (Linux's
+    /// eventfd takes no per-write non-blocking flag): the flag is looked at
+    /// first, and a descriptor made blocking is never written.
     pub fn try_signal(&self) -> Signal {
-        match vnet_sys::eventfd::write_one(self.0.as_raw_fd()) {
+        let fd = self.0.as_raw_fd();
+        // SAFETY: fcntl on a descriptor we hold.
+        if unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_NONBLOCK == 0 {
+            return Signal::Blocking;
+        }
+        match vnet_sys::eventfd::write_one(fd) {
             Ok(()) => Signal::Signalled,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => Signal::AlreadyPending,
             Err(_) => Signal::Failed,
@@ -113,5 +124,9 @@ mod tests {
         let n = Notifier::new(f).unwrap();
         assert_eq!(n.try_signal(), Signal::AlreadyPending);
         assert!(n.pending());
+        // The frontend clears O_NONBLOCK on the file it shares: never written.
+        // SAFETY: fcntl on the test's descriptor.
+        unsafe { libc::fcntl(n.0.as_raw_fd(), libc::F_SETFL, 0) };
+        assert_eq!(n.try_signal(), Signal::Blocking);
     }
 }

@@ -649,13 +649,19 @@ impl<B: DirtyLog> Ring<B> {
     }
 
     /// Interrupts the guest (its call eventfd); true if an interrupt is now
-    /// pending for it. Never blocks.
-    pub fn signal(&self) -> bool {
+    /// pending for it. Never blocks: a call descriptor the frontend made
+    /// blocking again breaks the ring.
+    pub fn signal(&mut self) -> bool {
         let Some(call) = &self.call else { return false };
         match call.try_signal() {
             Signal::Signalled => true,
             Signal::AlreadyPending => {
                 self.counters.interrupts_pending.fetch_add(1, Relaxed);
+                false
+            }
+            Signal::Blocking => {
+                self.call = None;
+                self.break_ring("a call descriptor made blocking again");
                 false
             }
             Signal::Failed => false,
