@@ -131,8 +131,10 @@ class Bench:
         self.h1, self.h2 = lab.add_host(1), lab.add_host(2)
         self.sa, self.sb = lab.tmp / "a.sock", lab.tmp / "b.sock"
         by_host = {1: [("pa", MAC_A), ("ta", guest_mac(1))], 2: [("pb", MAC_B), ("tb", guest_mac(2))]}
-        c1 = mesh_config(1, by_host, attach={"pa": f"vhost-user {self.sa}"}) + "SET datapath user\n"
-        c2 = mesh_config(2, by_host, attach={"pb": f"vhost-user {self.sb}"}) + "SET datapath user\n"
+        # testpmd's --no-huge memory is a memfd it seals against sealing, so
+        # never against shrinking: vnetd takes it only with unsealed-memory.
+        c1 = mesh_config(1, by_host, attach={"pa": f"vhost-user {self.sa} unsealed-memory"}) + "SET datapath user\n"
+        c2 = mesh_config(2, by_host, attach={"pb": f"vhost-user {self.sb} unsealed-memory"}) + "SET datapath user\n"
         self.d1 = lab.start_vnetd(self.h1, c1, "--cpus", str(CPU_VNETD[0]))
         self.d2 = lab.start_vnetd(self.h2, c2, "--cpus", str(CPU_VNETD[1]))
         self.ga = lab.attach_guest(self.h1, "ta", 1)
