@@ -816,7 +816,7 @@ def test_routes_agent_adds_no_route_and_vnet_agent_routes_by_network(lab):
     etcd_ns = lab.add_host(100)
     url = f"http://{underlay_ip(100)}:2379"
     peer = f"http://{underlay_ip(100)}:2380"
-    lab.popen(etcd_ns, "etcd", "--name", "t1", "--data-dir", lab.tmp / "etcd", "--listen-client-urls", url,
+    lab.popen(etcd_ns, "etcd", "--bcrypt-cost", "4", "--name", "t1", "--data-dir", lab.tmp / "etcd", "--listen-client-urls", url,
               "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
               "--initial-cluster", f"t1={peer}", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert wait_until(lambda: lab.x(etcd_ns, "env", "ETCDCTL_API=3", "etcdctl", "--endpoints", url, "endpoint",
@@ -861,7 +861,7 @@ def test_a_mac_another_guest_holds_is_refused_on_this_host_and_across_the_overla
     etcd_ns = lab.add_host(100)
     url = f"http://{underlay_ip(100)}:2379"
     peer = f"http://{underlay_ip(100)}:2380"
-    lab.popen(etcd_ns, "etcd", "--name", "t1", "--data-dir", lab.tmp / "etcd", "--listen-client-urls", url,
+    lab.popen(etcd_ns, "etcd", "--bcrypt-cost", "4", "--name", "t1", "--data-dir", lab.tmp / "etcd", "--listen-client-urls", url,
               "--advertise-client-urls", url, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
               "--initial-cluster", f"t1={peer}", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert wait_until(lambda: lab.x(etcd_ns, "env", "ETCDCTL_API=3", "etcdctl", "--endpoints", url, "endpoint",

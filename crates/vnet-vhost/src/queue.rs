@@ -354,8 +354,8 @@ impl<B: DirtyLog> Ring<B> {
             Some(Walk::Ok(head, n)) => (head, n),
         };
         self.spend(n);
-        let mem = self.mem.clone().expect("a running ring has memory");
-        let r = Self::read_frame(&mem, &self.segs, out, hdr_len, frame);
+        let mem = self.mem.as_ref().expect("a running ring has memory");
+        let r = Self::read_frame(mem, &self.segs, out, hdr_len, frame);
         self.push_used(head, 0);
         match r {
             Popped::Bad => self.strike(),
@@ -525,7 +525,7 @@ impl<B: DirtyLog> Ring<B> {
             self.frame_segs = segs;
             return Err(io::Error::from_raw_os_error(libc::ENOBUFS));
         }
-        let mem = self.mem.clone().expect("a running ring has memory");
+        let mem = self.mem.as_deref().expect("a running ring has memory");
         let mut hdr = [0u8; 12];
         vnet.write(&mut hdr[..VNET_HDR_LEN]);
         hdr[10..12].copy_from_slice(&(self.chains.len() as u16).to_le_bytes());
