@@ -327,7 +327,10 @@ def test_s3_receive_chains_of_65535_empty_descriptors_cost_the_neighbours_nothin
         feed.wait()
     print(f"g3 -> g4 under 256 chains of 65535 empty descriptors, 20 frames/s to them: {attacked}")
     assert attacked.lost == 0, f"g3 -> g4 lost {attacked.lost} of {attacked.sent} pings under the attack"
-    assert attacked.p99 <= 1.5 * base.p99, f"p99 {attacked.p99} ms under the attack, {base.p99} ms before"
+    # Within 1.5x, or 0.3 ms on a sub-millisecond baseline (one scheduler
+    # hiccup on a loaded 2-core machine); the attack before the fix cost 9 ms
+    # on average at 5 frames/s and every ping at 20.
+    assert attacked.p99 <= max(1.5 * base.p99, base.p99 + 0.3), f"p99 {attacked.p99} ms under the attack, {base.p99} ms before"
     t.alive()
     assert t.counter("vhost_broken_rings") >= 1, t.fe()
     assert "broken=" in t.fe_line(), t.fe_line()
