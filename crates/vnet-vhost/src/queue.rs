@@ -720,15 +720,8 @@ mod tests {
 
     fn ring(event_idx: bool) -> (Ring, Arc<Memory>) {
         let mem = Memory::anonymous(&[(GuestAddress(0), 1 << 20)]);
-        let mut r = Ring::new(Arc::new(Counters::default()));
-        r.queue.set_size(SIZE);
-        r.queue.try_set_desc_table_address(GuestAddress(DESC)).unwrap();
-        r.queue.try_set_avail_ring_address(GuestAddress(AVAIL)).unwrap();
-        r.queue.try_set_used_ring_address(GuestAddress(USED)).unwrap();
-        r.queue.set_event_idx(event_idx);
-        r.mem = Some(mem.clone());
-        r.kick = Some(Kick::new(File::from(vnet_sys::eventfd::EventFd::new().unwrap().into_owned())).unwrap());
-        assert!(r.try_start() && r.running());
+        let r = Ring::with_layout(Arc::new(Counters::default()), mem.clone(), SIZE, DESC, AVAIL, USED, event_idx).expect("a valid ring");
+        assert!(r.running());
         (r, mem)
     }
 
@@ -1078,6 +1071,16 @@ mod tests {
         assert_eq!(r.counters.empty_rx_chains.load(Relaxed), 4 + u64::from(Budget::default().strikes));
         assert!(r.publish());
         assert_eq!(used_idx(&mem), 5 + Budget::default().strikes);
+    }
+
+    #[test]
+    fn an_avail_index_further_ahead_than_the_queue_breaks_the_ring() {
+        let (mut r, mem) = ring(false);
+        mem.write_obj(SIZE + 1, GuestAddress(AVAIL + 2)).unwrap();
+        let mut out = [0u8; 128];
+        assert!(matches!(r.pop_frame(&mut out, 12, None), Popped::Empty));
+        assert_eq!(r.health(), Health::Broken("an avail index further ahead than the queue holds"));
+        assert_eq!(r.counters.broken_rings.load(Relaxed), 1);
     }
 
     #[test]

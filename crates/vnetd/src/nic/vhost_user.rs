@@ -143,7 +143,7 @@ impl SocketDir {
         // SAFETY: a descriptor we just opened.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let st = fstat(fd.as_raw_fd())?;
-        if st.st_mode & 0o022 != 0 && st.st_mode & libc::S_ISVTX == 0 {
+        if st.st_mode & 0o022 != 0 {
             bail!("{} may be written by others (mode {:o}): vhost-user sockets need a directory only vnetd's user writes", dir.display(), st.st_mode & 0o7777);
         }
         Ok(SocketDir { fd, path: dir.to_path_buf() })
@@ -381,5 +381,27 @@ impl VirtualNic for VhostUserNic {
         let mut s = String::new();
         self.shared.render_stats(&mut s);
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_socket_directory_others_may_write_is_refused() {
+        let base = std::env::temp_dir().join(format!("vnet-vhost-dir-{}", std::process::id()));
+        for (mode, ok) in [(0o700, true), (0o755, true), (0o775, false), (0o777, false), (0o1777, false)] {
+            let d = base.join(format!("{mode:o}"));
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode)).unwrap();
+            assert_eq!(SocketDir::open(&d).is_ok(), ok, "mode {mode:o}");
+        }
+        // A link to a good directory is not a directory here.
+        let link = base.join("link");
+        std::os::unix::fs::symlink(base.join("700"), &link).unwrap();
+        assert!(SocketDir::open(&link).is_err());
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }
