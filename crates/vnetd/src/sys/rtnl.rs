@@ -299,6 +299,33 @@ impl Rtnl {
         self.transact(RouteNetlinkMessage::NewNeighbour(msg), NLM_F_REQUEST | NLM_F_ACK | NLM_F_CREATE).map(|_| ())
     }
 
+    /// The IPv4 addresses of device `ifindex` (RTM_GETADDR, dumped).
+    pub fn addresses(&self, ifindex: u32) -> io::Result<Vec<Ipv4Addr>> {
+        use netlink_packet_route::address::{AddressAttribute, AddressMessage};
+        let mut msg = AddressMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        msg.header.index = ifindex;
+        let replies = self.transact(RouteNetlinkMessage::GetAddress(msg), NLM_F_REQUEST | libc::NLM_F_DUMP as u16)?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|m| match m {
+                RouteNetlinkMessage::NewAddress(a) if a.header.index == ifindex => {
+                    // IFA_LOCAL is the device's own address (IFA_ADDRESS the
+                    // peer's, on point-to-point devices).
+                    let v4 = |want_local: bool| {
+                        a.attributes.iter().find_map(|x| match x {
+                            AddressAttribute::Local(std::net::IpAddr::V4(ip)) if want_local => Some(*ip),
+                            AddressAttribute::Address(std::net::IpAddr::V4(ip)) if !want_local => Some(*ip),
+                            _ => None,
+                        })
+                    };
+                    v4(true).or_else(|| v4(false))
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
     /// The index of device `name`.
     pub fn index_of(&self, name: &str) -> io::Result<Option<u32>> {
         match self.transact(get_link(Some(name), 0), NLM_F_REQUEST | NLM_F_ACK) {

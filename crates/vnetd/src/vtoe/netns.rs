@@ -43,8 +43,6 @@ pub struct GuestNs {
     rtnl: Rtnl,
     /// sock_diag in the guest's namespace (its listeners).
     diag: Mutex<OwnedFd>,
-    /// rtnetlink in the guest's namespace, for address dumps.
-    addrs: Mutex<netlink_sys::Socket>,
     /// The namespace file's identity, to notice it being replaced.
     file: (u64, u64),
     /// Devices' indices by name, as last looked up (a device made again
@@ -62,17 +60,14 @@ impl GuestNs {
         let fd = open_netns(name)?;
         let meta = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd())).context("netns file")?;
         // setns changes only the calling thread: do it in one of our own.
-        let (rtnl, cookie, diag, addrs) = std::thread::scope(|s| {
-            s.spawn(|| -> Result<(Rtnl, u64, OwnedFd, netlink_sys::Socket)> {
+        let (rtnl, cookie, diag) = std::thread::scope(|s| {
+            s.spawn(|| -> Result<(Rtnl, u64, OwnedFd)> {
                 // SAFETY: setns on a network namespace file we opened and checked.
                 if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
                     bail!("cannot enter network namespace {name}: {}", std::io::Error::last_os_error());
                 }
                 let rtnl = Rtnl::open().context("rtnetlink in the guest's namespace")?;
                 let diag = super::diag::open().context("sock_diag in the guest's namespace")?;
-                let addrs = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE)?;
-                addrs.connect(&netlink_sys::SocketAddr::new(0, 0))?;
-                addrs.set_non_blocking(false)?;
                 let probe = std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"));
                 let cookie = match probe {
                     Ok(p) => netns_cookie(p.as_raw_fd())?,
@@ -82,7 +77,7 @@ impl GuestNs {
                         netns_cookie(s.as_raw_fd())?
                     }
                 };
-                Ok((rtnl, cookie, diag, addrs))
+                Ok((rtnl, cookie, diag))
             })
             .join()
             .map_err(|_| anyhow!("namespace thread panicked"))?
@@ -92,7 +87,6 @@ impl GuestNs {
             cookie,
             rtnl,
             diag: Mutex::new(diag),
-            addrs: Mutex::new(addrs),
             file: (meta.dev(), meta.ino()),
             indices: Mutex::default(),
         })
@@ -115,55 +109,9 @@ impl GuestNs {
         super::diag::listening(&fd, family, port).is_ok_and(|c| c.contains(&cookie))
     }
 
-    /// The IPv4 addresses of the guest's device `ifindex` (RTM_GETADDR).
+    /// The IPv4 addresses of the guest's device `ifindex`.
     pub fn addresses(&self, ifindex: u32) -> std::io::Result<Vec<Ipv4Addr>> {
-        use netlink_packet_core::{NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST};
-        use netlink_packet_route::address::{AddressAttribute, AddressMessage};
-        use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
-        let mut msg = AddressMessage::default();
-        msg.header.family = AddressFamily::Inet;
-        msg.header.index = ifindex;
-        let mut packet = NetlinkMessage::from(RouteNetlinkMessage::GetAddress(msg));
-        packet.header.flags = NLM_F_REQUEST | NLM_F_DUMP;
-        packet.header.sequence_number = 1;
-        packet.finalize();
-        let mut req = vec![0; packet.buffer_len()];
-        packet.serialize(&mut req);
-        let sock = self.addrs.lock().unwrap_or_else(|p| p.into_inner());
-        sock.send(&req, 0)?;
-        let mut out = Vec::new();
-        loop {
-            let (buf, _) = sock.recv_from_full()?;
-            let mut at = 0;
-            while at < buf.len() {
-                let m = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..])
-                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("rtnetlink reply: {e}")))?;
-                let len = m.header.length as usize;
-                match m.payload {
-                    NetlinkPayload::Done(_) => return Ok(out),
-                    NetlinkPayload::Error(e) if e.code.is_none() => return Ok(out),
-                    NetlinkPayload::Error(e) => return Err(e.to_io()),
-                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewAddress(a)) if a.header.index == ifindex => {
-                        // IFA_LOCAL is the device's own address (IFA_ADDRESS
-                        // the peer's, on point-to-point devices).
-                        let local = a.attributes.iter().find_map(|x| match x {
-                            AddressAttribute::Local(std::net::IpAddr::V4(ip)) => Some(*ip),
-                            _ => None,
-                        });
-                        let addr = a.attributes.iter().find_map(|x| match x {
-                            AddressAttribute::Address(std::net::IpAddr::V4(ip)) => Some(*ip),
-                            _ => None,
-                        });
-                        out.extend(local.or(addr));
-                    }
-                    _ => {}
-                }
-                if len == 0 {
-                    return Ok(out);
-                }
-                at += len.next_multiple_of(4);
-            }
-        }
+        self.rtnl.addresses(ifindex)
     }
 
     /// The index of the guest's device `name`, asked now (a device made
