@@ -77,6 +77,8 @@ class Vnetd:
     # The signal the test itself stopped this vnetd with (None: still the
     # lab's to stop, and it must then be alive and exit 0 on SIGTERM).
     stopped_with: int | None = None
+    # The config it was started with (a file), to start it again with.
+    config: Path | None = None
 
     def ctl(self, *words, check=True, timeout=30) -> subprocess.CompletedProcess:
         return run([VNETCTL, "--socket", self.sock, *words], check=check, timeout=timeout)
@@ -134,6 +136,12 @@ class Lab:
         # configs, "h1-h2" and "demo" for the shipped examples.
         self.key_dir = self.tmp / "link-keys"
         self.key_dir.mkdir(mode=0o700)
+        # The lab's own bpf filesystem: each host's vnetd pins its kernel
+        # datapath in a folder of it (--pin-dir), so that it outlives a
+        # vnetd restarted by a test; unmounting it at close frees them all.
+        self.bpffs = self.tmp / "bpf"
+        self.bpffs.mkdir()
+        run(["mount", "-t", "bpf", "bpf", str(self.bpffs)])
         for name in ("lab", "h1-h2", "demo"):
             self.link_key(name)
 
@@ -181,14 +189,18 @@ class Lab:
 
     # ---- vnetd ----
 
-    def start_vnetd(self, host: str, config: str | Path | None = None, *args, wait=True) -> Vnetd:
+    def start_vnetd(self, host: str, config: str | Path | None = None, *args, wait=True, binary: Path = None) -> Vnetd:
+        """vnetd on `host` (`binary`: another build's, e.g. an earlier
+        commit's), with `config` (text, or a file) and more arguments."""
         name = host.removeprefix(self.prefix)
         sock = self.tmp / f"{name}.sock"
         log = self.tmp / f"{name}-vnetd-{next(_counter)}.log"
-        cmd = [VNETD, "--control-unix", sock, "--link-key-dir", self.key_dir, *args]
+        cmd = [binary or VNETD, "--control-unix", sock, "--link-key-dir", self.key_dir, *args]
         # vhost-user sockets live in the lab's directory, unless the test says.
         if "--vhost-user-dir" not in map(str, args):
             cmd += ["--vhost-user-dir", self.tmp]
+        if "--pin-dir" not in map(str, args):
+            cmd += ["--pin-dir", self.pin_dir(host)]
         if config is not None:
             if not isinstance(config, Path):
                 path = self.tmp / f"{name}-{next(_counter)}.conf"
@@ -199,10 +211,15 @@ class Lab:
             proc = subprocess.Popen(["ip", "netns", "exec", host, *[str(c) for c in cmd]],
                                     stdout=lf, stderr=subprocess.STDOUT)
         d = Vnetd(self, host, sock, proc, log)
+        d.config = config
         self.daemons.append(d)
         if wait:
             self.wait_ready(d)
         return d
+
+    def pin_dir(self, host: str) -> Path:
+        """Where `host`'s vnetd pins its kernel datapath."""
+        return self.bpffs / host.removeprefix(self.prefix)
 
     def start_vnetd_traced(self, host: str, config: str, *strace_args) -> Vnetd:
         """vnetd under strace with `strace_args` (e.g. a fault to inject),
@@ -215,7 +232,7 @@ class Lab:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", host, "strace", "-f", *[str(a) for a in strace_args],
                  str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(self.key_dir), "--config", str(conf),
-                 "--vhost-user-dir", str(self.tmp)],
+                 "--vhost-user-dir", str(self.tmp), "--pin-dir", str(self.pin_dir(host))],
                 stdout=lf, stderr=subprocess.STDOUT)
         self.other_procs.append(proc)
         d = Vnetd(self, host, sock, proc, log)
@@ -332,6 +349,8 @@ class Lab:
                     problems.append(f"process {p.pid} ({p.args[:6]}) did not end after SIGKILL")
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        # The pinned datapaths go with their bpf filesystem.
+        subprocess.run(["umount", "-l", str(self.bpffs)], capture_output=True)
         left = [n.split()[0] for n in run(["ip", "netns", "list"], check=False).stdout.splitlines()
                 if n.startswith(self.prefix)]
         if left:
@@ -478,3 +497,42 @@ def mesh_config(me: int, guests_by_host: dict[int, list[tuple[str, str]]], mtu: 
             lines.append(f"ROUTE ADD any {mac} edge {addr(h)} any")
         lines.append(f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge {addr(h)} interface")
     return "\n".join(lines) + "\n"
+
+
+# Guest MTU that lets every frame cross a 1500-byte underlay whole (the
+# VNET/P wire adds 42 bytes: outer IPv4, UDP, and the frame's own Ethernet).
+FAST_MTU = 1458
+
+
+def veth_mesh(lab: "Lab", layout: dict[int, list[int]], mtu=FAST_MTU, extra: dict[int, str] | None = None, **links):
+    """layout: host number -> guest numbers. Every guest is a namespace with
+    a veth from its host's vnetd. `extra`: more config lines per host;
+    `links`: mesh_config's `link` and `addr` (UDP over IPv4 by default).
+    Returns (hosts, daemons, guests)."""
+    hosts = {h: lab.add_host(h) for h in layout}
+    gns = {}
+    for ns in layout.values():
+        for n in ns:
+            g = lab.ns(f"g{n}")
+            lab.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+            lab.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
+            gns[n] = g
+    by_host = {h: [(f"g{n}", guest_mac(n)) for n in ns] for h, ns in layout.items()}
+    attach = {f"g{n}": f"netns {gns[n]} veth" for n in gns}
+    daemons = {}
+    for h in layout:
+        conf = mesh_config(h, by_host, mtu=mtu, attach=attach, **links) + ((extra or {}).get(h, ""))
+        daemons[h] = lab.start_vnetd(hosts[h], conf)
+    guests = {}
+    for h, ns in layout.items():
+        for n in ns:
+            g = gns[n]
+            lab.x(g, "ip", "addr", "add", f"{overlay_ip(n)}/24", "dev", f"g{n}")
+            lab.x(g, "ip", "link", "set", f"g{n}", "up")
+            guests[n] = Guest(ns=g, tap=f"g{n}", mac=guest_mac(n), ip=overlay_ip(n), host=hosts[h])
+    return hosts, daemons, guests
+
+
+def fast_stats(d) -> dict:
+    """The `fastpath` line of `d`'s STATS."""
+    return d.stats()["fastpath"]

@@ -10,45 +10,11 @@ import time
 
 import pytest
 
-from netlab import Guest, Lab, REPO, UnixSession, guest_mac, mesh_config, overlay_ip, underlay_ip, underlay_ip6, wait_until
+from netlab import FAST_MTU, Guest, Lab, REPO, UnixSession, guest_mac, mesh_config, overlay_ip, underlay_ip, underlay_ip6, veth_mesh, wait_until
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
 UNDERLAY = REPO / "tests" / "tools" / "underlay.py"
 SPOOF = REPO / "tests" / "tools" / "spoof.py"
-
-# Guest MTU that lets every frame cross a 1500-byte underlay whole (the
-# VNET/P wire adds 42 bytes: outer IPv4, UDP, and the frame's own Ethernet).
-FAST_MTU = 1458
-
-
-def veth_mesh(lab: Lab, layout: dict[int, list[int]], mtu=FAST_MTU, extra: dict[int, str] | None = None, **links):
-    """layout: host number -> guest numbers. Every guest is a namespace with
-    a veth from its host's vnetd. `extra`: more config lines per host;
-    `links`: mesh_config's `link` and `addr` (UDP over IPv4 by default).
-    Returns (hosts, daemons, guests)."""
-    hosts = {h: lab.add_host(h) for h in layout}
-    gns = {}
-    for ns in layout.values():
-        for n in ns:
-            g = lab.ns(f"g{n}")
-            lab.x(g, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-            lab.x(g, "sysctl", "-qw", "net.ipv6.conf.default.disable_ipv6=1")
-            gns[n] = g
-    by_host = {h: [(f"g{n}", guest_mac(n)) for n in ns] for h, ns in layout.items()}
-    attach = {f"g{n}": f"netns {gns[n]} veth" for n in gns}
-    daemons = {}
-    for h in layout:
-        conf = mesh_config(h, by_host, mtu=mtu, attach=attach, **links) + ((extra or {}).get(h, ""))
-        daemons[h] = lab.start_vnetd(hosts[h], conf)
-    guests = {}
-    for h, ns in layout.items():
-        for n in ns:
-            g = gns[n]
-            lab.x(g, "ip", "addr", "add", f"{overlay_ip(n)}/24", "dev", f"g{n}")
-            lab.x(g, "ip", "link", "set", f"g{n}", "up")
-            guests[n] = Guest(ns=g, tap=f"g{n}", mac=guest_mac(n), ip=overlay_ip(n), host=hosts[h])
-    return hosts, daemons, guests
-
 
 def fast(d) -> dict:
     return d.stats()["fastpath"]

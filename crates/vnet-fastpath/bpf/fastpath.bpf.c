@@ -27,6 +27,12 @@
 // control change alters before it replies. Every frame a program takes is
 // counted (`counters`, per CPU); every frame it gives up is counted by
 // reason (`stats`) and then counted once more by the slow path that takes it.
+//
+// Programs, maps and attachments are pinned (bpffs, one folder per vnetd), so
+// they outlive the vnetd that loaded them: frames it decided keep flowing
+// while it restarts, and the next vnetd adopts the maps and replaces the
+// programs through the pinned links. Whatever changes the meaning of a map
+// bumps LAYOUT (src/pin.rs): a vnetd never adopts maps of another layout.
 
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -197,6 +203,40 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } stats SEC(".maps");
+
+// Not read by the programs: vnetd's own records, kept with the maps so that
+// they live exactly as long as the pins (crates/vnet-fastpath/src/pin.rs).
+// `meta` says which layout the maps have (and which network namespace they
+// describe); `ids` keeps the ids vnetd gave its objects, by a hash of each
+// object's name, so that a vnetd started again gives them the same ids.
+struct meta {
+	__u32 magic;
+	__u32 layout;
+	__u64 netns; // inode of the network namespace the ifindexes are of
+	__u32 next[3]; // next id to give: interfaces, links, routes
+	__u32 _pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct meta);
+} meta SEC(".maps");
+
+struct id_key {
+	__u32 kind;
+	__u32 _pad;
+	__u64 hash;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct id_key);
+	__type(value, __u32);
+} ids SEC(".maps");
 
 // ---- the kernel's view of an skb, for its GSO type (CO-RE) ----
 

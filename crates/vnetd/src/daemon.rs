@@ -72,6 +72,19 @@ pub struct Args {
     /// outside it. Made 0755 if missing; refused if others may write it.
     #[arg(long, default_value = "/run/vnet", value_name = "DIR")]
     pub vhost_user_dir: PathBuf,
+    /// Where the kernel fast path is pinned (a folder on a bpf filesystem;
+    /// vnetd mounts one at /sys/fs/bpf if nobody has), so that it outlives
+    /// vnetd: frames it decided keep flowing while vnetd restarts or is
+    /// upgraded, and the next vnetd adopts it. One folder per vnetd. "none":
+    /// not pinned; the fast path stops when vnetd does.
+    #[arg(long, default_value = "/sys/fs/bpf/vnet", value_name = "DIR|none")]
+    pub pin_dir: String,
+    /// Remove the kernel datapath pinned at --pin-dir (programs detached,
+    /// maps freed, the devices vnetd made for it deleted) and exit. vnetd
+    /// itself leaves it in place when it stops (SIGTERM), as OVS's kernel
+    /// datapath stays when ovs-vswitchd stops.
+    #[arg(long)]
+    pub cleanup: bool,
     /// MTU of interfaces added without one.
     #[arg(long, default_value_t = 1500)]
     pub default_mtu: u32,
@@ -129,8 +142,18 @@ fn metrics_addr(s: &str) -> Result<SocketAddr> {
 }
 
 
-/// Runs vnetd until SIGINT or SIGTERM.
+/// Runs vnetd until SIGINT or SIGTERM (or, with --cleanup, removes the
+/// pinned kernel datapath).
 pub fn run(args: Args) -> Result<()> {
+    let pin_dir = (args.pin_dir != "none").then(|| PathBuf::from(&args.pin_dir));
+    if args.cleanup {
+        let Some(dir) = &pin_dir else { bail!("--cleanup needs a --pin-dir") };
+        if !dir.exists() {
+            tracing::info!("nothing pinned at {}", dir.display());
+            return Ok(());
+        }
+        return fast::destroy(dir);
+    }
     if !(vnet_core::command::MIN_MTU..=vnet_core::command::MAX_MTU).contains(&args.default_mtu) {
         bail!("--default-mtu {} is out of range", args.default_mtu);
     }
@@ -213,10 +236,23 @@ pub fn run(args: Args) -> Result<()> {
     };
     let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;
-    dp.fast = match vnet_fastpath::Kernel::load(args.udp_port) {
-        Ok(k) => match fast::FastPath::new(k) {
+    dp.fast = match vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port) {
+        Ok((k, opened)) => match fast::FastPath::new(k) {
             Ok(f) => {
-                tracing::info!("kernel fast path loaded (eBPF, TCX); SET datapath user turns it off");
+                let how = match (opened, &pin_dir) {
+                    (_, None) => "not pinned: it stops when vnetd does".to_string(),
+                    (vnet_fastpath::Opened::Fresh, Some(d)) => format!("pinned at {}", d.display()),
+                    (vnet_fastpath::Opened::Adopted { flows, ports, links, attachments }, Some(d)) => format!(
+                        "adopted from {}: {flows} flow entries, {ports} ports, {links} links, {attachments} attachments",
+                        d.display()
+                    ),
+                    (vnet_fastpath::Opened::Replaced { layout }, Some(d)) => format!(
+                        "pinned at {}, new maps in place of layout {layout}'s (this build's is {}): flows and counters start anew",
+                        d.display(),
+                        vnet_fastpath::LAYOUT
+                    ),
+                };
+                tracing::info!("kernel fast path loaded (eBPF, TCX), {how}; SET datapath user turns it off");
                 Some(Arc::new(f))
             }
             Err(e) => {
@@ -280,6 +316,11 @@ pub fn run(args: Args) -> Result<()> {
                 bail!("config {}: {e}", path.display());
             }
         }
+    }
+    // The config is in force: what the fast path held that it no longer
+    // says goes, before vnetd tells anyone it is ready.
+    if let Some(f) = &dp.fast {
+        f.finish_start(&dp.snapshot());
     }
     if let (Some(l), Some(tokens)) = (tcp_listener, tokens) {
         server::spawn_tcp(ctl.clone(), l, tokens);

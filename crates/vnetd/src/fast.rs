@@ -100,18 +100,28 @@ fn port_of(code: u32) -> Port {
 
 /// The finishing pair: a veth pair in vnetd's namespace whose sending end
 /// has no checksum offload, so that the kernel segments and checksums what
-/// is sent out of it, as a NIC would (see `from_network`).
+/// is sent out of it, as a NIC would (see `from_network`). With a pinned
+/// datapath it is named after the pin folder (`vfx<tag>`, `vfy<tag>`) and
+/// outlives vnetd with it; without, after vnetd's pid, and goes with it.
 struct Finisher {
     send: u32,
     name: String,
+    /// Delete it when this goes (unpinned: it is this process's alone).
+    remove: bool,
 }
 
 impl Finisher {
     const MAC: [u8; 6] = [0x02, 0x76, 0x6e, 0x00, 0x00, 0x01];
 
-    /// Deletes pairs left by a vnetd that was killed (SIGKILL: no clean
-    /// exit): `vfa<pid>` carrying vnetd's mark, whose pid is no running
-    /// vnetd.
+    /// The pair's names for a datapath pinned at `dir`.
+    fn names(dir: &std::path::Path) -> (String, String) {
+        let t = crate::nic::upcall::tag(&dir.to_string_lossy());
+        (format!("vfx{t}"), format!("vfy{t}"))
+    }
+
+    /// Deletes pairs left by an unpinned vnetd that was killed (SIGKILL: no
+    /// clean exit): `vfa<pid>` carrying vnetd's mark, whose pid is no
+    /// running vnetd.
     fn sweep() {
         let Ok(dir) = std::fs::read_dir("/sys/class/net") else { return };
         for e in dir.flatten() {
@@ -133,13 +143,28 @@ impl Finisher {
     fn make(kernel: &Kernel) -> anyhow::Result<Finisher> {
         use anyhow::Context;
         Self::sweep();
-        let pid = std::process::id();
-        let (a, b) = (format!("vfa{pid}"), format!("vfb{pid}"));
-        let ns = std::fs::File::open("/proc/self/ns/net").context("own network namespace")?;
-        use std::os::fd::AsRawFd;
-        rtnl::create_veth(&a, &b, ns.as_raw_fd(), Self::MAC, 65535).with_context(|| format!("cannot make veth pair {a}/{b}"))?;
-        let f = Finisher { send: rtnl::device(&a)?.context("vanished")?.index, name: a.clone() };
-        let recv = rtnl::device(&b)?.context("vanished")?.index;
+        let ((a, b), remove) = match kernel.pin_dir() {
+            Some(dir) => (Self::names(dir), false),
+            None => {
+                let pid = std::process::id();
+                ((format!("vfa{pid}"), format!("vfb{pid}")), true)
+            }
+        };
+        let existing = match (rtnl::device(&a)?, rtnl::device(&b)?) {
+            (Some(x), Some(y)) if x.is_vnetds_veth() && x.peer == Some(y.index) => Some((x.index, y.index)),
+            (None, None) => None,
+            _ => anyhow::bail!("devices named {a} or {b} exist and are not the finishing pair vnetd made; vnetd leaves them alone"),
+        };
+        let (send, recv) = match existing {
+            Some(pair) => pair,
+            None => {
+                let ns = std::fs::File::open("/proc/self/ns/net").context("own network namespace")?;
+                use std::os::fd::AsRawFd;
+                rtnl::create_veth(&a, &b, ns.as_raw_fd(), Self::MAC, 65535).with_context(|| format!("cannot make veth pair {a}/{b}"))?;
+                (rtnl::device(&a)?.context("vanished")?.index, rtnl::device(&b)?.context("vanished")?.index)
+            }
+        };
+        let f = Finisher { send, name: a.clone(), remove };
         for dev in [&a, &b] {
             let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{dev}/disable_ipv6"), "1");
         }
@@ -159,14 +184,42 @@ impl Finisher {
 
 impl Drop for Finisher {
     fn drop(&mut self) {
+        if !self.remove {
+            return;
+        }
         if let Err(e) = rtnl::delete(self.send) {
             tracing::warn!("cannot delete {}: {e}", self.name);
         }
     }
 }
 
+/// `vnetd --cleanup`: removes the kernel datapath pinned at `dir` (every
+/// program detached, every map freed) and the devices vnetd made for it
+/// there (the upcall TAPs and the finishing pair). Guests' own devices
+/// (veth pairs, TAPs) are left as they are.
+pub fn destroy(dir: &std::path::Path) -> anyhow::Result<()> {
+    let upcalls = Kernel::destroy(dir)?;
+    let mut gone = 0;
+    for index in upcalls {
+        if let Ok(Some(d)) = rtnl::device_by_index(index) {
+            if d.is_vnetds() && d.name.starts_with("vu") && rtnl::delete(index).is_ok() {
+                gone += 1;
+            }
+        }
+    }
+    let (a, _) = Finisher::names(dir);
+    if let Ok(Some(d)) = rtnl::device(&a) {
+        if d.is_vnetds_veth() && rtnl::delete(d.index).is_ok() {
+            gone += 1;
+        }
+    }
+    tracing::info!("removed the kernel datapath pinned at {} and {gone} device(s) vnetd made for it", dir.display());
+    Ok(())
+}
+
 impl FastPath {
-    /// vnetd's fast path: the loaded programs, and the finishing pair made.
+    /// vnetd's fast path: the opened programs, and the finishing pair made
+    /// (or, pinned, taken over).
     pub fn new(kernel: Arc<Kernel>) -> anyhow::Result<FastPath> {
         let finisher = Finisher::make(&kernel)?;
         Ok(FastPath {
@@ -176,9 +229,38 @@ impl FastPath {
         })
     }
 
-    /// Removes what vnetd made for the fast path in its namespace (at exit).
+    /// Closes what vnetd made for the fast path in its namespace (at exit):
+    /// pinned, it all stays for the next vnetd; unpinned, it goes.
     pub fn shutdown(&self) {
         self.finisher.lock().unwrap().take();
+    }
+
+    /// Once the config is in force at start (before vnetd says it is
+    /// ready): the fast path switched as `snap` says, every flow entry the
+    /// vnetd before left that `snap`'s rule table would not install
+    /// removed, and what the folder held that the config no longer has
+    /// (attachments, ports, links) removed.
+    pub fn finish_start(&self, snap: &Snapshot) {
+        if let Err(e) = self.kernel.set_enabled(snap.fast_on) {
+            tracing::error!("fast path: cannot switch it: {e:#}");
+        }
+        let held = self.kernel.flow_count();
+        if snap.fast_on {
+            self.revalidate(snap);
+        } else {
+            self.kernel.clear_flows();
+        }
+        let swept = self.kernel.finish_adoption();
+        if self.kernel.pin_dir().is_some() {
+            tracing::info!(
+                "fast path in force: {} flow entries kept, {} taken back; swept {} attachment(s), {} port(s), {} link(s) the config no longer has",
+                self.kernel.flow_count(),
+                held.saturating_sub(self.kernel.flow_count()),
+                swept.attachments,
+                swept.ports,
+                swept.links
+            );
+        }
     }
 
     /// Whether frames from `origin` meet the fast path at all.

@@ -43,6 +43,7 @@ impl Control {
     pub fn new(dp: Arc<Datapath>, settings: Settings, vtoe: Option<Arc<crate::vtoe::Vtoe>>) -> Control {
         let mut state = State::default();
         state.topo.kernel = dp.fast.as_ref().map(|f| f.kernel.clone());
+        state.topo.ids = crate::topology::Ids::new(state.topo.kernel.clone());
         Control { state: Mutex::new(state), dp, settings, vtoe, config: Mutex::new(None) }
     }
 
@@ -213,6 +214,7 @@ impl Control {
             let generation = state.generation;
             // Publishing commits the request (the snapshot settles which
             // persistent TAPs stay) and waits until every dispatcher runs it.
+            work.ids.commit();
             self.dp.publish(work.snapshot(generation));
             // Every dispatcher runs the new table: none installs an old
             // answer any more. Take back the kernel's entries it changed.

@@ -25,10 +25,12 @@ impl PortNic<QemuTap> {
     }
 }
 
-/// A QEMU TAP in force goes when vnetd exits, as with its interface.
+/// A QEMU TAP in force stays when vnetd exits, as a veth guest's pair does:
+/// QEMU keeps its NIC, the kernel fast path keeps carrying its flows, and
+/// the next vnetd takes the TAP over. It goes with `INTERFACE DEL`.
 impl PortDevice for QemuTap {
     fn in_force(&self) {
-        self.remove_on_drop(true);
+        self.remove_on_drop(false);
     }
 
     fn deleted(&self, detach: bool) {

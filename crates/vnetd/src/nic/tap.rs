@@ -83,25 +83,34 @@ impl Tap {
                     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
                         bail!("cannot enter network namespace {netns}: {}", io::Error::last_os_error());
                     }
-                    let existing = rtnl::device(name).with_context(|| format!("cannot look up {name} in {netns}"))?;
-                    if let Some(d) = existing {
-                        if !d.is_vnetds() {
-                            bail!("{} (in network namespace {netns})", not_vnetds(name));
-                        }
-                        let mut tap = Tap::open(name, IFF_VNET_HDR)?;
-                        tap.enable_offloads(name)?;
-                        tap.persistent = true;
-                        return Ok((tap, true));
-                    }
-                    let mut tap = Tap::open(name, IFF_VNET_HDR | IFF_TUN_EXCL)?;
-                    tap.make_persistent(name)?;
-                    tap.enable_offloads(name)?;
-                    configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
-                    Ok((tap, false))
+                    Tap::create_persistent(name, mtu, mac).map_err(|e| anyhow!("{e:#} (in network namespace {netns})"))
                 })
                 .join()
                 .map_err(|_| anyhow!("TAP creation thread panicked"))?
         })
+    }
+
+    /// Creates the TAP `name` in this thread's network namespace,
+    /// persistent and marked as vnetd's, or attaches to it if vnetd made it
+    /// earlier (any other device of that name is refused and left alone).
+    /// Until `keep`, a TAP made here goes when the descriptor closes; one
+    /// taken over stays. Returns the TAP and whether it already existed.
+    pub fn create_persistent(name: &str, mtu: u32, mac: Mac) -> Result<(Tap, bool)> {
+        let existing = rtnl::device(name).with_context(|| format!("cannot look up {name}"))?;
+        if let Some(d) = existing {
+            if !d.is_vnetds() {
+                bail!(not_vnetds(name));
+            }
+            let mut tap = Tap::open(name, IFF_VNET_HDR)?;
+            tap.enable_offloads(name)?;
+            tap.persistent = true;
+            return Ok((tap, true));
+        }
+        let mut tap = Tap::open(name, IFF_VNET_HDR | IFF_TUN_EXCL)?;
+        tap.make_persistent(name)?;
+        tap.enable_offloads(name)?;
+        configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
+        Ok((tap, false))
     }
 
     /// Makes a TAP this descriptor just created persistent and marks it as

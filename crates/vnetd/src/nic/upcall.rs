@@ -51,7 +51,9 @@ impl GuestPort {
         let Some(k) = kernel else {
             return Ok(GuestPort::Packet(PacketPort::bind(dev)?));
         };
-        let tap = Tap::create(upcall, mtu, Mac([0x02, 0, 0, 0, 0, 1])).with_context(|| format!("upcall TAP {upcall}"))?;
+        // Persistent, so that it outlives vnetd with the attachments that
+        // name it: a vnetd started again takes it over, frames and all.
+        let (tap, _) = Tap::create_persistent(upcall, mtu, Mac([0x02, 0, 0, 0, 0, 1])).with_context(|| format!("upcall TAP {upcall}"))?;
         // Nobody talks on it but vnetd (no IPv6 autoconf from the host).
         let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{upcall}/disable_ipv6"), "1");
         let up_index = rtnl::device(upcall)?.ok_or_else(|| anyhow!("TAP {upcall} vanished"))?.index;
@@ -59,6 +61,28 @@ impl GuestPort {
         let attached = k.attach_port(iface, dev_index, up_index, veth)?;
         let target = if veth { Action::Peer { ifindex: dev_index } } else { Action::Device { ifindex: dev_index } };
         Ok(GuestPort::Upcall { tap, index: up_index, target, _attached: attached })
+    }
+
+    /// Its request committed: the upcall TAP and the attachments stay
+    /// when vnetd exits (the kernel keeps carrying the guest's flows, and
+    /// the next vnetd takes them over).
+    pub fn in_force(&self) {
+        if let GuestPort::Upcall { tap, _attached: (a, b), .. } = self {
+            tap.keep();
+            a.keep(true);
+            b.keep(true);
+        }
+    }
+
+    /// Its interface was deleted or detached: the upcall TAP and the
+    /// attachments go with it (a detached guest's device stays, outside
+    /// VNET).
+    pub fn deleted(&self) {
+        if let GuestPort::Upcall { tap, _attached: (a, b), .. } = self {
+            tap.remove_on_close();
+            a.keep(false);
+            b.keep(false);
+        }
     }
 
     #[inline]
@@ -119,8 +143,9 @@ pub trait PortDevice: Send + Sync {
     }
 }
 
-/// A NIC met through a `GuestPort`. Fields drop in order: the port (programs
-/// detached, upcall TAP closed) before the device goes.
+/// A NIC met through a `GuestPort`. Fields drop in order: the port (its
+/// upcall TAP and attachments kept or removed, as its request settled)
+/// before the device.
 pub struct PortNic<D> {
     pub port: GuestPort,
     pub device: D,
@@ -142,10 +167,12 @@ impl<D: PortDevice> VirtualNic for PortNic<D> {
     }
 
     fn in_force(&self) {
+        self.port.in_force();
         self.device.in_force();
     }
 
     fn deleted(&self, detach: bool) {
+        self.port.deleted();
         self.device.deleted(detach);
     }
 

@@ -24,10 +24,12 @@
 //! go of it last.
 
 mod factory;
+mod ids;
 mod objects;
 mod snapshot;
 
 pub use factory::{direct_allowed, NicSpec};
+pub use ids::Ids;
 pub use objects::{Interface, Link, LinkEnv, Retired, Route};
 pub use snapshot::{Slot, Snapshot};
 
@@ -47,6 +49,7 @@ use vnet_core::command::{Attach, Command, Datapath, IfaceRef, IfaceSetting, Link
 use vnet_core::rule::{DstSpec, RuleSpec, SrcSpec};
 use vnet_core::table::{Port, Rule, RouteTable, SrcMatch};
 use vnet_core::Mac;
+use vnet_fastpath::IdKind;
 
 #[derive(Clone, Default)]
 pub struct Topology {
@@ -73,9 +76,8 @@ pub struct Topology {
     /// What the request being applied took out (a deleted interface's TAP
     /// has its fate settled when the request commits).
     pub retired: Vec<Retired>,
-    next_iface: u32,
-    next_link: u32,
-    next_route: u32,
+    /// Ids given and to give (kept across restarts with a pinned fast path).
+    pub ids: Ids,
     /// The kernel fast path's programs, if they loaded (whether or not the
     /// fast path is on): guest ports attach to them.
     pub kernel: Option<Arc<vnet_fastpath::Kernel>>,
@@ -155,6 +157,8 @@ impl Topology {
                     }
                 }
                 let mtu = mtu.unwrap_or(settings.default_mtu);
+                let ifaces = &self.ifaces;
+                let id = self.ids.take(IdKind::Iface, name, |id| ifaces.contains_key(&id));
                 let spec = NicSpec {
                     name,
                     mac: *mac,
@@ -164,10 +168,10 @@ impl Topology {
                     socket: socket.as_deref(),
                     vhost_dir: &settings.vhost_user_dir,
                     ifname: ifname.as_deref(),
-                    id: self.next_iface,
+                    id,
                 };
                 let nic = factory::nic(&spec, self.kernel.as_ref())?;
-                let idx = self.insert_interface(name, *mac, mtu, *attach, netns.clone(), network.clone(), nic);
+                let idx = self.insert_interface_as(id, name, *mac, mtu, *attach, netns.clone(), network.clone(), nic);
                 let how = match attach {
                     Attach::Qemu => " qemu",
                     Attach::Veth => " veth",
@@ -182,6 +186,7 @@ impl Topology {
                     .clear_routes_using(Port::Interface(idx))
                     .map_err(|users| format!("interface {name} is used by routes {users} (delete them first)"))?;
                 let iface = self.ifaces.remove(&idx).expect("found above");
+                self.ids.forget(IdKind::Iface, &iface.name);
                 self.iface_settings.remove(&idx);
                 self.retired.push(Retired::Iface(iface, *detach));
                 Ok(format!("{} interface {idx} {name}{managed}", if *detach { "detached" } else { "deleted" }))
@@ -195,6 +200,7 @@ impl Topology {
                     .clear_routes_using(Port::Link(idx))
                     .map_err(|users| format!("link {name} is used by routes {users} (delete them first)"))?;
                 let link = self.links.remove(&idx).expect("found above");
+                self.ids.forget(IdKind::Link, &link.name);
                 self.retired.push(Retired::Link(link));
                 Ok(format!("deleted link {idx} {name}{managed}"))
             }
@@ -203,8 +209,8 @@ impl Topology {
                 if let Some(r) = self.route_by_spec.get(spec) {
                     return Err(format!("the same rule is already route {r}"));
                 }
-                let idx = self.next_route;
-                self.next_route += 1;
+                let routes = &self.routes;
+                let idx = self.ids.take(IdKind::Route, &spec.to_string(), |id| routes.contains_key(&id));
                 self.routes.insert(
                     idx,
                     Arc::new(Route { id: idx, spec: spec.clone(), owner: owner.clone(), stats: Counters::default() }),
@@ -304,13 +310,15 @@ impl Topology {
                 Some((k.to_string(), LinkKey::load(&settings.link_key_dir, k)?))
             }
         };
+        let links = &self.links;
+        let id = self.ids.take(IdKind::Link, &name, |id| links.contains_key(&id));
         let fast = match (proto, remote) {
-            (LinkProto::Udp, Some(r)) => env.fast_link(self.next_link, r, mtu),
+            (LinkProto::Udp, Some(r)) => env.fast_link(id, r, mtu),
             _ => None,
         };
         let shown = remote.map_or(String::new(), |r| format!(" {r}"));
         let shown_vtoe = if vtoe.is_some() { " vtoe" } else { "" };
-        let idx = self.insert_link(&name, proto, transport, remote, mtu, overhead, fast, vtoe);
+        let idx = self.insert_link_as(id, &name, proto, transport, remote, mtu, overhead, fast, vtoe);
         Ok(format!("added link {idx} {name} {kind}{shown} mtu {mtu}{shown_vtoe}"))
     }
 
@@ -328,8 +336,23 @@ impl Topology {
         network: String,
         nic: Box<dyn VirtualNic>,
     ) -> u32 {
-        let idx = self.next_iface;
-        self.next_iface += 1;
+        let ifaces = &self.ifaces;
+        let id = self.ids.take(IdKind::Iface, name, |id| ifaces.contains_key(&id));
+        self.insert_interface_as(id, name, mac, mtu, attach, netns, network, nic)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert_interface_as(
+        &mut self,
+        idx: u32,
+        name: &str,
+        mac: Mac,
+        mtu: u32,
+        attach: Attach,
+        netns: Option<String>,
+        network: String,
+        nic: Box<dyn VirtualNic>,
+    ) -> u32 {
         self.ifaces.insert(
             idx,
             Arc::new(Interface {
@@ -365,9 +388,25 @@ impl Topology {
         fast: Option<vnet_fastpath::LinkEntry>,
         vtoe: Option<(String, LinkKey)>,
     ) -> u32 {
+        let links = &self.links;
+        let id = self.ids.take(IdKind::Link, name, |id| links.contains_key(&id));
+        self.insert_link_as(id, name, proto, transport, remote, mtu, overhead, fast, vtoe)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn insert_link_as(
+        &mut self,
+        idx: u32,
+        name: &str,
+        proto: &LinkProto,
+        transport: Arc<dyn Transport>,
+        remote: Option<SocketAddr>,
+        mtu: u32,
+        overhead: i64,
+        fast: Option<vnet_fastpath::LinkEntry>,
+        vtoe: Option<(String, LinkKey)>,
+    ) -> u32 {
         let max_frame = ((mtu as i64 - overhead).max(ETH_MIN_FOR_TCP as i64)) as usize;
-        let idx = self.next_link;
-        self.next_link += 1;
         self.links.insert(
             idx,
             Arc::new(Link {
@@ -409,6 +448,7 @@ impl Topology {
 
     fn remove_route(&mut self, idx: u32) -> Arc<Route> {
         let route = self.routes.remove(&idx).expect("the caller found it");
+        self.ids.forget(IdKind::Route, &route.spec.to_string());
         self.route_by_spec.remove(&route.spec);
         let rule = self.table.remove(idx).expect("every route is in the table");
         for p in ports_named(&rule) {
@@ -474,16 +514,27 @@ impl Topology {
     }
 
     /// The datapath's view of this topology, to publish: the request that
-    /// made it commits. Persistent TAPs' fates are settled here: those of
-    /// interfaces in force stay with them, those of deleted interfaces go,
-    /// unless only detached.
+    /// made it commits. Persistent TAPs' and the fast path's attachments and
+    /// link entries' fates are settled here: those of interfaces and links
+    /// in force stay with them (past vnetd's exit), those of deleted ones
+    /// go (a detached interface's device stays).
     pub fn snapshot(&self, generation: u64) -> Snapshot {
         for i in self.ifaces.values() {
             i.nic.in_force();
         }
+        for l in self.links.values() {
+            if let Some(f) = &l.fast {
+                f.keep(true);
+            }
+        }
         for r in &self.retired {
-            if let Retired::Iface(i, detach) = r {
-                i.nic.deleted(*detach);
+            match r {
+                Retired::Iface(i, detach) => i.nic.deleted(*detach),
+                Retired::Link(l) => {
+                    if let Some(f) = &l.fast {
+                        f.keep(false);
+                    }
+                }
             }
         }
         let ifaces: Vec<Arc<Interface>> = self.ifaces.values().cloned().collect();

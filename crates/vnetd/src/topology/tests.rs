@@ -194,7 +194,8 @@ fn state(t: &Topology) -> String {
     let mut by_spec: Vec<String> = t.route_by_spec.iter().map(|(spec, id)| format!("rule {id} {spec}")).collect();
     by_spec.sort();
     s.extend(by_spec);
-    s.push(format!("next ids {} {} {}", t.next_iface, t.next_link, t.next_route));
+    let (i, l, r) = t.ids.next();
+    s.push(format!("next ids {i} {l} {r}"));
     s.push(format!("retired {}", t.retired.len()));
     s.join("\n")
 }
@@ -524,9 +525,9 @@ fn ids_are_given_in_order_and_never_reused() {
         v.ok("ROUTE DEL 0\nROUTE DEL 3");
 
         // What a refused request added is never seen, so its ids are free.
-        let before = (v.topo.next_iface, v.topo.next_link, v.topo.next_route);
+        let before = v.topo.ids.next();
         v.refused(&format!("INTERFACE ADD g5 {M9}\nLINK ADD 198.18.0.9\nROUTE ADD any {M9} interface {M9} any\nLINK DEL 99"));
-        assert_eq!((v.topo.next_iface, v.topo.next_link, v.topo.next_route), before);
+        assert_eq!(v.topo.ids.next(), before);
         assert_eq!(before, (5, 6, 8));
     });
 }
