@@ -504,10 +504,12 @@ def mesh_config(me: int, guests_by_host: dict[int, list[tuple[str, str]]], mtu: 
 FAST_MTU = 1458
 
 
-def veth_mesh(lab: "Lab", layout: dict[int, list[int]], mtu=FAST_MTU, extra: dict[int, str] | None = None, **links):
+def veth_mesh(lab: "Lab", layout: dict[int, list[int]], mtu=FAST_MTU, extra: dict[int, str] | None = None,
+              binary: Path | None = None, **links):
     """layout: host number -> guest numbers. Every guest is a namespace with
     a veth from its host's vnetd. `extra`: more config lines per host;
-    `links`: mesh_config's `link` and `addr` (UDP over IPv4 by default).
+    `links`: mesh_config's `link` and `addr` (UDP over IPv4 by default);
+    `binary`: another build's vnetd.
     Returns (hosts, daemons, guests)."""
     hosts = {h: lab.add_host(h) for h in layout}
     gns = {}
@@ -522,7 +524,7 @@ def veth_mesh(lab: "Lab", layout: dict[int, list[int]], mtu=FAST_MTU, extra: dic
     daemons = {}
     for h in layout:
         conf = mesh_config(h, by_host, mtu=mtu, attach=attach, **links) + ((extra or {}).get(h, ""))
-        daemons[h] = lab.start_vnetd(hosts[h], conf)
+        daemons[h] = lab.start_vnetd(hosts[h], conf, binary=binary)
     guests = {}
     for h, ns in layout.items():
         for n in ns:

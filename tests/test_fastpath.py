@@ -258,11 +258,13 @@ def test_frames_for_vnetd_that_a_full_upcall_queue_drops_are_counted_drop_upcall
     assert rx_packets(lab, g[2]) - rx0 == n - lost, (rx_packets(lab, g[2]) - rx0, lost)
 
 
-def test_the_finishing_pair_goes_at_exit_and_a_killed_vnetds_pair_is_swept_by_the_next(lab):
-    """vnetd makes the finishing pair vfa<pid>/vfb<pid> in its namespace at
-    start (docs/datapath.md, offloads across the fast path). SIGTERM: it
+def test_unpinned_the_finishing_pair_goes_at_exit_and_a_killed_vnetds_pair_is_swept_by_the_next(lab):
+    """With the fast path not pinned (--pin-dir none), vnetd makes the
+    finishing pair vfa<pid>/vfb<pid> in its namespace at start
+    (docs/datapath.md, offloads across the fast path). SIGTERM: it
     deletes it, while the namespace lives on. SIGKILL leaves it; the next
-    vnetd in that namespace deletes it at start.
+    vnetd in that namespace deletes it at start. (Pinned, the pair is the
+    pin folder's and stays: tests/test_restart.py.)
     Catches: M1 (`impl Drop for Finisher` a no-op: the pair stays after
     SIGTERM); `Finisher::sweep` gone (a killed vnetd's pair stays)."""
     host = lab.add_host(1)
@@ -271,18 +273,18 @@ def test_the_finishing_pair_goes_at_exit_and_a_killed_vnetds_pair_is_swept_by_th
         names = [l.split(":")[1].strip().split("@")[0] for l in lab.x(host, "ip", "-o", "link").stdout.splitlines()]
         return sorted(n for n in names if n.startswith(("vfa", "vfb")))
 
-    d = lab.start_vnetd(host)
+    d = lab.start_vnetd(host, None, "--pin-dir", "none")
     pid = d.proc.pid  # ip netns exec execs vnetd: the same process
     assert pairs() == [f"vfa{pid}", f"vfb{pid}"]
     assert d.stop() == 0
     assert pairs() == [], "vnetd left its finishing pair after SIGTERM"
 
-    killed = lab.start_vnetd(host)
+    killed = lab.start_vnetd(host, None, "--pin-dir", "none")
     old = killed.proc.pid
     assert pairs() == [f"vfa{old}", f"vfb{old}"]
     killed.stop(signal.SIGKILL)
     assert pairs() == [f"vfa{old}", f"vfb{old}"]  # no exit code ran
-    d2 = lab.start_vnetd(host)
+    d2 = lab.start_vnetd(host, None, "--pin-dir", "none")
     assert pairs() == [f"vfa{d2.proc.pid}", f"vfb{d2.proc.pid}"], "the killed vnetd's pair was not swept"
     assert f"removing vfa{old}, left by a vnetd that is gone" in d2.log_text()
 

@@ -5,11 +5,16 @@ by another build, and started again with its config. What the guests see is
 the check: pings counted, long-lived TCP connections used after each event
 (a broken one fails the test, as in Cilium's NoInterruptedConnections)."""
 
+import json
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
-from netlab import REPO, fast_stats, veth_mesh, wait_until
+import pytest
+
+from netlab import REPO, VNETD, fast_stats, run, veth_mesh
 
 CONNS = REPO / "tests" / "tools" / "conns.py"
 
@@ -46,3 +51,194 @@ def test_sigkill_and_restart_under_a_500_per_s_ping_loses_no_ping(lab):
     # The new vnetd carries on in the kernel, counters and all.
     f = fast_stats(d1)
     assert f["hit_guest"] >= 2900 and f["hit_net"] >= 2900, f
+
+
+def previous_build() -> Path:
+    """The previous commit's vnetd (scripts/build-previous): what an
+    upgrade is from."""
+    out = subprocess.run([REPO / "scripts" / "build-previous"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, f"cannot build the previous commit's vnetd:\n{out.stderr[-3000:]}"
+    return Path(out.stdout.strip())
+
+
+class Held:
+    """50 idle TCP connections from one guest to another (tools/conns.py),
+    checked after each event: every one must still carry a line both ways."""
+
+    def __init__(self, lab, src, dst, n=50, port=7100):
+        self.n = n
+        lab.popen(dst.ns, "python3", CONNS, "serve", port, stdout=subprocess.DEVNULL)
+        time.sleep(0.3)
+        self.p = lab.popen(src.ns, "python3", CONNS, "hold", dst.ip, port, n,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.p.stdout.readline().strip() == f"open {n}"
+
+    def check(self, after: str):
+        self.p.stdin.write("check\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline().strip()
+        assert line == f"ok {self.n}", f"after {after}: {line}"
+
+
+def iperf_intervals(out: str) -> list[int]:
+    """Bytes the iperf3 client (--json) sent in each 1-s interval."""
+    return [round(i["sum"]["bytes"]) for i in json.loads(out)["intervals"]]
+
+
+def test_long_lived_tcp_connections_survive_an_upgrade_sigkill_and_sigterm_restarts(lab):
+    """The hosts start on the previous commit's vnetd; under an iperf3 stream
+    and 50 idle connections between the guests, host 1's vnetd is upgraded
+    (SIGTERM, the current build started with the same config), then
+    SIGKILLed and started again, then stopped with SIGTERM and started again
+    (what `systemctl restart vnetd` does: the unit's stop is SIGTERM). After
+    each event every idle connection still carries a line both ways, and the
+    stream never stalls for a whole second.
+    Catches: an upgrade that cannot adopt the old build's maps (layout not
+    kept, or bumped without need): flows start anew, but a change that
+    breaks the old attachments breaks connections; SIGTERM tearing the
+    datapath down (the idle connections' next line is lost until vnetd is
+    back, and the stream stalls); SIGKILL losing the attachments."""
+    old = previous_build()
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]}, binary=old / "vnetd")
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    lab.popen(g[2].ns, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
+    time.sleep(0.3)
+    iperf = lab.popen(g[1].ns, "iperf3", "-c", g[2].ip, "-t", "16", "-b", "200M", "--json",
+                      stdout=subprocess.PIPE, text=True)
+    held = Held(lab, g[1], g[2])
+    time.sleep(2)
+    d1 = restart(lab, d[1], signal.SIGTERM, down=0.2)
+    assert "adopted from" in d1.log_text()
+    time.sleep(1)
+    held.check("an upgrade from the previous commit's vnetd")
+    d1 = restart(lab, d1, signal.SIGKILL, down=2)
+    time.sleep(1)
+    held.check("SIGKILL and a start 2 s later")
+    d1 = restart(lab, d1, signal.SIGTERM, down=2)
+    time.sleep(1)
+    held.check("SIGTERM and a start 2 s later")
+    out = iperf.communicate(timeout=60)[0]
+    assert iperf.returncode == 0, out[-2000:]
+    per_s = iperf_intervals(out)
+    assert len(per_s) >= 15 and min(per_s) > 0, per_s
+
+
+def test_a_route_deleted_while_vnetd_was_down_is_gone_from_the_kernel_before_it_is_ready(lab):
+    """Host 1's vnetd is stopped, its config edited (the route to guest 2
+    deleted), and it is started again: by the time its control socket
+    answers (which it opens after the config is in force and the adopted
+    entries are revalidated, just before READY=1), the kernel no longer
+    carries guest 1's frames to guest 2: pings fail at once, counted as
+    no_route by vnetd, and the log says what was taken back.
+    Catches: adopted flow entries kept without revalidation (the kernel
+    carries on by the deleted route), revalidation after ready."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    conf = d[1].config.read_text()
+    route = f"ROUTE ADD any {g[2].mac} edge 198.18.0.2 any\n"
+    assert route in conf
+    edited = lab.tmp / "h1-edited.conf"
+    edited.write_text(conf.replace(route, ""))
+    d1 = restart(lab, d[1], signal.SIGTERM, down=0.5, config=edited)
+    before = d1.stats()["interface g1"]["drop_no_route"]
+    r = lab.ping(g[1], g[2], count=3, check=False)
+    assert " 0 received" in r.stdout, r.stdout
+    assert d1.stats()["interface g1"]["drop_no_route"] - before >= 3
+    log = d1.log_text()
+    taken = [l for l in log.splitlines() if "fast path in force" in l]
+    assert taken and " 0 taken back" not in taken[0], log
+
+
+def test_vnetd_down_60_s_established_flows_keep_flowing_and_new_ones_are_counted(lab):
+    """Host 1's vnetd is SIGKILLed and stays down 60 s. A TCP stream from
+    guest 1 to guest 2 that was established before keeps flowing the whole
+    time (no 1-s interval without data); 200 datagrams to guest 3 (a flow
+    the kernel has no entry for) go to the upcall TAP, where nobody reads
+    them: dropped, and counted by the kernel; the restarted vnetd shows
+    them as guest 1's drop_upcall_full, and the new flow works.
+    Catches: established flows that need vnetd (an entry that expires, a
+    program that asks vnetd), misses while vnetd is down lost uncounted."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2, 3]})
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    s0 = d[1].stats()["interface g1"]["drop_upcall_full"]
+    lab.x(g[1].ns, "ip", "neigh", "replace", g[3].ip, "lladdr", g[3].mac, "dev", g[1].tap, "nud", "permanent")
+    lab.popen(g[2].ns, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
+    time.sleep(0.3)
+    iperf = lab.popen(g[1].ns, "iperf3", "-c", g[2].ip, "-t", "66", "-b", "20M", "--json",
+                      stdout=subprocess.PIPE, text=True)
+    time.sleep(2)
+    d[1].stop(signal.SIGKILL)
+    time.sleep(20)
+    lab.x(g[1].ns, "python3", "-c",
+          "import socket,time;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+          f"for _ in range(200): s.sendto(b'n'*100,({g[3].ip!r},7)); time.sleep(0.001)\n")
+    time.sleep(40)
+    d1 = lab.start_vnetd(hosts[1], d[1].config)
+    out = iperf.communicate(timeout=60)[0]
+    per_s = iperf_intervals(out)
+    assert len(per_s) >= 65 and min(per_s) > 0, per_s
+    assert d1.stats()["interface g1"]["drop_upcall_full"] - s0 >= 200
+    assert "3 received" in lab.ping(g[1], g[3], count=3).stdout
+
+
+def test_maps_of_another_layout_are_replaced_not_adopted_and_no_ping_is_lost(lab):
+    """The pinned `meta` map is made to say another layout (as an older or
+    newer build's would); the vnetd started next must not read those maps
+    as its own: it makes new ones in their place, switches every attachment
+    to its program and maps as its config claims it, and says so. Under a
+    500/s ping across the restart no ping is lost: the first frames of the
+    flow are misses that wait in the upcall TAP for vnetd.
+    Catches: adoption that ignores the layout (a map read with the wrong
+    meaning), a replacement with a window where frames meet no program."""
+    if shutil.which("bpftool") is None:
+        pytest.fail("needs bpftool (scripts/setup installs it)")
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    meta = lab.pin_dir(hosts[1]) / "maps" / "meta"
+    ping = lab.popen(g[1].ns, "ping", "-q", "-i", "0.002", "-c", "2000", "-W", "1", g[2].ip,
+                     stdout=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    d[1].stop(signal.SIGKILL)
+    got = json.loads(run(["bpftool", "-j", "map", "lookup", "pinned", meta, "key", "0", "0", "0", "0"]).stdout)
+    value = [int(b, 16) for b in got["value"]]
+    value[4:8] = [0xfe, 0, 0, 0]  # layout 254
+    run(["bpftool", "map", "update", "pinned", meta, "key", "0", "0", "0", "0", "value", *map(str, value)])
+    time.sleep(1)
+    d1 = lab.start_vnetd(hosts[1], d[1].config)
+    out = ping.communicate(timeout=60)[0]
+    assert "2000 packets transmitted, 2000 received" in out, out
+    assert "new maps in place of layout 254's" in d1.log_text()
+    f = fast_stats(d1)
+    assert f["hit_guest"] >= 100, f
+
+
+def test_sigterm_leaves_the_datapath_and_cleanup_removes_it(lab):
+    """SIGTERM stops vnetd and leaves the kernel datapath (as OVS leaves its
+    kernel datapath when ovs-vswitchd stops): the guests still ping each
+    other with no vnetd at all, and the pin folder, the upcall TAP and the
+    finishing pair stay. A second vnetd given the same folder while one
+    holds it is refused; `vnetd --cleanup` then removes the folder, the
+    upcall TAP and the pair, and the guest's own device stays as it was.
+    Catches: a stop that destroys (the user asked for a restart), --cleanup
+    that leaves programs attached or devices behind, or deletes the guest's."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    pins = lab.pin_dir(hosts[1])
+    second = lab.x(hosts[1], VNETD, "--pin-dir", pins, "--control-unix", "none", "--udp-port", "9300", check=False)
+    assert second.returncode != 0 and "in use by another vnetd" in second.stderr, second.stderr
+
+    def devices():
+        names = [l.split(":")[1].strip().split("@")[0] for l in lab.x(hosts[1], "ip", "-o", "link").stdout.splitlines()]
+        return sorted(n for n in names if n.startswith(("vu", "vfx", "vfy")))
+
+    made = devices()
+    assert len(made) == 3 and made[0].startswith("vfx") and made[1].startswith("vfy") and made[2].startswith("vu"), made
+    assert d[1].stop() == 0
+    assert "10 received" in lab.ping(g[1], g[2], count=10).stdout
+    assert devices() == made and (pins / "maps" / "flows").exists()
+    guest_dev = lab.x(g[1].ns, "ip", "-o", "link", "show", "g1").stdout
+    r = lab.x(hosts[1], VNETD, "--cleanup", "--pin-dir", pins)
+    assert devices() == [], devices()
+    assert not pins.exists()
+    assert lab.x(g[1].ns, "ip", "-o", "link", "show", "g1").stdout == guest_dev
+    assert " 0 received" in lab.ping(g[1], g[2], count=2, check=False).stdout

@@ -41,6 +41,20 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 /// Where systemd (and vnetd, if nobody has) mounts bpffs.
 pub const BPFFS: &str = "/sys/fs/bpf";
 
+/// The folder is held by another process (a vnetd given the same
+/// --pin-dir): not a fast path that cannot load, but two daemons that would
+/// share one datapath.
+#[derive(Debug)]
+pub struct InUse(pub PathBuf);
+
+impl std::fmt::Display for InUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is in use by another vnetd; give each vnetd a --pin-dir of its own", self.0.display())
+    }
+}
+
+impl std::error::Error for InUse {}
+
 /// The folder, held (locked) by this process.
 pub struct Pins {
     dir: PathBuf,
@@ -88,9 +102,8 @@ impl Pins {
             std::fs::create_dir_all(&d).with_context(|| format!("cannot make {}", d.display()))?;
         }
         let file = std::fs::File::open(dir).with_context(|| format!("cannot open {}", dir.display()))?;
-        let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
-            anyhow!("{} is in use by another vnetd ({e}); give each vnetd a --pin-dir of its own", dir.display())
-        })?;
+        let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|_| anyhow::Error::new(InUse(dir.to_path_buf())))?;
         Ok(Pins { dir: dir.to_path_buf(), _lock: lock })
     }
 

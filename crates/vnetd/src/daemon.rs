@@ -237,6 +237,8 @@ pub fn run(args: Args) -> Result<()> {
     let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;
     dp.fast = match vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port) {
+        // Two vnetds on one datapath: refused, not run without a fast path.
+        Err(e) if e.downcast_ref::<vnet_fastpath::pin::InUse>().is_some() => return Err(e),
         Ok((k, opened)) => match fast::FastPath::new(k) {
             Ok(f) => {
                 let how = match (opened, &pin_dir) {
