@@ -236,11 +236,15 @@ pub fn run(args: Args) -> Result<()> {
     };
     let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;
+    let mut adopted_flows = 0;
     dp.fast = match vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port) {
         // Two vnetds on one datapath: refused, not run without a fast path.
         Err(e) if e.downcast_ref::<vnet_fastpath::pin::InUse>().is_some() => return Err(e),
         Ok((k, opened)) => match fast::FastPath::new(k) {
             Ok(f) => {
+                if let vnet_fastpath::Opened::Adopted { flows, .. } = opened {
+                    adopted_flows = flows;
+                }
                 let how = match (opened, &pin_dir) {
                     (_, None) => "not pinned: it stops when vnetd does".to_string(),
                     (vnet_fastpath::Opened::Fresh, Some(d)) => format!("pinned at {}", d.display()),
@@ -322,7 +326,7 @@ pub fn run(args: Args) -> Result<()> {
     // The config is in force: what the fast path held that it no longer
     // says goes, before vnetd tells anyone it is ready.
     if let Some(f) = &dp.fast {
-        f.finish_start(&dp.snapshot());
+        f.finish_start(&dp.snapshot(), adopted_flows);
     }
     if let (Some(l), Some(tokens)) = (tcp_listener, tokens) {
         server::spawn_tcp(ctl.clone(), l, tokens);

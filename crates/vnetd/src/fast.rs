@@ -240,11 +240,10 @@ impl FastPath {
     /// vnetd before left that `snap`'s rule table would not install
     /// removed, and what the folder held that the config no longer has
     /// (attachments, ports, links) removed.
-    pub fn finish_start(&self, snap: &Snapshot) {
+    pub fn finish_start(&self, snap: &Snapshot, adopted_flows: usize) {
         if let Err(e) = self.kernel.set_enabled(snap.fast_on) {
             tracing::error!("fast path: cannot switch it: {e:#}");
         }
-        let held = self.kernel.flow_count();
         if snap.fast_on {
             self.revalidate(snap);
         } else {
@@ -253,9 +252,9 @@ impl FastPath {
         let swept = self.kernel.finish_adoption();
         if self.kernel.pin_dir().is_some() {
             tracing::info!(
-                "fast path in force: {} flow entries kept, {} taken back; swept {} attachment(s), {} port(s), {} link(s) the config no longer has",
-                self.kernel.flow_count(),
-                held.saturating_sub(self.kernel.flow_count()),
+                "fast path in force: {} of the {adopted_flows} flow entries adopted kept, {} taken back; swept {} attachment(s), {} port(s), {} link(s) the config no longer has",
+                self.kernel.flow_count().min(adopted_flows),
+                adopted_flows.saturating_sub(self.kernel.flow_count()),
                 swept.attachments,
                 swept.ports,
                 swept.links
