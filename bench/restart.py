@@ -234,6 +234,8 @@ class Bed:
         # (namespace of the prober, address it probes)
         self.probe = {"veth": (self.ns.get(1), "198.19.0.2"), "tap": (self.ns.get(3), "198.19.0.4"),
                       "vhost": (self.ns.get(6), "198.19.0.5"), "vhost-client": (self.ns.get(8), "198.19.0.7")}
+        # The kind's NIC on h1 (vnetd's interface name).
+        self.nic = {"veth": "g1", "tap": "g3", "vhost": "vm5", "vhost-client": "vm7"}
         self.binary = "current"
 
     def boot_vm(self, n: int, mac: str, server: bool):
@@ -324,6 +326,63 @@ def log_since_back(d: Vnetd, wall_back: float) -> list[tuple[float, str]]:
     return out
 
 
+class Session:
+    """A control session on vnetd's Unix socket, kept for many requests."""
+
+    def __init__(self, sock: Path):
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(10)
+        self.s.connect(str(sock))
+        self.f = self.s.makefile("rwb")
+
+    def request(self, line: str) -> list[str]:
+        self.f.write(line.encode() + b"\n")
+        self.f.flush()
+        status = self.f.readline().decode()
+        n = int(status[3:]) if status.startswith("OK ") else 0
+        return [self.f.readline().decode().rstrip("\n") for _ in range(n)]
+
+    def close(self):
+        self.s.close()
+
+
+def watch(sock: Path, nic: str, t_back: float, t_end: float) -> dict:
+    """Until `t_end`, every 10 ms: is the restarted vnetd's NIC `nic`
+    connected (vhost-user), and has it passed a frame to the guest (out)
+    and from it (in). Each the first time seen, in ms after `t_back`
+    (None: not within the window). The user path's counters: a veth
+    guest's frames are the kernel's and are not counted here."""
+    seen = {"connected_ms": None, "first_out_ms": None, "first_in_ms": None}
+    try:
+        s = Session(sock)
+    except OSError:
+        return seen
+    try:
+        while time.monotonic() < t_end and None in seen.values():
+            t = (time.monotonic() - t_back) * 1e3
+            listing = next((l for l in s.request("INTERFACE LIST") if f" name={nic} " in l), "")
+            stats = next((l for l in s.request("STATS") if l.startswith("interface ") and f" name={nic} " in l), "")
+            kv = dict(w.split("=", 1) for w in stats.split() if "=" in w)
+            if "vhost-user=" not in listing:
+                seen.pop("connected_ms", None)  # not a vhost-user NIC
+            elif seen["connected_ms"] is None and "connected=yes" in listing:
+                seen["connected_ms"] = round(t, 1)
+            if seen["first_out_ms"] is None and int(kv.get("out_frames", 0)) > 0:
+                seen["first_out_ms"] = round(t, 1)
+            if seen["first_in_ms"] is None and int(kv.get("in_frames", 0)) > 0:
+                seen["first_in_ms"] = round(t, 1)
+            time.sleep(0.01)
+    except (OSError, ValueError):
+        pass
+    finally:
+        s.close()
+    return seen
+
+
+def drops(counters: dict) -> dict:
+    return {k: v for k, v in counters.items() if k.startswith("drop_") and isinstance(v, int) and v}
+
+
 def analyse(data: dict, ev: dict) -> dict:
     sent, recv = data["sent"], data["recv"]
     t_back = ev["t_back"]
@@ -364,6 +423,7 @@ def measure(bed: Bed, kind: str, event: str, a) -> dict:
         row["error"] = f"{kind}: no answer before the event (vnetd h1: {bed.binary})"
         return row
     ns, ip = bed.probe[kind]
+    h2_drops = drops(bed.d2.stats()["global"])
     # Real-time (FIFO 1, as vnetd's event-driven dispatchers), so that other
     # load on the machine does not hold the prober's sends back.
     p = bed.lab.popen(ns, "chrt", "-f", "1", sys.executable, "-c", PROBER, ip, a.rate, stdout=subprocess.PIPE, text=True)
@@ -371,19 +431,28 @@ def measure(bed: Bed, kind: str, event: str, a) -> dict:
         row["error"] = "prober did not start"
         return row
     time.sleep(a.before)
+    t_end = None
     try:
         ev = bed.restart(event, a.down)
+        t_end = ev["t_back"] + a.after
+        timeline = watch(ev["vnetd"].sock, bed.nic[kind], ev["t_back"], t_end)
     finally:
-        time.sleep(a.after)
+        time.sleep(max(0.0, t_end - time.monotonic()) if t_end else a.after)
         p.send_signal(signal.SIGINT)
         out = p.communicate(timeout=60)[0]
     row.update(analyse(json.loads(out.strip().splitlines()[-1]), ev))
+    row.update(timeline)
     # The restarted vnetd's own account, timed from when it answered (its
     # config applied, its fast path adopted, a VM's frontend connected).
     row["vnetd_log"] = log_since_back(ev["vnetd"], ev["wall_back"])
-    conn = [t for t, text in row["vnetd_log"] if "frontend connected" in text]
-    if kind.startswith("vhost"):
-        row["vhost_connected_ms"] = conn[0] if conn else None
+    # Frames the restarted vnetd dropped (all its life is this measurement),
+    # at the kind's NIC on h1 and in all; and h2's over the measurement.
+    st = bed.d1.stats()
+    row["h1_nic_drops"] = drops(st.get(f"interface {bed.nic[kind]}", {}))
+    row["h1_drops"] = drops(st["global"])
+    row["h2_drops"] = {k: v - h2_drops.get(k, 0) for k, v in drops(bed.d2.stats()["global"]).items()
+                       if v != h2_drops.get(k, 0)}
+    row["h1_nic_dropped"] = sum(row["h1_nic_drops"].values())
     row["old_exit"] = ev["old_exit"]
     row["load_after"] = loadavg()
     return row
@@ -392,19 +461,39 @@ def measure(bed: Bed, kind: str, event: str, a) -> dict:
 COLUMNS = [("down_ms", "vnetd down (ms)", 0), ("start_ms", "vnetd start (ms)", 0), ("sent", "sent", 0),
            ("lost", "lost", 0), ("gap_ms", "longest gap (ms)", 1), ("after_back_ms", "after back (ms)", 1),
            ("lost_after_back", "lost after back", 0), ("late", "late (> 100 ms)", 0),
-           ("vhost_connected_ms", "VM's frontend connected (ms after back)", 0),
            ("pause_ms", "prober's longest pause (ms)", 1)]
+# Where the time after vnetd is back goes, at h1's NIC of the kind (its
+# user-path counters: nothing for veth, whose frames the kernel carries).
+TIMELINE = [("connected_ms", "VM connected (ms after back)", 0), ("first_out_ms", "first frame to the guest (ms)", 0),
+            ("first_in_ms", "first frame from the guest (ms)", 0), ("h1_nic_dropped", "dropped at the NIC by vnetd h1", 0)]
 
 
-def summarize(rows: list[dict], kinds: list[str], events: list[str]) -> list[str]:
-    out = ["| kind | event | n | " + " | ".join(c[1] for c in COLUMNS) + " |",
-           "|---|---|---|" + "---|" * len(COLUMNS)]
+LEGEND = """*vnetd down*: from the signal to the restarted vnetd's first answer on its control socket
+("back"); *vnetd start*: from its exec to that answer. *lost*: probes never answered; *longest gap*:
+the longest time between two replies arriving (an outage that includes the down time); *after
+back*: from "back" to the first reply that arrives after it (about one probe interval, ~1 ms, when
+traffic never stopped); *lost after back*: probes sent after "back" never answered; *late*:
+answered, but more than 100 ms after they were sent (held in a queue during the outage); *prober's
+longest pause*: the longest the prober itself went without sending (descheduled): a *longest gap*
+no larger than it is the prober's, not the path's. For the VMs the probes go from the h2 guest to
+the VM and back."""
+
+TIMELINE_LEGEND = """Polled every 10 ms on the restarted vnetd h1 from "back" to the end: when the VM's frontend is
+connected (vhost-user), and when vnetd h1 first passed a frame to the guest and from it (user-path
+counters: a veth guest's frames are the kernel's, not counted); *dropped at the NIC*: frames the
+restarted vnetd dropped at that NIC in the whole measurement (drop_down: for a VM whose rings are
+not running, e.g. not yet reconnected)."""
+
+
+def summarize(rows: list[dict], kinds: list[str], events: list[str], columns=COLUMNS) -> list[str]:
+    out = ["| kind | event | n | " + " | ".join(c[1] for c in columns) + " |",
+           "|---|---|---|" + "---|" * len(columns)]
     for e in events:
         for k in kinds:
             rs = [r for r in rows if r["kind"] == k and r["event"] == e]
             ok = [r for r in rs if "error" not in r]
             cells = []
-            for key, _, prec in COLUMNS:
+            for key, _, prec in columns:
                 v = [r[key] for r in ok if r.get(key) is not None]
                 cells.append(" / ".join(f"{x:.{prec}f}" for x in (min(v), statistics.median(v), max(v))) if v else "-")
             out.append(f"| {k} | {e} | {len(ok)}/{len(rs)} | " + " | ".join(cells) + " |")
@@ -460,6 +549,7 @@ def main():
     meta["load_end"] = loadavg()
     meta["lab_problems"] = problems
     table = summarize(rows, kinds, events)
+    timeline = summarize(rows, kinds, events, TIMELINE)
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     out = Path(a.out) / f"{stamp}-restart"
@@ -471,13 +561,14 @@ def main():
           + (f"; old vnetd ({prev or old['from']}) sha256 {old['vnetd']}, "
              f"{'pins' if old['pins'] else 'does not pin'} its kernel datapath" if old else "") + ".",
           f"Probe: ICMP echo at {a.rate:g}/s, {a.before:g} s before the event and {a.after:g} s after vnetd answers; "
-          f"kill: down {a.down:g} s. min / median / max over the repeats (n: measured / tried).", "", *table]
+          f"kill: down {a.down:g} s. min / median / max over the repeats (n: measured / tried).", "", *table, "",
+          LEGEND, "", "## Where the time after vnetd is back goes", "", *timeline, "", TIMELINE_LEGEND]
     if any("error" in r for r in rows):
         md += ["", "Errors:", *[f"- repeat {r['rep']} {r['kind']} {r['event']}: {r['error']}" for r in rows if "error" in r]]
     if problems:
         md += ["", "Lab teardown:", *[f"- {p}" for p in problems]]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    print("\n".join(table))
+    print("\n".join(table + [""] + timeline))
     print(f"wrote {out}.json and .md")
 
 

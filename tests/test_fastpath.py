@@ -740,9 +740,9 @@ def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
     """Frames that are not IPv4 inside (IPv6, ARP) are carried and handed
     to the guest as what they are (a decapsulated frame's protocol is read
     again from its own header). ARP takes the paths docs/datapath.md gives
-    it: the kernel cannot encapsulate it (`slow_not_ip`: vnetd sends it), but
-    decapsulates it like any hit (`hit_net`), into the guest through the
-    veth's host end.
+    it: the kernel encapsulates it round the finishing pair (a hit, never
+    `slow_not_ip`: it needs no vnetd) and decapsulates it like any hit
+    (`hit_net`), into the guest through the veth's host end.
     Catches: non-IP frames decapsulated with the outer protocol kept or
     handed to vnetd (the ARP counts below), or encapsulated as IP."""
     # IPv6 finds its neighbours at 33:33:ff + the address's last 24 bits.
@@ -762,9 +762,10 @@ def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
     assert f1["hit_guest"] > 100 and f2["hit_net"] > 100, (f1, f2)
     # ARP after the flows are in the kernel: both guests forget their
     # neighbours; g1's request (broadcast, one destination: its entry is
-    # installed) and g2's reply hit, and each sending host hands its ARP to
-    # vnetd (slow_not_ip), while each receiving host decapsulates it in the
-    # kernel: 5 echoes (or replies) and at least one ARP frame.
+    # installed) and g2's reply hit; each sending host encapsulates its ARP
+    # in the kernel (round the finishing pair, not slow_not_ip) and each
+    # receiving host decapsulates it: 5 echoes (or replies) and at least one
+    # ARP frame each way.
     assert "3 received" in lab.ping(g[1], g[2], count=3).stdout  # IPv4's first ARP: its entries installed
     lab.x(g[1].ns, "ip", "neigh", "flush", "dev", "g1")
     lab.x(g[2].ns, "ip", "neigh", "flush", "dev", "g2")
@@ -772,5 +773,5 @@ def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
     assert "5 received" in lab.ping(g[1], g[2], count=5).stdout
     for h, f in ((1, f1), (2, f2)):
         now = fast(d[h])
-        arp = {k: now[k] - f[k] for k in ("slow_not_ip", "hit_net", "miss_guest", "miss_net")}
-        assert arp["slow_not_ip"] >= 1 and arp["hit_net"] >= 6, (h, arp)
+        arp = {k: now[k] - f[k] for k in ("slow_not_ip", "hit_guest", "hit_net", "miss_guest", "miss_net")}
+        assert arp["slow_not_ip"] == 0 and arp["hit_guest"] >= 6 and arp["hit_net"] >= 6, (h, arp)

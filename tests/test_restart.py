@@ -120,7 +120,8 @@ def test_long_lived_tcp_connections_survive_an_upgrade_sigkill_and_sigterm_resta
     out = iperf.communicate(timeout=60)[0]
     assert iperf.returncode == 0, out[-2000:]
     per_s = iperf_intervals(out)
-    assert len(per_s) >= 15 and min(per_s) > 0, per_s
+    stalled = [i for i, b in enumerate(per_s) if b == 0]
+    assert len(per_s) >= 15 and not stalled, f"seconds without data: {stalled} of {per_s}"
 
 
 def test_a_route_deleted_while_vnetd_was_down_is_gone_from_the_kernel_before_it_is_ready(lab):
@@ -176,7 +177,8 @@ def test_vnetd_down_60_s_established_flows_keep_flowing_and_new_ones_are_counted
     d1 = lab.start_vnetd(hosts[1], d[1].config)
     out = iperf.communicate(timeout=60)[0]
     per_s = iperf_intervals(out)
-    assert len(per_s) >= 65 and min(per_s) > 0, per_s
+    stalled = [i for i, b in enumerate(per_s) if b == 0]
+    assert len(per_s) >= 65 and not stalled, f"seconds without data: {stalled} of {per_s}"
     assert d1.stats()["interface g1"]["drop_upcall_full"] - s0 >= 200
     assert "3 received" in lab.ping(g[1], g[3], count=3).stdout
 

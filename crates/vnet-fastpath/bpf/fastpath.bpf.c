@@ -135,7 +135,7 @@ enum stat {
 	S_MISS_NET,     // VNET datagram, no entry: up the stack to vnetd
 	S_FROM_VNETD,   // written by vnetd for a guest
 	S_SLOW_BIG,     // hit, but too big for the link (or the guest) unsegmented: to vnetd
-	S_SLOW_NOT_IP,  // hit, but not IP (the kernel cannot encapsulate it): to vnetd
+	S_SLOW_NOT_IP,  // hit, not IP, and too long (or no finishing pair) to go round the pair: to vnetd
 	S_SLOW_ROUTE,   // hit, but the link is not (or no longer) described to the kernel: to vnetd
 	S_SLOW_GSO,     // GSO the fast path cannot take as is: to vnetd
 	S_DROP_ENCAP,   // the kernel refused to encapsulate: dropped
@@ -352,6 +352,57 @@ static __always_inline int upcall(struct port_info *p, __u32 why)
 
 #define OUTER (sizeof(struct iphdr) + sizeof(struct udphdr) + ETH_HLEN) // 42
 
+// skb->mark of a datagram encap_other sends round the finishing pair (a
+// veth in one namespace keeps the mark).
+#define SEND_MARK 0x564e0001u
+
+// The outer IPv4 + UDP header of link `l` for an inner frame of `len`
+// bytes (lengths and the IPv4 checksum filled in).
+static __always_inline void outer_header(__u8 hdr[28], const struct link_info *l, __u32 len)
+{
+	__builtin_memcpy(hdr, l->hdr, 28);
+	__u32 ip_len = len + OUTER - ETH_HLEN;
+	__u16 tot = ip_len > 0xffff ? 0xffff : ip_len; // GSO segments get their own
+	struct iphdr *ip = (void *)hdr;
+	struct udphdr *udp = (void *)(hdr + sizeof(struct iphdr));
+	ip->tot_len = bpf_htons(tot);
+	ip->check = fold(l->ip_sum + bpf_htons(tot));
+	udp->len = bpf_htons(tot - sizeof(struct iphdr));
+}
+
+// A frame that is not IP (ARP, mostly) for a link. bpf_skb_adjust_room
+// encapsulates IP only, and bpf_redirect_neigh sends IP only (both go by
+// skb->protocol, which a program cannot set). So the outer headers are
+// pushed in front (bpf_skb_change_head), with an Ethernet header to the
+// finishing pair's receiving end, and the frame is sent round the pair:
+// there the kernel reads it again as the IPv4 datagram it now is, and
+// from_network, seeing the mark, sends it on to the link's device. Without
+// this a guest's ARP toward another host would need vnetd, and a guest
+// whose neighbour entry expires while vnetd is away would lose its flows.
+static __always_inline int encap_other(struct __sk_buff *skb, struct port_info *p, struct flow_action *a,
+				       const struct link_info *l, const struct ethhdr *inner_eth)
+{
+	__u32 zero = 0;
+	struct config *c = bpf_map_lookup_elem(&config, &zero);
+	__u32 len = skb->len;
+	if (!c || !c->finish_ifindex || skb->gso_size || len + OUTER - ETH_HLEN > l->mtu)
+		return upcall(p, S_SLOW_NOT_IP);
+	if (bpf_skb_change_head(skb, OUTER, 0))
+		return upcall(p, S_SLOW_NOT_IP);
+	struct ethhdr outer = { .h_proto = bpf_htons(ETH_P_IP) };
+	__builtin_memcpy(outer.h_dest, c->finish_mac, ETH_ALEN);
+	__builtin_memcpy(outer.h_source, c->finish_mac, ETH_ALEN);
+	__u8 hdr[28];
+	outer_header(hdr, l, len);
+	if (bpf_skb_store_bytes(skb, 0, &outer, ETH_HLEN, 0) || bpf_skb_store_bytes(skb, ETH_HLEN, hdr, 28, 0)) {
+		stat(S_DROP_ENCAP);
+		return TC_ACT_SHOT;
+	}
+	skb->mark = SEND_MARK;
+	count_hit(p->origin, a, len, S_HIT_GUEST);
+	return bpf_redirect(c->finish_ifindex, 0);
+}
+
 // Encapsulates the frame for link `a->link` and sends it toward the peer;
 // a frame the fast path cannot send as it is goes to vnetd instead.
 static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, struct flow_action *a,
@@ -360,9 +411,8 @@ static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, str
 	struct link_info *l = bpf_map_lookup_elem(&links, &a->link);
 	if (!l)
 		return upcall(p, S_SLOW_ROUTE);
-	// bpf_skb_adjust_room encapsulates IP only (ARP and the rest: slow path).
 	if (inner_eth->h_proto != bpf_htons(ETH_P_IP) && inner_eth->h_proto != bpf_htons(ETH_P_IPV6))
-		return upcall(p, S_SLOW_NOT_IP);
+		return encap_other(skb, p, a, l, inner_eth);
 	__u32 len = skb->len; // the whole inner frame
 	if (skb->gso_size) {
 		// A guest's UDP GSO cannot have its segment size changed.
@@ -385,14 +435,7 @@ static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, str
 	if (bpf_skb_store_bytes(skb, ETH_HLEN + 28, inner_eth, ETH_HLEN, 0))
 		goto shot;
 	__u8 hdr[28];
-	__builtin_memcpy(hdr, l->hdr, 28);
-	__u32 ip_len = len + OUTER - ETH_HLEN;
-	__u16 tot = ip_len > 0xffff ? 0xffff : ip_len; // GSO segments get their own
-	struct iphdr *ip = (void *)hdr;
-	struct udphdr *udp = (void *)(hdr + sizeof(struct iphdr));
-	ip->tot_len = bpf_htons(tot);
-	ip->check = fold(l->ip_sum + bpf_htons(tot));
-	udp->len = bpf_htons(tot - sizeof(struct iphdr));
+	outer_header(hdr, l, len);
 	if (bpf_skb_store_bytes(skb, ETH_HLEN, hdr, 28, 0))
 		goto shot;
 	count_hit(p->origin, a, len, S_HIT_GUEST);
@@ -466,7 +509,22 @@ int from_network(struct __sk_buff *skb)
 		return PASS;
 	__u32 zero = 0;
 	struct config *c = bpf_map_lookup_elem(&config, &zero);
-	if (!c || udp->dest != c->port)
+	if (!c)
+		return PASS;
+	if (skb->mark == SEND_MARK && skb->ifindex == c->finish_recv) {
+		// encap_other's datagram, back from the finishing pair as IPv4:
+		// on to the link's device, the next hop's header filled in.
+		skb->mark = 0;
+		struct addr_key to = { .addr = ip->daddr, .port = udp->dest };
+		struct link_addr *la = bpf_map_lookup_elem(&link_addrs, &to);
+		struct link_info *l = la ? bpf_map_lookup_elem(&links, &la->link) : 0;
+		if (!l) {
+			stat(S_DROP_ENCAP);
+			return TC_ACT_SHOT;
+		}
+		return bpf_redirect_neigh(l->ifindex, 0, 0, 0);
+	}
+	if (udp->dest != c->port)
 		return PASS;
 	// What the socket path takes, the stack has taken first: a frame to
 	// this host's MAC (not one the device saw for another host, nor a
@@ -532,6 +590,7 @@ int from_network(struct __sk_buff *skb)
 		stat(S_FINISH);
 		if (bpf_skb_store_bytes(skb, 0, c->finish_mac, ETH_ALEN, 0))
 			return PASS;
+		skb->mark = 0; // not one of encap_other's
 		return bpf_redirect(c->finish_ifindex, 0);
 	}
 	if (!a) {
