@@ -35,6 +35,20 @@ stopped), and the probes sent after that moment that were lost. Each
 repeat, for each event, each kind in turn (the order reversed every other
 repeat); printed as min / median / max.
 
+All guests are on the same two vnetds all the time (one config per host);
+only the measured kind's probe runs. The prober is a Python raw socket
+under `chrt -f 1` (as vnetd's event-driven dispatchers), so that other load
+does not hold its sends back; its own longest pause is reported. Before each
+`upgrade`, h1 is put on the old build: the current vnetd SIGTERMed, its
+pinned datapath removed (`vnetd --cleanup`), the old build started (with
+--pin-dir if it knows it) and the kind's peer pinged until it answers; so
+the upgrade adopts what the old build pinned. While the stream runs after
+vnetd is back, h1's NIC of the kind is polled every 10 ms (INTERFACE LIST,
+STATS): when a VM's frontend is connected and when vnetd first passes a
+frame to and from the guest, a second table; every row's raw numbers,
+the restarted vnetd's log (timed from "back") and its drop counters are in
+the JSON.
+
     sudo python3 bench/restart.py [--repeats 3] [--down 2] [--rate 1000]
         [--kinds veth,tap,vhost,vhost-client] [--events kill,upgrade,term]
         [--bin DIR] [--old-bin DIR | --previous COMMIT]
@@ -236,6 +250,8 @@ class Bed:
                       "vhost": (self.ns.get(6), "198.19.0.5"), "vhost-client": (self.ns.get(8), "198.19.0.7")}
         # The kind's NIC on h1 (vnetd's interface name).
         self.nic = {"veth": "g1", "tap": "g3", "vhost": "vm5", "vhost-client": "vm7"}
+        # The probing guest's device (in the namespace of self.probe).
+        self.probe_dev = {"veth": "g1", "tap": "g3", "vhost": "g6", "vhost-client": "g8"}
         self.binary = "current"
 
     def boot_vm(self, n: int, mac: str, server: bool):
@@ -424,6 +440,14 @@ def measure(bed: Bed, kind: str, event: str, a) -> dict:
         return row
     ns, ip = bed.probe[kind]
     h2_drops = drops(bed.d2.stats()["global"])
+    # drop_upcall_full is the TAP's own tx_dropped, kept by the kernel across
+    # vnetds: counted from here. (vnetd's own drop_* start at 0 with it.)
+    tap_dropped0 = bed.d1.stats().get(f"interface {bed.nic[kind]}", {}).get("drop_upcall_full", 0)
+    # ARP in the probing guest's namespace: the guest (or, for the VMs, the
+    # VM, whose ARP crosses to it) resolving its peer again after the event.
+    arp = bed.lab.popen(ns, "tcpdump", "-n", "-l", "-tt", "-i", bed.probe_dev[kind], "arp",
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    time.sleep(0.3)  # tcpdump listening
     # Real-time (FIFO 1, as vnetd's event-driven dispatchers), so that other
     # load on the machine does not hold the prober's sends back.
     p = bed.lab.popen(ns, "chrt", "-f", "1", sys.executable, "-c", PROBER, ip, a.rate, stdout=subprocess.PIPE, text=True)
@@ -440,15 +464,26 @@ def measure(bed: Bed, kind: str, event: str, a) -> dict:
         time.sleep(max(0.0, t_end - time.monotonic()) if t_end else a.after)
         p.send_signal(signal.SIGINT)
         out = p.communicate(timeout=60)[0]
+        arp.send_signal(signal.SIGINT)
+        arp_out = arp.communicate(timeout=30)[0]
     row.update(analyse(json.loads(out.strip().splitlines()[-1]), ev))
     row.update(timeline)
+    # ARP seen after the event, in ms after "back"; the first reply's time.
+    stop_wall = ev["wall_back"] - (ev["t_back"] - ev["t_stop"])
+    row["arp"] = [(round((float(w[0]) - ev["wall_back"]) * 1e3, 1), " ".join(w[1:8]))
+                  for w in (line.split() for line in arp_out.splitlines()) if w and float(w[0]) >= stop_wall]
+    replies = [t for t, text in row["arp"] if "Reply" in text]
+    row["arp_reply_ms"] = replies[0] if replies else None
     # The restarted vnetd's own account, timed from when it answered (its
     # config applied, its fast path adopted, a VM's frontend connected).
     row["vnetd_log"] = log_since_back(ev["vnetd"], ev["wall_back"])
     # Frames the restarted vnetd dropped (all its life is this measurement),
     # at the kind's NIC on h1 and in all; and h2's over the measurement.
     st = bed.d1.stats()
-    row["h1_nic_drops"] = drops(st.get(f"interface {bed.nic[kind]}", {}))
+    nic = dict(st.get(f"interface {bed.nic[kind]}", {}))
+    if "drop_upcall_full" in nic:
+        nic["drop_upcall_full"] -= tap_dropped0
+    row["h1_nic_drops"] = drops(nic)
     row["h1_drops"] = drops(st["global"])
     row["h2_drops"] = {k: v - h2_drops.get(k, 0) for k, v in drops(bed.d2.stats()["global"]).items()
                        if v != h2_drops.get(k, 0)}
@@ -465,7 +500,9 @@ COLUMNS = [("down_ms", "vnetd down (ms)", 0), ("start_ms", "vnetd start (ms)", 0
 # Where the time after vnetd is back goes, at h1's NIC of the kind (its
 # user-path counters: nothing for veth, whose frames the kernel carries).
 TIMELINE = [("connected_ms", "VM connected (ms after back)", 0), ("first_out_ms", "first frame to the guest (ms)", 0),
-            ("first_in_ms", "first frame from the guest (ms)", 0), ("h1_nic_dropped", "dropped at the NIC by vnetd h1", 0)]
+            ("first_in_ms", "first frame from the guest (ms)", 0),
+            ("arp_reply_ms", "guest's peer resolved by ARP (ms)", 0),
+            ("h1_nic_dropped", "dropped at the NIC by vnetd h1", 0)]
 
 
 LEGEND = """*vnetd down*: from the signal to the restarted vnetd's first answer on its control socket
@@ -480,9 +517,13 @@ the VM and back."""
 
 TIMELINE_LEGEND = """Polled every 10 ms on the restarted vnetd h1 from "back" to the end: when the VM's frontend is
 connected (vhost-user), and when vnetd h1 first passed a frame to the guest and from it (user-path
-counters: a veth guest's frames are the kernel's, not counted); *dropped at the NIC*: frames the
-restarted vnetd dropped at that NIC in the whole measurement (drop_down: for a VM whose rings are
-not running, e.g. not yet reconnected)."""
+counters: a veth guest's frames are the kernel's, not counted); *peer resolved by ARP*: the first
+ARP reply seen (tcpdump in the probing guest's namespace) after the event, if any: a guest that lost
+its neighbour entry for its peer (a TAP's or a VM's link went down with vnetd) must ARP again, and
+the probes wait for that (an ARP long after "back" with nothing lost, e.g. a veth guest's, is
+the guest's periodic neighbour check); *dropped at the NIC*: frames the restarted vnetd dropped at that NIC in
+the measurement (drop_down: for a VM whose rings are not running, e.g. not yet reconnected;
+drop_upcall_full: the TAP's own tx_dropped over the measurement)."""
 
 
 def summarize(rows: list[dict], kinds: list[str], events: list[str], columns=COLUMNS) -> list[str]:
@@ -514,6 +555,9 @@ def main():
     kinds, events = a.kinds.split(","), a.events.split(",")
     cmd = "sudo python3 bench/restart.py " + " ".join(sys.argv[1:])
     git = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                      text=True).stdout.strip():
+        git += " (working tree has uncommitted changes)"
     prev = None
     if "upgrade" in events:
         src = old_binary(a)
@@ -536,13 +580,20 @@ def main():
         for rep in range(a.repeats):
             for e in events:
                 for k in (kinds if rep % 2 == 0 else kinds[::-1]):
-                    row = {"rep": rep, **measure(bed, k, e, a)}
+                    try:
+                        row = {"rep": rep, **measure(bed, k, e, a)}
+                    except Exception as x:  # noqa: BLE001 -- the testbed broke: report what was measured
+                        rows.append({"rep": rep, "kind": k, "event": e, "error": f"{x!r}"[:2000]})
+                        raise
                     rows.append(row)
                     print(json.dumps({x: y for x, y in row.items() if x != "vnetd_log"}), flush=True)
                     if os.environ.get("RESTART_BENCH_LOG"):
                         print("\n".join(f"  {t:+9.1f} ms  {x}" for t, x in row.get("vnetd_log", [])), flush=True)
         for name, d in (("h1", bed.d1), ("h2", bed.d2)):
             meta[f"stats_{name}"] = {k: v for k, v in d.stats().items() if not k.startswith("route")}
+    except Exception as x:  # noqa: BLE001
+        print(f"stopped: {x!r}", file=sys.stderr)
+        meta["stopped"] = f"{x!r}"[:2000]
     finally:
         problems = lab.close()
         shutil.rmtree(WORK, ignore_errors=True)
@@ -565,11 +616,15 @@ def main():
           LEGEND, "", "## Where the time after vnetd is back goes", "", *timeline, "", TIMELINE_LEGEND]
     if any("error" in r for r in rows):
         md += ["", "Errors:", *[f"- repeat {r['rep']} {r['kind']} {r['event']}: {r['error']}" for r in rows if "error" in r]]
+    if meta.get("stopped"):
+        md += ["", f"The run stopped early (the testbed broke): `{meta['stopped']}`"]
     if problems:
         md += ["", "Lab teardown:", *[f"- {p}" for p in problems]]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(table + [""] + timeline))
     print(f"wrote {out}.json and .md")
+    if meta.get("stopped"):
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,8 @@ def test_qemu_guest_talks_to_a_namespace_guest_across_hosts(lab, datapath):
         # Frames to the VM too: decapsulated and handed to QEMU's TAP.
         f = d2.stats()["fastpath"]
         assert f["hit_net"] > 100, f
-    # The TAP goes with the interface, although it was QEMU's.
+    # The TAP stays when vnetd stops (SIGTERM leaves the kernel datapath,
+    # and QEMU's NIC with it: docs/operations.md), marked as vnetd's for the
+    # next one to take over; INTERFACE DEL is what removes it.
     d2.stop()
-    assert "vm9" not in lab.x(h2, "ip", "-o", "link").stdout
+    assert "vm9" in lab.x(h2, "ip", "-o", "link").stdout

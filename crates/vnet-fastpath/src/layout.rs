@@ -148,7 +148,7 @@ pub(crate) struct LinkAddr {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct PortInfo {
     pub(crate) origin: u32,
     pub(crate) ifindex: u32,

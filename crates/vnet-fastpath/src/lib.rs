@@ -94,17 +94,20 @@ pub struct Swept {
 
 /// One attachment: a TCX link, and its pin when the datapath is pinned.
 struct Attachment {
-    /// Held, not read: the link lives while a descriptor or its pin does.
-    #[allow(dead_code)]
+    /// The link lives while a descriptor or its pin does.
     fd: OwnedFd,
     pin: Option<PathBuf>,
 }
 
 impl Attachment {
-    /// Detaches it: the pin goes, then the last descriptor.
+    /// Detaches it: the pin goes (if it is still this link's, not a later
+    /// one's on the same device), then the last descriptor.
     fn remove(self) {
         if let Some(p) = &self.pin {
-            let _ = std::fs::remove_file(p);
+            let pinned = pin::obj_get(p).ok().and_then(|fd| pin::link_id(fd.as_raw_fd()));
+            if pinned.is_some() && pinned == pin::link_id(self.fd.as_raw_fd()) {
+                let _ = std::fs::remove_file(p);
+            }
         }
     }
 }
@@ -152,6 +155,8 @@ pub struct Attached {
     kernel: Arc<Kernel>,
     link: Option<Attachment>,
     ifindex: u32,
+    /// The interface's id, as its `ports` entry holds it.
+    origin: u32,
     keep: AtomicBool,
 }
 
@@ -167,7 +172,13 @@ impl Drop for Attached {
         let Some(link) = self.link.take() else { return };
         if !self.keep.load(Relaxed) {
             link.remove();
-            let _ = self.kernel.ports.delete(bytes_of(&self.ifindex));
+            // The entry is this port's only if no later port on the device
+            // (the interface added again) took it.
+            if let Ok(Some(v)) = self.kernel.ports.lookup(bytes_of(&self.ifindex), MapFlags::ANY) {
+                if from_bytes::<PortInfo>(&v).origin == self.origin {
+                    let _ = self.kernel.ports.delete(bytes_of(&self.ifindex));
+                }
+            }
         }
     }
 }
@@ -478,10 +489,10 @@ impl Kernel {
         }
         let guest = PortInfo { origin: iface, ifindex: upcall, peer: 0, _pad: 0 };
         self.ports.update(bytes_of(&dev), bytes_of(&guest), MapFlags::ANY)?;
-        let mut a = Attached { kernel: self.clone(), link: None, ifindex: dev, keep: AtomicBool::new(false) };
+        let mut a = Attached { kernel: self.clone(), link: None, ifindex: dev, origin: iface, keep: AtomicBool::new(false) };
         let back = PortInfo { origin: iface, ifindex: dev, peer: veth as u32, _pad: 0 };
         self.ports.update(bytes_of(&upcall), bytes_of(&back), MapFlags::ANY)?;
-        let mut b = Attached { kernel: self.clone(), link: None, ifindex: upcall, keep: AtomicBool::new(false) };
+        let mut b = Attached { kernel: self.clone(), link: None, ifindex: upcall, origin: iface, keep: AtomicBool::new(false) };
         let (lb, adopted_b) = self.attach(Hook::FromVnetd, upcall)?;
         b.link = Some(lb);
         let (la, adopted_a) = self.attach(Hook::FromGuest, dev)?;

@@ -202,13 +202,13 @@ pub fn link_ifindex(fd: RawFd) -> Option<u32> {
     (ifindex != 0).then_some(ifindex)
 }
 
-/// The program a link runs now (its id).
-pub fn link_prog_id(fd: RawFd) -> Option<u32> {
+/// A link's id (two descriptors of one link give the same).
+pub fn link_id(fd: RawFd) -> Option<u32> {
     let mut info = libbpf_sys::bpf_link_info::default();
     let mut len = std::mem::size_of::<libbpf_sys::bpf_link_info>() as u32;
     // SAFETY: as above.
     let r = unsafe { libbpf_sys::bpf_link_get_info_by_fd(fd, &mut info, &mut len) };
-    (r >= 0).then_some(info.prog_id)
+    (r >= 0).then_some(info.id)
 }
 
 /// `bpf_link_update`: the link runs `prog` from now on, with no moment

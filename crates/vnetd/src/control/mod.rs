@@ -43,7 +43,8 @@ impl Control {
     pub fn new(dp: Arc<Datapath>, settings: Settings, vtoe: Option<Arc<crate::vtoe::Vtoe>>) -> Control {
         let mut state = State::default();
         state.topo.kernel = dp.fast.as_ref().map(|f| f.kernel.clone());
-        state.topo.ids = crate::topology::Ids::new(state.topo.kernel.clone());
+        // Ids are recorded only where something outlives vnetd that names them.
+        state.topo.ids = crate::topology::Ids::new(state.topo.kernel.clone().filter(|k| k.pin_dir().is_some()));
         Control { state: Mutex::new(state), dp, settings, vtoe, config: Mutex::new(None) }
     }
 

@@ -14,6 +14,7 @@
 //! Without the fast path (or with an unpinned one) ids start at 0 in every
 //! vnetd, as nothing outlives it that names them.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use vnet_fastpath::{IdKind, Kernel};
 
@@ -25,6 +26,10 @@ pub struct Ids {
     /// Records to write when the request commits: (kind, name hash, id or
     /// None to forget).
     pending: Vec<(IdKind, u64, Option<u32>)>,
+    /// Names whose object this request deleted: one added again in the same
+    /// request gets a new id, not the deleted one's (still in use by
+    /// dispatchers until the request commits, and by anything keyed by it).
+    forgotten: HashSet<(IdKind, u64)>,
 }
 
 /// FNV-1a, 64 bits: the name's key in the store.
@@ -41,7 +46,7 @@ impl Ids {
     /// Ids recorded in `store` (the fast path's maps), if any.
     pub fn new(store: Option<Arc<Kernel>>) -> Ids {
         let next = store.as_ref().map_or([0; 3], |k| k.next_ids());
-        Ids { next, store, pending: Vec::new() }
+        Ids { next, store, pending: Vec::new(), forgotten: HashSet::new() }
     }
 
     /// The id for a new object of `kind` named `name`: the one it had in
@@ -49,7 +54,10 @@ impl Ids {
     /// the next.
     pub fn take(&mut self, kind: IdKind, name: &str, in_use: impl Fn(u32) -> bool) -> u32 {
         let h = hash(name);
-        let stored = self.store.as_ref().and_then(|k| k.stored_id(kind, h));
+        let stored = match self.forgotten.contains(&(kind, h)) {
+            true => None,
+            false => self.store.as_ref().and_then(|k| k.stored_id(kind, h)),
+        };
         let id = match stored {
             Some(id) if !in_use(id) && id < vnet_fastpath::LINK_BIT => id,
             _ => {
@@ -68,12 +76,14 @@ impl Ids {
     pub fn forget(&mut self, kind: IdKind, name: &str) {
         if self.store.is_some() {
             self.pending.push((kind, hash(name), None));
+            self.forgotten.insert((kind, hash(name)));
         }
     }
 
     /// The request commits: its records are written.
     pub fn commit(&mut self) {
         let Some(k) = &self.store else { return };
+        self.forgotten.clear();
         if self.pending.is_empty() {
             return;
         }
