@@ -83,7 +83,9 @@ impl Tap {
                     if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
                         bail!("cannot enter network namespace {netns}: {}", io::Error::last_os_error());
                     }
-                    Tap::create_persistent(name, mtu, mac).map_err(|e| anyhow!("{e:#} (in network namespace {netns})"))
+                    let made = Tap::create_persistent(name, mtu, mac).map_err(|e| anyhow!("{e:#} (in network namespace {netns})"))?;
+                    keep_neighbours_without_carrier(name);
+                    Ok(made)
                 })
                 .join()
                 .map_err(|_| anyhow!("TAP creation thread panicked"))?
@@ -232,6 +234,22 @@ impl Drop for Tap {
 impl AsRawFd for Tap {
     fn as_raw_fd(&self) -> RawFd {
         self.file.as_raw_fd()
+    }
+}
+
+/// The guest's neighbour entries on its TAP `name` (in this thread's
+/// namespace) outlive a lost carrier. A TAP loses its carrier while no
+/// descriptor holds it — while vnetd restarts — and Linux (5.16 on) then
+/// forgets the device's ARP and NDP entries, so the guest would have to
+/// find its peers again once vnetd is back, a second late when its first
+/// try goes unanswered (measured: bench/restart.py). A kernel without the
+/// settings keeps its entries anyway.
+fn keep_neighbours_without_carrier(name: &str) {
+    for (family, key) in [("ipv4", "arp_evict_nocarrier"), ("ipv6", "ndisc_evict_nocarrier")] {
+        let path = format!("/proc/sys/net/{family}/conf/{name}/{key}");
+        if let Err(e) = std::fs::write(&path, "0") {
+            tracing::debug!("cannot write {path}: {e}");
+        }
     }
 }
 
