@@ -144,6 +144,8 @@ pub struct Kernel {
     leftovers: Mutex<Leftovers>,
     /// What `meta` holds now.
     meta_now: Mutex<Meta>,
+    /// `ids` had records when the folder was opened.
+    had_ids: bool,
 }
 
 /// A program attached to a device (a TCX link), with the map entry that
@@ -333,7 +335,9 @@ impl Kernel {
             pins,
             leftovers: Mutex::new(Leftovers::default()),
             meta_now: Mutex::new(Meta { magic: MAGIC, layout: LAYOUT, netns, ..Meta::default() }),
+            had_ids: false,
         };
+        let mut k = k;
         if adopt {
             let read = |m: &MapHandle| m.lookup(bytes_of(&0u32), MapFlags::ANY).ok().flatten();
             let mut c: Config = read(&k.config).map(|v| from_bytes(&v)).unwrap_or_default();
@@ -347,6 +351,7 @@ impl Kernel {
             for key in k.links.keys() {
                 leftovers.links.insert(from_bytes::<u32>(&key));
             }
+            k.had_ids = k.ids.keys().next().is_some();
             opened = Opened::Adopted {
                 flows: map_count(&k.flows),
                 ports: leftovers.ports.len(),
@@ -545,16 +550,46 @@ impl Kernel {
         self.ids.lookup(bytes_of(&key), MapFlags::ANY).ok().flatten().map(|v| from_bytes::<u32>(&v))
     }
 
-    /// Records (`Some`) or forgets (`None`) an object's id.
-    pub fn store_id(&self, kind: IdKind, hash: u64, id: Option<u32>) {
-        let key = IdKey { kind: kind as u32, _pad: 0, hash };
-        let r = match id {
-            Some(id) => self.ids.update(bytes_of(&key), bytes_of(&id), MapFlags::ANY),
-            None => self.ids.delete(bytes_of(&key)),
+    /// Whether any id was recorded when the folder was opened: if not, no
+    /// name can have one this process did not give (and forget) itself,
+    /// and `stored_id` need not be asked.
+    pub fn had_ids(&self) -> bool {
+        self.had_ids
+    }
+
+    /// Records (`Some`) or forgets (`None`) objects' ids: the records go
+    /// in batches (one system call per 4096; a config of 100,000 routes
+    /// commits its ids in 25).
+    pub fn store_ids(&self, records: &[(IdKind, u64, Option<u32>)]) {
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        let flush = |keys: &mut Vec<u8>, values: &mut Vec<u8>| {
+            let n = (keys.len() / std::mem::size_of::<IdKey>()) as u32;
+            if n > 0 {
+                if let Err(e) = self.ids.update_batch(keys, values, n, MapFlags::ANY, MapFlags::ANY) {
+                    tracing::debug!("fast path: cannot record {n} ids: {e}");
+                }
+            }
+            keys.clear();
+            values.clear();
         };
-        if let (Err(e), Some(_)) = (r, id) {
-            tracing::debug!("fast path: cannot record the id of a {kind:?}: {e}");
+        for &(kind, hash, id) in records {
+            let key = IdKey { kind: kind as u32, _pad: 0, hash };
+            match id {
+                Some(id) => {
+                    keys.extend_from_slice(bytes_of(&key));
+                    values.extend_from_slice(bytes_of(&id));
+                    if keys.len() >= 4096 * std::mem::size_of::<IdKey>() {
+                        flush(&mut keys, &mut values);
+                    }
+                }
+                None => {
+                    // In order: a record made earlier in the list goes first.
+                    flush(&mut keys, &mut values);
+                    let _ = self.ids.delete(bytes_of(&key));
+                }
+            }
         }
+        flush(&mut keys, &mut values);
     }
 
     /// The next id of each kind (interfaces, links, routes) not yet given.

@@ -56,7 +56,7 @@ impl Ids {
         let h = hash(name);
         let stored = match self.forgotten.contains(&(kind, h)) {
             true => None,
-            false => self.store.as_ref().and_then(|k| k.stored_id(kind, h)),
+            false => self.store.as_ref().filter(|k| k.had_ids()).and_then(|k| k.stored_id(kind, h)),
         };
         let id = match stored {
             Some(id) if !in_use(id) && id < vnet_fastpath::LINK_BIT => id,
@@ -87,9 +87,8 @@ impl Ids {
         if self.pending.is_empty() {
             return;
         }
-        for (kind, h, id) in self.pending.drain(..) {
-            k.store_id(kind, h, id);
-        }
+        k.store_ids(&self.pending);
+        self.pending.clear();
         k.set_next_ids(self.next);
     }
 
