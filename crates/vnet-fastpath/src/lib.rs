@@ -244,6 +244,9 @@ impl Kernel {
         // What is pinned, and whether it is ours to adopt.
         let mut pinned: Vec<(&str, MapHandle)> = Vec::new();
         let mut opened = Opened::Fresh;
+        // The folder describes another network namespace's devices (its
+        // ifindexes mean other devices here).
+        let mut foreign = false;
         if let Some(p) = &pins {
             let mut fits = true;
             for name in PINNED_MAPS {
@@ -271,6 +274,7 @@ impl Kernel {
                 .and_then(|(_, h)| h.lookup(bytes_of(&0u32), MapFlags::ANY).ok().flatten())
                 .map(|v| from_bytes::<Meta>(&v));
             if let Some(m) = meta {
+                foreign = m.netns != netns;
                 opened = Opened::Replaced { layout: if m.magic == MAGIC { m.layout } else { 0 } };
                 if fits && m.magic == MAGIC && m.layout == LAYOUT && m.netns == netns {
                     opened = Opened::Adopted { flows: 0, ports: 0, links: 0, attachments: 0 };
@@ -309,6 +313,12 @@ impl Kernel {
         if let Some(p) = &pins {
             for (hook, ifindex, fd) in p.links() {
                 match Hook::of(&hook) {
+                    // Another namespace's attachment: not ours to switch or
+                    // keep; its pin goes (the folder is this vnetd's now).
+                    Some(_) if foreign => {
+                        tracing::warn!("fast path: {} was another network namespace's; removing it", p.link_path(&hook, ifindex).display());
+                        let _ = std::fs::remove_file(p.link_path(&hook, ifindex));
+                    }
                     Some(h) => {
                         leftovers.attachments.insert((h, ifindex), fd);
                     }
