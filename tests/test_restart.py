@@ -303,3 +303,23 @@ def test_a_tap_guest_keeps_its_neighbours_across_a_restart(lab):
     lab.start_vnetd(hosts[1], d[1].config)
     assert "1 received" in lab.ping(g[1], g[2], count=1, wait=1).stdout
     assert g[2].mac in neigh() and "INCOMPLETE" not in neigh(), neigh()
+
+
+def test_a_folder_another_namespace_left_is_not_adopted_and_its_attachments_go(lab):
+    """Host 1's vnetd stops (SIGTERM: its datapath stays pinned) and a vnetd
+    in another network namespace is given host 1's folder. The folder's
+    ifindexes name other devices there: it must not adopt the maps (new
+    ones replace them) nor switch host 1's attachments to its programs (they
+    are removed, and said to be), so host 1's guest is no longer carried.
+    Catches: adoption by layout alone (the namespace unchecked), another
+    namespace's attachments switched or left running on orphaned maps."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    assert d[1].stop() == 0
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout  # carried with no vnetd
+    other = lab.add_host(3)
+    d3 = lab.start_vnetd(other, "", "--pin-dir", lab.pin_dir(hosts[1]))
+    log = d3.log_text()
+    assert "new maps in place of layout 1's" in log, log
+    assert log.count("was another network namespace's; removing it") == 4, log
+    assert " 0 received" in lab.ping(g[1], g[2], count=2, check=False).stdout

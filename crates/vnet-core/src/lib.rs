@@ -30,3 +30,16 @@ pub use cache::RouteCache;
 pub use mac::Mac;
 pub use rule::{DstSpec, MacQual, RuleSpec, SrcSpec};
 pub use table::{Hit, Port, RouteTable, Rule, SrcMatch};
+
+/// FNV-1a (64 bits) of a name: stable across processes, builds and
+/// machines, for what must be derived from a name the same way every time
+/// (vnetd's device names from a guest's, the recorded ids of objects by
+/// their names). Not for anything an attacker must not be able to collide.
+pub fn name_hash(name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}

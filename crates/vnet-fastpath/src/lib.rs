@@ -328,7 +328,7 @@ impl Kernel {
                 }
             }
         }
-        let k = Kernel {
+        let mut k = Kernel {
             flows: map("flows")?,
             links: map("links")?,
             link_addrs: map("link_addrs")?,
@@ -347,7 +347,6 @@ impl Kernel {
             meta_now: Mutex::new(Meta { magic: MAGIC, layout: LAYOUT, netns, ..Meta::default() }),
             had_ids: false,
         };
-        let mut k = k;
         if adopt {
             let read = |m: &MapHandle| m.lookup(bytes_of(&0u32), MapFlags::ANY).ok().flatten();
             let mut c: Config = read(&k.config).map(|v| from_bytes(&v)).unwrap_or_default();

@@ -187,16 +187,19 @@ pub fn obj_pin(fd: RawFd, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The device a TCX link is attached to; None for a defunct link (its
-/// device was deleted) or a descriptor that is no TCX link.
-pub fn link_ifindex(fd: RawFd) -> Option<u32> {
+/// What the kernel says of a link.
+fn link_info(fd: RawFd) -> Option<libbpf_sys::bpf_link_info> {
     let mut info = libbpf_sys::bpf_link_info::default();
     let mut len = std::mem::size_of::<libbpf_sys::bpf_link_info>() as u32;
     // SAFETY: info is a bpf_link_info of `len` bytes.
     let r = unsafe { libbpf_sys::bpf_link_get_info_by_fd(fd, &mut info, &mut len) };
-    if r < 0 || info.type_ != libbpf_sys::BPF_LINK_TYPE_TCX {
-        return None;
-    }
+    (r >= 0).then_some(info)
+}
+
+/// The device a TCX link is attached to; None for a defunct link (its
+/// device was deleted) or a descriptor that is no TCX link.
+pub fn link_ifindex(fd: RawFd) -> Option<u32> {
+    let info = link_info(fd).filter(|i| i.type_ == libbpf_sys::BPF_LINK_TYPE_TCX)?;
     // SAFETY: a TCX link's info is the `tcx` member.
     let ifindex = unsafe { info.__bindgen_anon_1.tcx.ifindex };
     (ifindex != 0).then_some(ifindex)
@@ -204,11 +207,7 @@ pub fn link_ifindex(fd: RawFd) -> Option<u32> {
 
 /// A link's id (two descriptors of one link give the same).
 pub fn link_id(fd: RawFd) -> Option<u32> {
-    let mut info = libbpf_sys::bpf_link_info::default();
-    let mut len = std::mem::size_of::<libbpf_sys::bpf_link_info>() as u32;
-    // SAFETY: as above.
-    let r = unsafe { libbpf_sys::bpf_link_get_info_by_fd(fd, &mut info, &mut len) };
-    (r >= 0).then_some(info.id)
+    link_info(fd).map(|i| i.id)
 }
 
 /// `bpf_link_update`: the link runs `prog` from now on, with no moment

@@ -24,14 +24,9 @@ use vnet_core::offload::VnetHdr;
 use vnet_core::Mac;
 use vnet_fastpath::{Action, Attached, Kernel};
 
-/// A short stable tag for device names derived from `key` (FNV-1a).
+/// A short stable tag for device names derived from `key`.
 pub fn tag(key: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{:012x}", h & 0xffff_ffff_ffff)
+    format!("{:012x}", vnet_core::name_hash(key) & 0xffff_ffff_ffff)
 }
 
 pub enum GuestPort {

@@ -30,33 +30,46 @@ pub struct Ids {
     /// request gets a new id, not the deleted one's (still in use by
     /// dispatchers until the request commits, and by anything keyed by it).
     forgotten: HashSet<(IdKind, u64)>,
+    /// The store's records are asked: it had some when opened, and its
+    /// next ids were believable.
+    ask: bool,
 }
 
-/// FNV-1a, 64 bits: the name's key in the store.
-fn hash(name: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
+/// Most ids of one kind a store may say were given. The store is state
+/// read back from bpffs: a `next` beyond this was not written by vnetd
+/// (ids must stay below `LINK_BIT`, and counting up must not overflow).
+const MOST: u32 = 1 << 30;
+
+/// The store's next ids, if believable.
+fn believable(next: [u32; 3]) -> Option<[u32; 3]> {
+    next.iter().all(|&n| n < MOST).then_some(next)
 }
 
 impl Ids {
     /// Ids recorded in `store` (the fast path's maps), if any.
     pub fn new(store: Option<Arc<Kernel>>) -> Ids {
-        let next = store.as_ref().map_or([0; 3], |k| k.next_ids());
-        Ids { next, store, pending: Vec::new(), forgotten: HashSet::new() }
+        let recorded = store.as_ref().map(|k| (k.next_ids(), k.had_ids()));
+        let (next, ask) = match recorded {
+            None => ([0; 3], false),
+            Some((next, had)) => match believable(next) {
+                Some(next) => (next, had),
+                None => {
+                    tracing::warn!("fast path: the recorded next ids {next:?} are not vnetd's; ids start at 0 and recorded ones are ignored");
+                    ([0; 3], false)
+                }
+            },
+        };
+        Ids { next, store, pending: Vec::new(), forgotten: HashSet::new(), ask }
     }
 
     /// The id for a new object of `kind` named `name`: the one it had in
     /// a vnetd before this one if no object here has it (`in_use`), else
     /// the next.
     pub fn take(&mut self, kind: IdKind, name: &str, in_use: impl Fn(u32) -> bool) -> u32 {
-        let h = hash(name);
+        let h = vnet_core::name_hash(name);
         let stored = match self.forgotten.contains(&(kind, h)) {
             true => None,
-            false => self.store.as_ref().filter(|k| k.had_ids()).and_then(|k| k.stored_id(kind, h)),
+            false => self.store.as_ref().filter(|_| self.ask).and_then(|k| k.stored_id(kind, h)),
         };
         let id = match stored {
             Some(id) if !in_use(id) && id < vnet_fastpath::LINK_BIT => id,
@@ -75,8 +88,9 @@ impl Ids {
     /// An object of `kind` named `name` was deleted: its record goes.
     pub fn forget(&mut self, kind: IdKind, name: &str) {
         if self.store.is_some() {
-            self.pending.push((kind, hash(name), None));
-            self.forgotten.insert((kind, hash(name)));
+            let h = vnet_core::name_hash(name);
+            self.pending.push((kind, h, None));
+            self.forgotten.insert((kind, h));
         }
     }
 
@@ -113,5 +127,12 @@ mod tests {
         // The copy is dropped (its request failed): the original goes on.
         assert_eq!(ids.take(IdKind::Route, "r", |_| false), 0);
         assert_eq!(ids.next(), (2, 1, 1));
+    }
+
+    #[test]
+    fn next_ids_read_back_from_the_store_are_taken_only_if_vnetd_could_have_written_them() {
+        assert_eq!(believable([0, 5, 100_000]), Some([0, 5, 100_000]));
+        assert_eq!(believable([0, MOST, 0]), None);
+        assert_eq!(believable([u32::MAX, 0, 0]), None);
     }
 }
