@@ -709,7 +709,6 @@ mod tests {
     //! memory, as a driver would: what the guest sees in its used ring.
     use super::*;
     use crate::frame::GuestFrame;
-    use std::fs::File;
     type Memory = GuestMemory<()>;
 
     const DESC: u64 = 0x1000;
