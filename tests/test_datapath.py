@@ -63,9 +63,11 @@ def test_each_mode_carries_ping_and_tcp(lab, mode):
         assert 0 < st2["dispatch"]["tx_batches"] <= st2["dispatch"]["tx_batched"], st2["dispatch"]
     if mode == "guest-driven":
         assert s["running"] == "guest-driven"
-        # Each frame is sent the moment it arrives: no batches, no polling.
+        # No polling, but what a pass sends to the link still leaves in one
+        # sendmmsg at its end (g2's ACKs).
         for st in (st1, st2):
-            assert st["dispatch"]["tx_batches"] == 0 and st["dispatch"]["busy_passes"] == 0, st["dispatch"]
+            assert st["dispatch"]["busy_passes"] == 0, st["dispatch"]
+        assert 0 < st2["dispatch"]["tx_batches"] <= st2["dispatch"]["tx_batched"], st2["dispatch"]
     if mode == "adaptive":
         # The transfer is load where it arrives (g2 takes tens of thousands
         # of frames a second; g1 sends few, 64 KiB each): g2 went VMM-driven,

@@ -7,8 +7,9 @@
 //!   sent to is flushed once at the end of the pass (`VirtualNic::flush`).
 //! - To a link: as it is if the link takes offloaded frames (a device);
 //!   otherwise cut to the link's frame size (TCP segmentation) and partial
-//!   checksums finished, then handed to the link's `Transport`, which sends
-//!   at once, queues for one `sendmmsg` per pass (VMM-driven), or buffers.
+//!   checksums finished, then handed to the link's `Transport`, which queues
+//!   it for the pass's `sendmmsg` (UDP: runs to one peer as GSO messages),
+//!   sends it at once, or buffers it.
 //! - From a link, runs of TCP segments bound for one guest are merged back
 //!   into a super-frame (`TcpCoalescer`) before the write.
 //!
@@ -43,7 +44,7 @@ pub struct Forwarder {
     /// The id of the interface the pending run goes to (an id, not a slot:
     /// it is looked up again in the snapshot that ends the run).
     pending_dest: u32,
-    /// Link sends queued or buffered this pass (`batching` on: VMM-driven).
+    /// Link sends queued or buffered this pass, sent at its end (`flush`).
     pub tx: TxQueue,
     /// The kernel fast path, if loaded, and this thread's budget of
     /// installs into it.
@@ -407,6 +408,12 @@ impl Forwarder {
     /// out the links that buffered frames, and counts it all.
     pub fn flush(&mut self, snap: &Snapshot) {
         self.tx.flush();
+        for slot in self.tx.gso_refused.drain(..) {
+            if let Some(link) = snap.links.get(slot as usize) {
+                tracing::info!(link = %link.name, "UDP GSO refused; sending its datagrams one by one for a while");
+                link.gso.refused();
+            }
+        }
         for (slot, len, err) in self.tx.done.drain(..) {
             let Some(link) = snap.links.get(slot as usize) else { continue };
             match err {
@@ -442,6 +449,7 @@ impl Forwarder {
         if self.tx.batches_sent > 0 {
             d.tx_batches.fetch_add(std::mem::take(&mut self.tx.batches_sent), Relaxed);
             d.tx_batched.fetch_add(std::mem::take(&mut self.tx.batched), Relaxed);
+            self.st.offload.gso_sends.fetch_add(std::mem::take(&mut self.tx.gso_messages), Relaxed);
         }
     }
 }

@@ -5,15 +5,18 @@
 //! spreads peers over them with `SO_REUSEPORT`). Each interface runs
 //!
 //! - **guest-driven**: its NIC is in the epoll set; the thread sleeps in
-//!   `epoll_wait` and handles each frame the moment it arrives, sending it at
-//!   once;
+//!   `epoll_wait` and handles frames the moment they arrive;
 //! - **VMM-driven**: its NIC is out of the epoll set ("notifications off")
-//!   and polled every pass, up to `quota` frames, its link sends batched into
-//!   one `sendmmsg` a pass; an idle pass applies the yield strategy
+//!   and polled every pass; an idle pass applies the yield strategy
 //!   (immediate: `sched_yield`; timed: wait up to T_sleep; adaptive:
 //!   immediate until idle for T_nowork, then timed);
 //! - **adaptive**: guest-driven below α_l and VMM-driven above α_u packets
 //!   per second, measured over windows of ω (hysteresis in between).
+//!
+//! Either way a pass takes up to `quota` frames from each source that is
+//! ready, and what it sends to UDP links leaves at the pass's end in one
+//! `sendmmsg` per socket, each run of frames to one peer as one GSO message
+//! (`link::TxQueue`): no system call per frame.
 //!
 //! A TCP link's connection is a source like any other: the owning thread
 //! reads frames from it, ends each received run before it next looks at the
@@ -213,12 +216,10 @@ impl Worker {
                     continue;
                 }
                 if token >= TOKEN_SOCKET {
-                    self.fwd.tx.batching = polling;
                     self.drain_socket((token - TOKEN_SOCKET) as usize);
                     continue;
                 }
                 let at = (token & 0xffff_ffff) as usize;
-                self.fwd.tx.batching = false;
                 match token & KIND_MASK {
                     KIND_NIC => {
                         if let Some(o) = self.owned.get(at) {
@@ -254,7 +255,6 @@ impl Worker {
 
     /// One VMM-driven pass: every polled NIC, and this thread's UDP sockets.
     fn poll_pass(&mut self) -> usize {
-        self.fwd.tx.batching = true;
         let mut work = 0;
         for i in 0..self.owned.len() {
             if self.owned[i].polled {

@@ -154,28 +154,32 @@ pub trait Transport: Send + Sync {
     }
 }
 
-/// A dispatcher's queued link sends: datagrams for one `sendmmsg` per UDP
-/// socket, and the links that buffered frames this pass. Outcomes of
-/// queued datagrams land in `done` for the forwarder to count.
+/// A dispatcher's queued link sends: every datagram a pass sends goes out
+/// in one `sendmmsg` per UDP socket at the end of the pass (its runs to one
+/// peer as GSO messages), and the links that buffered frames this pass are
+/// written out then. Outcomes of queued datagrams land in `done` for the
+/// forwarder to count.
 #[derive(Default)]
 pub struct TxQueue {
-    /// Queue datagrams for one `sendmmsg` per pass (VMM-driven) instead of
-    /// sending each at once.
-    pub batching: bool,
     batches: Vec<(Arc<UdpEndpoint>, TxBatch)>,
     /// Slots of links that buffered frames, to `write_out` at the end of the pass.
     pub buffered: Vec<u32>,
     /// Queued datagrams sent or failed: (link slot, bytes, the drop reason
     /// if it failed).
     pub done: Vec<(u32, usize, Option<DropReason>)>,
-    /// `sendmmsg` calls made and datagrams in them.
+    /// Slots of links whose GSO the kernel refused in this flush.
+    pub gso_refused: Vec<u32>,
+    /// `sendmmsg` calls made, datagrams in them, and GSO messages among
+    /// their messages.
     pub batches_sent: u64,
     pub batched: u64,
+    pub gso_messages: u64,
 }
 
 impl TxQueue {
-    /// Queues a datagram made of `parts` for `ep`; a full batch is sent first.
-    pub fn push(&mut self, ep: &Arc<UdpEndpoint>, parts: &[&[u8]], to: SocketAddr, slot: u32) {
+    /// Queues a datagram made of `parts` for `ep`; `gso`: it may share a
+    /// GSO message with its neighbours. A full batch is sent first.
+    pub fn push(&mut self, ep: &Arc<UdpEndpoint>, parts: &[&[u8]], to: SocketAddr, slot: u32, gso: bool) {
         let i = match self.batches.iter().position(|(e, _)| Arc::ptr_eq(e, ep)) {
             Some(i) => i,
             None => {
@@ -183,9 +187,9 @@ impl TxQueue {
                 self.batches.len() - 1
             }
         };
-        if !self.batches[i].1.push(parts, to, slot) {
+        if !self.batches[i].1.push(parts, to, slot, gso) {
             self.flush_one(i);
-            self.batches[i].1.push(parts, to, slot);
+            self.batches[i].1.push(parts, to, slot, gso);
         }
     }
 
@@ -194,14 +198,12 @@ impl TxQueue {
         if tx.is_empty() {
             return;
         }
-        let done = &mut self.done;
-        let mut n = 0u64;
-        ep.flush(tx, |slot, len, err| {
-            n += 1;
-            done.push((slot, len, err.map(|e| classify(&e))));
-        });
+        let (done, refused) = (&mut self.done, &mut self.gso_refused);
+        self.batched += tx.len() as u64;
+        let gso_before = tx.gso_messages;
+        ep.flush(tx, |slot, len, err| done.push((slot, len, err.map(|e| classify(&e)))), |slot| refused.push(slot));
+        self.gso_messages += tx.gso_messages - gso_before;
         self.batches_sent += 1;
-        self.batched += n;
     }
 
     /// Sends every queued datagram.

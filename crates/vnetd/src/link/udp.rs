@@ -83,20 +83,18 @@ impl Transport for UdpLink {
         let mut parts = [&[][..]; MAX_PIECES + 2];
         parts[0] = &pre[..plen];
         parts[1..=n].copy_from_slice(&frame.parts()[..n]);
-        if q.batching {
-            q.push(&self.ep, &parts[..=n], self.remote, cx.slot);
-            return Sent::later();
-        }
-        let mut iov = [IoSlice::new(&[]); MAX_PIECES + 2];
-        for (v, p) in iov.iter_mut().zip(&parts[..=n]) {
-            *v = IoSlice::new(p);
-        }
-        sent_now(self.ep.send_iov(&iov[..=n], self.remote, None).map(|_| ()), 1, frame.len())
+        // Frames that fit the underlay may share a GSO message with their
+        // neighbours; bigger ones go as IP fragments, one datagram each.
+        let gso = frame.len() <= cx.max_frame && cx.gso.ok();
+        q.push(&self.ep, &parts[..=n], self.remote, cx.slot, gso);
+        Sent::later()
     }
 
     /// One UDP GSO call per up to 64 segments; segment by segment while the
     /// kernel refuses GSO toward this peer.
-    fn send_segments(&self, _q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent {
+    fn send_segments(&self, q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent {
+        // Frames queued before this one leave first: a flow's order holds.
+        q.flush();
         let (pre, plen) = self.prefix();
         let pre = &pre[..plen];
         let seg_size = plen + segs.seg_size;

@@ -28,8 +28,8 @@ pub const MAX_GSO_SEGMENTS: usize = 64;
 pub const RX_BATCH: usize = 16;
 /// Room for one received GRO run (at most 64 KiB of payload).
 const RX_BUF: usize = 65536;
-/// Datagrams per `sendmmsg`.
-pub const TX_BATCH: usize = 64;
+/// Datagrams queued for one `sendmmsg` (in GSO runs, as few messages).
+pub const TX_BATCH: usize = 256;
 
 const UDP_SEGMENT: libc::c_int = 103;
 const UDP_GRO: libc::c_int = 104;
@@ -178,42 +178,55 @@ impl UdpEndpoint {
         }
     }
 
-    /// Sends every queued datagram of `tx` (`sendmmsg`), then empties it.
-    /// Returns per-datagram results through `done(link_slot, len, error)`.
-    pub fn flush(&self, tx: &mut TxBatch, mut done: impl FnMut(u32, usize, Option<io::Error>)) {
+    /// Sends every queued datagram of `tx`, then empties it: one
+    /// `sendmmsg` for the lot, in which each run of datagrams to one peer of
+    /// one size (the last may be shorter) is one message with `UDP_SEGMENT`
+    /// (GSO): the kernel routes and builds the run once, and a receiver
+    /// with `UDP_GRO` takes it in one read. Reports each datagram through
+    /// `done(link_slot, len, error)`, and each link whose GSO the kernel
+    /// refused (its run then went datagram by datagram) through `refused`.
+    pub fn flush(&self, tx: &mut TxBatch, mut done: impl FnMut(u32, usize, Option<io::Error>), mut refused: impl FnMut(u32)) {
+        let msgs = tx.plan();
         let mut start = 0;
-        while start < tx.count {
-            let n = tx.count - start;
-            for i in start..tx.count {
-                let (off, len) = tx.spans[i];
-                tx.iov[i] = libc::iovec { iov_base: tx.data[off..].as_mut_ptr().cast(), iov_len: len };
-                let h = &mut tx.msgs[i].msg_hdr;
-                h.msg_name = tx.addrs[i].as_ptr() as *mut _;
-                h.msg_namelen = tx.addrs[i].len();
-                h.msg_iov = &mut tx.iov[i];
-                h.msg_iovlen = 1;
-            }
+        while start < msgs {
+            let n = msgs - start;
             // SAFETY: headers point at live buffers owned by `tx`.
             let sent = unsafe { libc::sendmmsg(self.socket.as_raw_fd(), tx.msgs[start..].as_mut_ptr(), n as u32, 0) };
             if sent <= 0 {
                 let e = io::Error::last_os_error();
-                if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOBUFS)) {
+                let code = e.raw_os_error().unwrap_or(libc::EIO);
+                if matches!(code, libc::EAGAIN | libc::ENOBUFS) {
                     // The socket is full: the rest would fail the same way.
-                    for i in start..tx.count {
-                        done(tx.links[i], tx.spans[i].1, Some(io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(libc::EAGAIN))));
+                    for m in start..msgs {
+                        tx.each(m, |link, len| done(link, len, Some(io::Error::from_raw_os_error(code))));
                     }
                     break;
                 }
-                // The first datagram failed: report it and go on with the rest.
-                done(tx.links[start], tx.spans[start].1, Some(e));
+                let (first, last) = tx.runs[start];
+                if last - first > 1 && matches!(code, libc::EIO | libc::EINVAL) {
+                    // GSO refused toward this peer (no checksum offload on
+                    // the way, or segments above the path MTU): its run
+                    // goes datagram by datagram.
+                    refused(tx.links[first]);
+                    for i in first..last {
+                        let (off, len) = tx.spans[i];
+                        let iov = [IoSlice::new(&tx.data[off..off + len])];
+                        let r = self.send_iov(&iov, tx.to[i], None);
+                        done(tx.links[i], len, r.err());
+                    }
+                } else {
+                    // The first message failed: report it and go on with the rest.
+                    tx.each(start, |link, len| done(link, len, Some(io::Error::from_raw_os_error(code))));
+                }
                 start += 1;
                 continue;
             }
-            for i in start..start + sent as usize {
-                done(tx.links[i], tx.spans[i].1, None);
+            for m in start..start + sent as usize {
+                tx.each(m, |link, len| done(link, len, None));
             }
             start += sent as usize;
         }
+        tx.gso_messages += (0..msgs).filter(|&m| tx.runs[m].1 - tx.runs[m].0 > 1).count() as u64;
         tx.clear();
     }
 }
@@ -264,39 +277,60 @@ impl RxBatch {
     }
 }
 
-/// Datagrams waiting for one `sendmmsg`, copied into one arena.
+/// Datagrams waiting for one `sendmmsg`, copied one after another into one
+/// arena (so a run of them to one peer is one contiguous buffer, sent as
+/// one GSO message).
 pub struct TxBatch {
     data: Vec<u8>,
     spans: Vec<(usize, usize)>,
+    to: Vec<SocketAddr>,
     addrs: Vec<SockAddr>,
     links: Vec<u32>,
+    /// Whether each datagram may share a GSO message with its neighbours.
+    gso: Vec<bool>,
+    /// The messages `plan` made: the datagrams `runs[m].0..runs[m].1`.
+    runs: Vec<(usize, usize)>,
     iov: Vec<libc::iovec>,
     msgs: Vec<libc::mmsghdr>,
+    cmsgs: Vec<cmsg::Space>,
     count: usize,
+    /// Messages sent that held more than one datagram (GSO), ever.
+    pub gso_messages: u64,
 }
 
 // SAFETY: the raw pointers inside are only set and used within flush.
 unsafe impl Send for TxBatch {}
+
+/// Most bytes one GSO message carries (a UDP datagram's payload limit,
+/// with room for headers).
+const GSO_MESSAGE_BYTES: usize = 65000;
 
 impl Default for TxBatch {
     fn default() -> Self {
         TxBatch {
             data: Vec::with_capacity(TX_BATCH * 2048),
             spans: Vec::with_capacity(TX_BATCH),
+            to: Vec::with_capacity(TX_BATCH),
             addrs: Vec::with_capacity(TX_BATCH),
             links: Vec::with_capacity(TX_BATCH),
+            gso: Vec::with_capacity(TX_BATCH),
+            runs: Vec::with_capacity(TX_BATCH),
             // SAFETY: iovec and mmsghdr are plain data.
             iov: vec![unsafe { zeroed() }; TX_BATCH],
             msgs: vec![unsafe { zeroed() }; TX_BATCH],
+            cmsgs: vec![[0; 8]; TX_BATCH],
             count: 0,
+            gso_messages: 0,
         }
     }
 }
 
 impl TxBatch {
-    /// Queues a copy of the datagram made of `parts`; false when the batch
-    /// is full (flush first).
-    pub fn push(&mut self, parts: &[&[u8]], to: SocketAddr, link: u32) -> bool {
+    /// Queues a copy of the datagram made of `parts` for the link at slot
+    /// `link`; `gso`: it may go in one GSO message with the datagrams
+    /// queued next to it for the same peer. False when the batch is full
+    /// (flush first).
+    pub fn push(&mut self, parts: &[&[u8]], to: SocketAddr, link: u32, gso: bool) -> bool {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         if self.count == TX_BATCH || self.data.len() + len > 4 << 20 {
             return false;
@@ -306,8 +340,15 @@ impl TxBatch {
             self.data.extend_from_slice(p);
         }
         self.spans.push((off, len));
-        self.addrs.push(SockAddr::from(to));
+        // The address is converted once per peer run, not per datagram.
+        let addr = match (self.to.last(), self.addrs.last()) {
+            (Some(t), Some(a)) if *t == to => a.clone(),
+            _ => SockAddr::from(to),
+        };
+        self.to.push(to);
+        self.addrs.push(addr);
         self.links.push(link);
+        self.gso.push(gso);
         self.count += 1;
         true
     }
@@ -316,11 +357,72 @@ impl TxBatch {
         self.count == 0
     }
 
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Groups the queued datagrams into messages and points the headers at
+    /// them; how many messages. A message is a run of datagrams to one peer,
+    /// of one link, all of one size but the last (which may be shorter),
+    /// at most `MAX_GSO_SEGMENTS` and `GSO_MESSAGE_BYTES`: what one
+    /// `UDP_SEGMENT` send makes.
+    fn plan(&mut self) -> usize {
+        self.runs.clear();
+        let mut i = 0;
+        while i < self.count {
+            let (off, size) = self.spans[i];
+            let mut end = i + 1;
+            let mut bytes = size;
+            if self.gso[i] {
+                while end < self.count
+                    && end - i < MAX_GSO_SEGMENTS
+                    && self.gso[end]
+                    && self.to[end] == self.to[i]
+                    && self.links[end] == self.links[i]
+                    && self.spans[end - 1].1 == size
+                    && self.spans[end].1 <= size
+                    && self.spans[end].1 > 0
+                    && bytes + self.spans[end].1 <= GSO_MESSAGE_BYTES
+                {
+                    bytes += self.spans[end].1;
+                    end += 1;
+                }
+            }
+            let m = self.runs.len();
+            self.runs.push((i, end));
+            self.iov[m] = libc::iovec { iov_base: self.data[off..].as_mut_ptr().cast(), iov_len: bytes };
+            let h = &mut self.msgs[m].msg_hdr;
+            h.msg_name = self.addrs[i].as_ptr() as *mut _;
+            h.msg_namelen = self.addrs[i].len();
+            h.msg_iov = &mut self.iov[m];
+            h.msg_iovlen = 1;
+            h.msg_control = std::ptr::null_mut();
+            h.msg_controllen = 0;
+            h.msg_flags = 0;
+            if end - i > 1 {
+                cmsg::put(h, &mut self.cmsgs[m], libc::SOL_UDP, UDP_SEGMENT, &(size as u16).to_ne_bytes());
+            }
+            i = end;
+        }
+        self.runs.len()
+    }
+
+    /// Calls `f(link, len)` for each datagram of message `m`.
+    fn each(&self, m: usize, mut f: impl FnMut(u32, usize)) {
+        let (a, b) = self.runs[m];
+        for i in a..b {
+            f(self.links[i], self.spans[i].1);
+        }
+    }
+
     fn clear(&mut self) {
         self.data.clear();
         self.spans.clear();
+        self.to.clear();
         self.addrs.clear();
         self.links.clear();
+        self.gso.clear();
+        self.runs.clear();
         self.count = 0;
     }
 }
@@ -352,3 +454,67 @@ pub fn set_buffers(sock: &Socket, size: usize, what: &str) {
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn datagram(n: usize, tag: u8) -> Vec<u8> {
+        (0..n).map(|i| tag.wrapping_add(i as u8)).collect()
+    }
+
+    #[test]
+    fn runs_to_one_peer_of_one_size_are_one_gso_message_each() {
+        let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
+        let mut tx = TxBatch::default();
+        let mut push = |len: usize, to: SocketAddr, link: u32, gso: bool| assert!(tx.push(&[&datagram(len, 0)], to, link, gso));
+        // 0..3: a run of three 100-byte datagrams ending with a shorter one.
+        push(100, a, 1, true);
+        push(100, a, 1, true);
+        push(60, a, 1, true);
+        // A shorter one ended the run: this starts another.
+        push(100, a, 1, true);
+        // Another peer, another link, one that may not share, a bigger one.
+        push(100, b, 2, true);
+        push(100, b, 3, true);
+        push(100, b, 3, false);
+        push(100, b, 3, true);
+        push(200, b, 3, true);
+        assert_eq!(tx.plan(), 7);
+        assert_eq!(tx.runs, vec![(0, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9)]);
+        // A run stops at the kernel's 64 segments.
+        let mut tx = TxBatch::default();
+        for _ in 0..100 {
+            assert!(tx.push(&[&datagram(64, 0)], a, 1, true));
+        }
+        assert_eq!(tx.plan(), 2);
+        assert_eq!(tx.runs, vec![(0, 64), (64, 100)]);
+    }
+
+    #[test]
+    fn every_datagram_arrives_whole_and_in_order() {
+        let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        // Room for the lot (200 datagrams wait before the first read).
+        set_buffers(&Socket::from(rx.try_clone().unwrap()), 4 << 20, "test receiver");
+        rx.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        let ep = UdpEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let to = rx.local_addr().unwrap();
+        let mut tx = TxBatch::default();
+        let sizes: Vec<usize> = (0..200).map(|i| if i % 50 == 49 { 30 } else if i < 40 { 1400 } else { 64 }).collect();
+        for (i, &n) in sizes.iter().enumerate() {
+            assert!(tx.push(&[&datagram(n, i as u8)], to, 7, true));
+        }
+        let mut results = Vec::new();
+        ep.flush(&mut tx, |link, len, err| results.push((link, len, err.is_none())), |_| panic!("GSO refused on loopback"));
+        assert_eq!(results.len(), sizes.len());
+        assert!(results.iter().all(|&(link, _, ok)| link == 7 && ok));
+        assert!(tx.gso_messages > 0 && tx.gso_messages < 20, "{} GSO messages", tx.gso_messages);
+        assert!(tx.is_empty());
+        let mut buf = [0u8; 2048];
+        for (i, &n) in sizes.iter().enumerate() {
+            let got = rx.recv(&mut buf).unwrap();
+            assert_eq!(&buf[..got], &datagram(n, i as u8)[..], "datagram {i}");
+        }
+    }
+}
