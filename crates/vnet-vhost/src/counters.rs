@@ -35,6 +35,9 @@ vnet_core::counter_set! {
         interrupts_pending as "vhost_interrupts_pending",
         /// Frames written into the guest's receive buffers.
         rx_frames as "vhost_rx_frames",
+        /// Times a long burst was made visible to the guest before its end
+        /// (every `PUBLISH_EVERY` frames).
+        rx_mid_burst as "vhost_rx_mid_burst_publishes",
         /// Optimistic interrupts: early virtual interrupts sent, and found the
         /// guest's interrupts off; end-of-coalescing decisions by reason.
         evi_sent,

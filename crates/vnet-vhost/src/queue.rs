@@ -594,6 +594,17 @@ impl<B: DirtyLog> Ring<B> {
     /// again.
     pub fn publish(&mut self) -> bool {
         self.spent = 0;
+        self.publish_used()
+    }
+
+    /// Used entries written and not yet visible to the guest.
+    pub fn unpublished(&self) -> u16 {
+        self.unpublished
+    }
+
+    /// Makes the used entries written so far visible to the guest, within
+    /// a pass (its budget goes on); true if there were any.
+    pub fn publish_used(&mut self) -> bool {
         if self.unpublished == 0 {
             return false;
         }
