@@ -2,8 +2,20 @@
 """Frames per second a guest's NIC pushes through vnetd, by NIC kind, in
 one interleaved run: a DPDK testpmd (txonly, one polling core) is the
 guest on host 1; its frames cross vnetd h1, the UDP link and vnetd h2 to a
-namespace guest's TAP on host 2, whose received-frame count is the figure.
+guest on host 2 (a VM's driver, or a namespace guest's TAP), whose
+received-frame count is the figure.
 
+  vhost-vm     VM to VM: testpmd's net_virtio_user port (txonly) on a
+               vhost-user interface of host 1 sends to bench/tools/rx_sink.py,
+               a virtio driver on a vhost-user interface of host 2 (interrupt-
+               driven, real-time on the sender's CPU so that it is not starved
+               by the poller); the figure is what the receiving driver took
+               from its ring
+  vhost-vm-poll
+               the same with host 1's dispatcher polling the VM's ring
+               (INTERFACE SET pa mode vmm-driven: a polling datapath core)
+  socket       the underlay alone: iperf3 -u, one sendto per datagram of the
+               frame's size, host 1 to host 2 (the bare per-datagram socket)
   vhost        testpmd's net_virtio_user port on a vhost-user interface
                (vnetd works its rings; cut-through on, the default)
   vhost-copy   the same with `SET cut-through off`
@@ -15,12 +27,17 @@ namespace guest's TAP on host 2, whose received-frame count is the figure.
   vhost-intake, vhost-copy-intake, tap-intake
                the NIC alone: frames to a MAC no route names, which vnetd h1
                takes from the NIC, routes and drops (no_route); the figure
-               is h1's in_frames rate for that interface. The end-to-end
-               figures above are bounded by the lab's underlay (a UDP send
-               through veth, a bridge and veth into host 2's socket, all in
-               vnetd h1's system call), the same for every NIC kind
+               is h1's in_frames rate for that interface. The rows that
+               end in host 2's TAP are bounded by vnetd h2's one write(2)
+               per frame into it (and the guest kernel's receive, which
+               that write runs), the same for every NIC kind on host 1
 
     sudo python3 bench/vhost.py [--reps 3] [--seconds 5] [--sizes 64,1500,66+1434,tso] [--transports ...]
+                                [--underlay-mtu 9000]
+
+With `--underlay-mtu` 1528 or more a 1500-byte frame crosses in one VNET/P
+datagram (GSO runs); at 1500 it crosses as two IP fragments, one datagram
+per send.
 
 Placement: host 1's vnetd, which takes the sender's frames, is pinned alone
 on CPU 0 (`--cpus 0`: the datapath on its own core); the sender polls on
@@ -28,8 +45,8 @@ CPU 1, where host 2's vnetd (`--cpus 1`, real-time while event-driven)
 preempts it when frames come for the receiver. Two busy-polling testpmds (a receiving one too) and two vnetds do not
 fit on this machine's two CPUs (a receiving testpmd sharing a CPU with a
 poller or a dispatcher is starved and its ring overflows), so the receive
-side is the kernel's TAP; frames into a vhost-user guest are exercised by
-tests/test_vhost_testpmd.py, not measured here.
+side of the `vhost`, `vhost-copy` and `tap` rows is the kernel's TAP, and
+`vhost-vm` uses rx_sink.py, a driver that sleeps until interrupted.
 
 Sizes: `64`, `1500` (one buffer each), `66+1434` (one frame in two buffers,
 headers then payload, as a Linux guest sends TCP: vnetd gathers it), `tso`
@@ -57,7 +74,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "tests"))
-from netlab import Lab, guest_mac, mesh_config  # noqa: E402
+from netlab import Lab, guest_mac, mesh_config, underlay_ip  # noqa: E402
 
 MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
 # Host 1's vnetd, which takes the sender's frames, has CPU 0 to itself (the
@@ -65,7 +82,7 @@ MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
 # CPU 1, where host 2's vnetd (real-time while event-driven) preempts it
 # whenever frames arrive for the receiver.
 CPU_PMD, CPU_VNETD = 1, (0, 1)
-TRANSPORTS = ["vhost", "vhost-copy", "tap", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
+TRANSPORTS = ["vhost-vm", "vhost-vm-poll", "vhost", "vhost-copy", "tap", "socket", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
 # A MAC no route names: frames to it are taken from the NIC, routed and
 # dropped (no_route) by vnetd h1, nothing further.
 NOWHERE = "02:00:00:00:00:99"
@@ -126,9 +143,9 @@ def rx_rate(out: str) -> float | None:
 
 
 class Bench:
-    def __init__(self, lab: Lab, vnetd_bin: str | None):
+    def __init__(self, lab: Lab, vnetd_bin: str | None, underlay_mtu: int = 1500):
         self.lab = lab
-        self.h1, self.h2 = lab.add_host(1), lab.add_host(2)
+        self.h1, self.h2 = lab.add_host(1, mtu=underlay_mtu), lab.add_host(2, mtu=underlay_mtu)
         self.sa, self.sb = lab.tmp / "a.sock", lab.tmp / "b.sock"
         by_host = {1: [("pa", MAC_A), ("ta", guest_mac(1))], 2: [("pb", MAC_B), ("tb", guest_mac(2))]}
         # testpmd's --no-huge memory is a memfd it seals against sealing, so
@@ -147,12 +164,23 @@ class Bench:
         lab = self.lab
         # "66+1434": one frame in two buffers (headers, then payload), as a
         # Linux guest sends TCP.
-        if size == "tso" and not transport.startswith("vhost"):
+        if size == "tso" and (not transport.startswith("vhost") or transport.startswith("vhost-vm")):
             return None  # only a virtio driver (tso_sender.py) sends these here
         segs = size.split("+")
         tx_args = ["--forward-mode=txonly", f"--txpkts={','.join(segs)}", f"--eth-peer=0,{self.gb.mac}"]
         if len(segs) > 1:
             tx_args.append("--tx-offloads=0x8000")  # RTE_ETH_TX_OFFLOAD_MULTI_SEGS
+        if transport == "socket":
+            return self.bare_socket(int(frame_len(size)), seconds)
+        if transport.startswith("vhost-vm"):
+            # -poll: host 1's dispatcher polls the VM's ring (VMM-driven, a
+            # polling core as OVS-DPDK's PMD threads), the VM never kicks.
+            mode = "vmm-driven" if transport.endswith("-poll") else "guest-driven"
+            self.d1.ctl("INTERFACE", "SET", "pa", "mode", mode)
+            try:
+                return self.vm_to_vm(tx_args, int(frame_len(size)), seconds)
+            finally:
+                self.d1.ctl("INTERFACE", "SET", "pa", "mode", "default")
         if transport == "dpdk-loop":  # testpmd's vhost backend receives what virtio-user sends
             sock = lab.tmp / "loop.sock"
             rx = Pmd(lab, None, "b", f"net_vhost0,iface={sock},queues=1", ["--forward-mode=rxonly"], 1 - CPU_PMD)
@@ -185,6 +213,56 @@ class Bench:
         t1, n1 = time.time(), count()
         tx.stop()
         return (n1 - n0) / (t1 - t0)
+
+
+    def vm_to_vm(self, tx_args: list[str], length: int, seconds: float) -> float | None:
+        """testpmd (the VM on host 1, vhost-user) sends to the VM on host 2,
+        bench/tools/rx_sink.py (a virtio driver on its own vhost-user
+        interface, interrupt-driven): frames per second its driver took from
+        its ring, the median of its per-second counts."""
+        lab = self.lab
+        tx_args = tx_args[:-1] + [f"--eth-peer=0,{MAC_B}"]
+        for d in (self.d1, self.d2):
+            d.ctl("SET", "cut-through", "on")
+        # Real-time (FIFO 1, as host 2's dispatcher) so that, woken by an
+        # interrupt, it takes the CPU from the polling sender beside it:
+        # two guests on this machine's second CPU.
+        sink = subprocess.Popen(["taskset", "-c", str(CPU_PMD), "chrt", "-f", "1", sys.executable, str(BENCH / "tools" / "rx_sink.py"),
+                                 str(self.sb), str(seconds + 3), str(length)], stdout=subprocess.PIPE, text=True)
+        lab.other_procs.append(sink)
+        time.sleep(1)
+        tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
+        try:
+            out = json.loads(sink.communicate(timeout=seconds + 30)[0])
+        except (subprocess.TimeoutExpired, json.JSONDecodeError):
+            sink.kill()
+            return None
+        finally:
+            tx.stop()
+        if out["bad"]:
+            print(f"rx_sink: {out['bad']} frames of the wrong length", file=sys.stderr)
+            return None
+        # Seconds with traffic, the first (partial) one left out.
+        pps = out["per_second"]
+        start = next((i for i, v in enumerate(pps) if v > 0), len(pps))
+        pps = pps[start + 1:] or pps[start:]
+        return statistics.median(pps) if pps else None
+
+    def bare_socket(self, length: int, seconds: float) -> float | None:
+        """The underlay alone: one UDP socket on host 1 sending `length`-byte
+        datagrams to one on host 2, one sendto each (iperf3 -u -b 0, pinned
+        where testpmd sends): datagrams per second received."""
+        lab = self.lab
+        srv = lab.popen(self.h2, "iperf3", "-s", "-1", "-p", "5209", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+        r = lab.x(self.h1, "taskset", "-c", str(CPU_PMD), "iperf3", "-c", underlay_ip(2), "-p", "5209", "-u", "-b", "0",
+                  "-l", str(length), "-t", str(seconds), "--json", check=False, timeout=seconds + 30)
+        srv.wait(timeout=10)
+        try:
+            end = json.loads(r.stdout)["end"]["sum"]
+        except (json.JSONDecodeError, KeyError):
+            return None
+        return (end["packets"] - end["lost_packets"]) / end["seconds"]
 
 
 def frame_len(size: str) -> int:
@@ -222,6 +300,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=6)
     ap.add_argument("--sizes", default="64,1500")
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
+    ap.add_argument("--underlay-mtu", type=int, default=1500,
+                    help="the hosts' LAN MTU: 1528 or more carries a 1500-byte frame in one VNET/P datagram")
     args = ap.parse_args()
     if shutil.which("dpdk-testpmd") is None:
         sys.exit("dpdk-testpmd not found: apt-get install dpdk-dev (scripts/setup does)")
@@ -230,12 +310,12 @@ def main():
     lab = Lab(tag="vh")
     rows = []
     try:
-        b = Bench(lab, None)
+        b = Bench(lab, None, args.underlay_mtu)
         for rep in range(args.reps):
             for size in sizes:
                 order = transports if rep % 2 == 0 else transports[::-1]
                 for t in order:
-                    if size == "tso" and not t.startswith("vhost"):
+                    if size == "tso" and (not t.startswith("vhost") or t.startswith("vhost-vm")):
                         continue  # only a virtio driver (tso_sender.py) sends super-frames here
                     row = {"rep": rep, "size": size, "transport": t, "load_before": loadavg()}
                     row["pps"] = b.measure(t, size, args.seconds)

@@ -149,13 +149,15 @@ def qemu_command(tap: str, mac: str, ip_cidr: str, script: str, mem_mb: int = 25
 
 
 def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: int = 256,
-                            server: bool = False, module_args: dict[str, str] | None = None) -> list[str]:
+                            server: bool = False, module_args: dict[str, str] | None = None,
+                            host_mtu: int | None = None) -> list[str]:
     """QEMU (TCG) booting the guest on a vhost-user virtio-net device whose
     backend is at `sock`: QEMU connects there (and reconnects each second
     when the backend restarts), or with `server` listens there for the
     backend. Guest memory must be shared (memfd); `vectors=0` because QEMU
     7.2 under TCG crashes setting up MSI-X for vhost-user. `module_args`:
-    parameters for the guest's modules, e.g. {"virtio_net": "napi_tx=0"}."""
+    parameters for the guest's modules, e.g. {"virtio_net": "napi_tx=0"}.
+    `host_mtu`: the MTU QEMU gives the guest's NIC."""
     import base64
 
     vmlinux, initrd = build()
@@ -170,7 +172,7 @@ def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: i
         "-append", f"console=ttyS0 panic=-1 quiet vnet.ip={ip_cidr}{mods} vnet.script={b64}",
         "-chardev", chardev,
         "-netdev", "vhost-user,id=n0,chardev=c0",
-        "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=",
+        "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=" + (f",host_mtu={host_mtu}" if host_mtu else ""),
     ]
 
 
