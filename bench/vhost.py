@@ -53,7 +53,7 @@ headers then payload, as a Linux guest sends TCP: vnetd gathers it), `tso`
 (64 KB TCP super-frames in 17 buffers from bench/tools/tso_sender.py, a
 virtio driver in Python, since testpmd's txonly sends UDP only: vhost
 transports only). Prints min/median/max per
-transport, ratios to the TAP path and to the DPDK loop, and the load
+transport, ratios to the TAP path, to the bare socket and to the DPDK loop, and the load
 average before/after each point; writes bench/results/<date>-vhost.{json,md}.
 A benchmark, never a pass/fail test.
 """
@@ -272,8 +272,8 @@ def frame_len(size: str) -> int:
 
 
 def summarize(rows: list[dict], transports: list[str], sizes: list[str]) -> list[str]:
-    out = ["| size | transport | Mpps min / median / max | Gbit/s (median) | / tap (or tap-intake) | / dpdk-loop | load before→after |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| size | transport | Mpps min / median / max | Gbit/s (median) | / tap (or tap-intake) | / socket | / dpdk-loop | load before→after |",
+           "|---|---|---|---|---|---|---|---|"]
     for size in sizes:
         med = {}
         for t in transports:
@@ -284,13 +284,13 @@ def summarize(rows: list[dict], transports: list[str], sizes: list[str]) -> list
             v = [r["pps"] for r in rows if r["size"] == size and r["transport"] == t and r["pps"] is not None]
             loads = ", ".join(f"{r['load_before']}→{r['load_after']}" for r in rows if r["size"] == size and r["transport"] == t)
             if not v:
-                out.append(f"| {size} | {t} | failed | - | - | - | {loads} |")
+                out.append(f"| {size} | {t} | failed | - | - | - | - | {loads} |")
                 continue
             m = med[t]
             ratio = lambda ref: f"{m / med[ref]:.2f}" if med.get(ref) else "-"
             base = "tap-intake" if t.endswith("-intake") else "tap"
             out.append(f"| {size} | {t} | {min(v) / 1e6:.3f} / {m / 1e6:.3f} / {max(v) / 1e6:.3f} | "
-                       f"{m * frame_len(size) * 8 / 1e9:.2f} | {ratio(base)} | {ratio('dpdk-loop')} | {loads} |")
+                       f"{m * frame_len(size) * 8 / 1e9:.2f} | {ratio(base)} | {ratio('socket')} | {ratio('dpdk-loop')} | {loads} |")
     return out
 
 

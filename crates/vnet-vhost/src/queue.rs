@@ -789,6 +789,31 @@ mod tests {
     }
 
     #[test]
+    fn a_long_burst_into_the_guest_becomes_visible_every_64_frames() {
+        use crate::device::{Device, PUBLISH_EVERY, RX};
+        let (r, mem) = ring(true);
+        assert_eq!(PUBLISH_EVERY, SIZE);
+        for i in 0..SIZE {
+            desc(&mem, i, BUFS + 0x100 * u64::from(i), 0x100, 2, 0);
+        }
+        offer(&mem, &(0..SIZE).collect::<Vec<_>>());
+        let d: Device = Device::new(crate::MemoryPolicy::default()).unwrap();
+        *d.ring(RX) = r;
+        let frame = [7u8; 60];
+        for k in 1..SIZE {
+            d.send(&VnetHdr::default(), &[&frame]).unwrap();
+            assert_eq!(used_idx(&mem), 0, "frame {k} visible before its stretch ended");
+        }
+        // The 64th frame ends a stretch: the guest sees all 64 before the
+        // pass ends (no flush here), and the budget of the pass goes on.
+        d.send(&VnetHdr::default(), &[&frame]).unwrap();
+        assert_eq!(used_idx(&mem), SIZE);
+        assert_eq!(d.counters.rx_mid_burst.load(Relaxed), 1);
+        assert_eq!(used(&mem, 63), (63, 70), "the frame and a legacy 10-byte header");
+        assert!(d.ring(RX).spent() > 0, "a mid-burst publish does not start a new pass");
+    }
+
+    #[test]
     fn too_little_room_takes_nothing() {
         let (mut r, mem) = ring(false);
         desc(&mem, 0, BUFS, 1000, 2, 0);
