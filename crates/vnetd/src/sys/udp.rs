@@ -222,11 +222,13 @@ impl UdpEndpoint {
                 continue;
             }
             for m in start..start + sent as usize {
+                if tx.runs[m].1 - tx.runs[m].0 > 1 {
+                    tx.gso_messages += 1;
+                }
                 tx.each(m, |link, len| done(link, len, None));
             }
             start += sent as usize;
         }
-        tx.gso_messages += (0..msgs).filter(|&m| tx.runs[m].1 - tx.runs[m].0 > 1).count() as u64;
         tx.clear();
     }
 }
@@ -515,6 +517,31 @@ mod tests {
         for (i, &n) in sizes.iter().enumerate() {
             let got = rx.recv(&mut buf).unwrap();
             assert_eq!(&buf[..got], &datagram(n, i as u8)[..], "datagram {i}");
+        }
+    }
+
+    #[test]
+    fn a_run_the_kernel_refuses_to_segment_goes_datagram_by_datagram() {
+        let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        rx.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        let ep = UdpEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        // Without UDP checksums the kernel refuses GSO (EINVAL), as it does
+        // toward a path whose MTU is below the segments.
+        setsockopt_int(ep.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1).unwrap();
+        let to = rx.local_addr().unwrap();
+        let mut tx = TxBatch::default();
+        for i in 0..10u8 {
+            assert!(tx.push(&[&datagram(300, i)], to, 3, true));
+        }
+        let (mut results, mut refused) = (Vec::new(), Vec::new());
+        ep.flush(&mut tx, |link, len, err| results.push((link, len, err.is_none())), |link| refused.push(link));
+        assert_eq!(refused, vec![3]);
+        assert_eq!(results, vec![(3, 300, true); 10]);
+        assert_eq!(tx.gso_messages, 0);
+        let mut buf = [0u8; 2048];
+        for i in 0..10u8 {
+            let got = rx.recv(&mut buf).unwrap();
+            assert_eq!(&buf[..got], &datagram(300, i)[..]);
         }
     }
 }
