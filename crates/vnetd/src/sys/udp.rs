@@ -342,13 +342,7 @@ impl TxBatch {
             self.data.extend_from_slice(p);
         }
         self.spans.push((off, len));
-        // The address is converted once per peer run, not per datagram.
-        let addr = match (self.to.last(), self.addrs.last()) {
-            (Some(t), Some(a)) if *t == to => a.clone(),
-            _ => SockAddr::from(to),
-        };
         self.to.push(to);
-        self.addrs.push(addr);
         self.links.push(link);
         self.gso.push(gso);
         self.count += 1;
@@ -370,9 +364,10 @@ impl TxBatch {
     /// `UDP_SEGMENT` send makes.
     fn plan(&mut self) -> usize {
         self.runs.clear();
+        self.addrs.clear();
         let mut i = 0;
         while i < self.count {
-            let (off, size) = self.spans[i];
+            let size = self.spans[i].1;
             let mut end = i + 1;
             let mut bytes = size;
             if self.gso[i] {
@@ -390,21 +385,33 @@ impl TxBatch {
                     end += 1;
                 }
             }
-            let m = self.runs.len();
+            // The address converted once per message (or peer), not per
+            // datagram.
+            let addr = match self.runs.last() {
+                Some(&(p, _)) if self.to[p] == self.to[i] => self.addrs[self.addrs.len() - 1].clone(),
+                _ => SockAddr::from(self.to[i]),
+            };
             self.runs.push((i, end));
+            self.addrs.push(addr);
+            i = end;
+        }
+        // The headers, once the vectors they point into are complete.
+        for m in 0..self.runs.len() {
+            let (a, b) = self.runs[m];
+            let (off, size) = self.spans[a];
+            let bytes: usize = self.spans[a..b].iter().map(|s| s.1).sum();
             self.iov[m] = libc::iovec { iov_base: self.data[off..].as_mut_ptr().cast(), iov_len: bytes };
             let h = &mut self.msgs[m].msg_hdr;
-            h.msg_name = self.addrs[i].as_ptr() as *mut _;
-            h.msg_namelen = self.addrs[i].len();
+            h.msg_name = self.addrs[m].as_ptr() as *mut _;
+            h.msg_namelen = self.addrs[m].len();
             h.msg_iov = &mut self.iov[m];
             h.msg_iovlen = 1;
             h.msg_control = std::ptr::null_mut();
             h.msg_controllen = 0;
             h.msg_flags = 0;
-            if end - i > 1 {
+            if b - a > 1 {
                 cmsg::put(h, &mut self.cmsgs[m], libc::SOL_UDP, UDP_SEGMENT, &(size as u16).to_ne_bytes());
             }
-            i = end;
         }
         self.runs.len()
     }
