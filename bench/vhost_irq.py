@@ -37,13 +37,12 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "tests"))
-from netlab import REPO, Lab, guest_mac, mesh_config  # noqa: E402
+from netlab import REPO, Lab  # noqa: E402
 from vm import guest  # noqa: E402
 from vm.guest import Console  # noqa: E402
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
-VM_MAC = "52:54:00:00:00:09"
-VM_IP = "198.19.0.9"
+VM_MAC, VM_IP = guest.VM_MAC, guest.VM_IP
 
 # The VM prints its counters each time it is poked on port 6000, and sinks
 # every stream on port 5002.
@@ -64,14 +63,8 @@ def loadavg() -> str:
 class Bench:
     def __init__(self, lab: Lab, args):
         self.lab, self.args = lab, args
-        guest.build()
-        h1, h2 = lab.add_host(1), lab.add_host(2)
-        sock = lab.tmp / "vm9.sock"
-        by_host = {1: [("g1", guest_mac(1))], 2: [("vm9", VM_MAC)]}
-        cfg2 = mesh_config(2, by_host).replace(f"INTERFACE ADD vm9 {VM_MAC}", f"INTERFACE ADD vm9 {VM_MAC} vhost-user {sock}")
-        lab.start_vnetd(h1, mesh_config(1, by_host))
+        h2, self.g1, sock, cfg2 = guest.vhost_user_vm_lab(lab)
         self.d2 = lab.start_vnetd(h2, cfg2)
-        self.g1 = lab.attach_guest(h1, "g1", 1)
         qemu = guest.qemu_vhost_user_command(sock, VM_MAC, f"{VM_IP}/24", VM_SCRIPT)
         self.vm = lab.popen(h2, *qemu, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         self.console = Console(self.vm)

@@ -10,13 +10,12 @@ import time
 
 import pytest
 
-from netlab import REPO, guest_mac, mesh_config
+from netlab import REPO
 from vm import guest
 from vm.guest import Console, parse_counts
 
 XFER = REPO / "tests" / "tools" / "xfer.py"
-VM_MAC = "52:54:00:00:00:09"
-VM_IP = "198.19.0.9"
+VM_MAC, VM_IP = guest.VM_MAC, guest.VM_IP
 N = 20_000_000
 
 VM_SCRIPT = guest.exchange_script(N, counted=True) + """echo "VNET-COUNTS-IN2-BEFORE $(counts)"
@@ -54,14 +53,7 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     times in the 20 MB); an interrupt sent to the guest for received frames
     and not counted (`flush`'s `rx_interrupts` increment removed: the guest
     got 242 interrupts, vnetd counted 0)."""
-    guest.build()
-    h1, h2 = lab.add_host(1), lab.add_host(2)
-    sock = lab.tmp / "vm9.sock"
-    by_host = {1: [("g1", guest_mac(1))], 2: [("vm9", VM_MAC)]}
-    how = f"vhost-user {sock}" + (" client" if role == "client" else "")
-    cfg2 = mesh_config(2, by_host).replace(f"INTERFACE ADD vm9 {VM_MAC}", f"INTERFACE ADD vm9 {VM_MAC} {how}")
-    lab.start_vnetd(h1, mesh_config(1, by_host))
-    g1 = lab.attach_guest(h1, "g1", 1)
+    h2, g1, sock, cfg2 = guest.vhost_user_vm_lab(lab, " client" if role == "client" else "")
     # The guest's transmit interrupts off (virtio_net napi_tx=0: it frees
     # sent buffers as it sends more): its one interrupt line then counts
     # nearly only what vnetd sent for received frames.
@@ -194,13 +186,7 @@ def test_a_vm_takes_the_mtu_qemu_gives_it_and_its_full_frames_cross_in_one_datag
     then cross in one datagram each: nothing fragmented. Without it a VM's
     1500-byte packets cross as two IP fragments each, which the kernel fast
     path never takes."""
-    guest.build()
-    h1, h2 = lab.add_host(1), lab.add_host(2)
-    sock = lab.tmp / "vm9.sock"
-    by_host = {1: [("g1", guest_mac(1))], 2: [("vm9", VM_MAC)]}
-    cfg2 = mesh_config(2, by_host).replace(f"INTERFACE ADD vm9 {VM_MAC}", f"INTERFACE ADD vm9 {VM_MAC} vhost-user {sock}")
-    lab.start_vnetd(h1, mesh_config(1, by_host))
-    lab.attach_guest(h1, "g1", 1)
+    h2, _, sock, cfg2 = guest.vhost_user_vm_lab(lab)
     d2 = lab.start_vnetd(h2, cfg2)
     script = """echo "VNET-MTU $(cat /sys/class/net/eth0/mtu)"
 ping -c 3 -W 2 -s 1430 198.19.0.1 >/dev/null && echo VNET-FULL-OK

@@ -22,6 +22,10 @@ import threading
 import time
 from pathlib import Path
 
+# The VM of the vhost-user tests and benches.
+VM_MAC = "52:54:00:00:00:09"
+VM_IP = "198.19.0.9"
+
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "target" / "guest"
 MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev", "virtio_pci",
@@ -174,6 +178,25 @@ def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: i
         "-netdev", "vhost-user,id=n0,chardev=c0",
         "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=" + (f",host_mtu={host_mtu}" if host_mtu else ""),
     ]
+
+
+def vhost_user_vm_lab(lab, attach_opts: str = ""):
+    """The two hosts of the vhost-user VM tests and benches: host 1's vnetd
+    running with namespace guest g1, and host 2's config giving the VM
+    (VM_MAC) the vhost-user socket vm9.sock (`attach_opts`: more words for
+    its INTERFACE ADD, e.g. " client"); host 2's vnetd not started, since
+    whether it or the VM comes first is the caller's. Builds the guest
+    image. Returns (h2, g1, sock, cfg2)."""
+    from netlab import guest_mac, mesh_config
+
+    build()
+    h1, h2 = lab.add_host(1), lab.add_host(2)
+    sock = lab.tmp / "vm9.sock"
+    by_host = {1: [("g1", guest_mac(1))], 2: [("vm9", VM_MAC)]}
+    cfg2 = mesh_config(2, by_host).replace(f"INTERFACE ADD vm9 {VM_MAC}", f"INTERFACE ADD vm9 {VM_MAC} vhost-user {sock}{attach_opts}")
+    lab.start_vnetd(h1, mesh_config(1, by_host))
+    g1 = lab.attach_guest(h1, "g1", 1)
+    return h2, g1, sock, cfg2
 
 
 # The guest's own counters, as `kicks=<n> irqs=<n>`: how often its driver
