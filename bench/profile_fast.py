@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from netlab import Lab  # noqa: E402
-from test_fastpath import veth_mesh  # noqa: E402
+from netlab import Lab, veth_mesh  # noqa: E402
 with Lab("p") as lab:
     _, d, g = veth_mesh(lab, {1: [1], 2: [2]})
     assert lab.reaches(g[1], g[2])

@@ -775,3 +775,57 @@ def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
         now = fast(d[h])
         arp = {k: now[k] - f[k] for k in ("slow_not_ip", "hit_guest", "hit_net", "miss_guest", "miss_net")}
         assert arp["slow_not_ip"] == 0 and arp["hit_guest"] >= 6 and arp["hit_net"] >= 6, (h, arp)
+
+
+def neighbour(lab, host, ip: str) -> tuple[str, str]:
+    """Host's neighbour entry for `ip` on eth0: (MAC, state), or ("", "")."""
+    out = lab.x(host, "ip", "neigh", "show", ip, "dev", "eth0").stdout.split()
+    mac = out[out.index("lladdr") + 1] if "lladdr" in out else ""
+    return mac, (out[-1] if out else "")
+
+
+def test_encapsulated_frames_go_to_the_next_hop_the_neighbour_table_gives_and_it_is_kept_confirmed(lab):
+    """The fast path writes the outer Ethernet header itself, to the MAC the
+    kernel's neighbour table holds for the link's next hop (kept by vnetd,
+    fast/next_hops.rs), instead of a route and neighbour lookup per packet.
+    The table is the authority: an entry gone stale is confirmed as the stack
+    would confirm one it sends to (its datagrams no longer pass through it);
+    a wrong MAC in the table is followed (pings stop), and when the entry goes
+    the kernel resolves the hop again and the frames flow.
+    Catches: a hop never refreshed (pings never come back), a stale entry
+    never confirmed (it stays stale: the fast path would keep a dead peer's
+    MAC forever), no fallback while the hop is unknown."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    lab.x(hosts[1], "sysctl", "-qw", "net.ipv4.neigh.eth0.delay_first_probe_time=1")
+    assert lab.reaches(g[1], g[2])
+    assert wait_until(lambda: fast(d[1])["next_hops"] == 1 and fast(d[2])["next_hops"] == 1, timeout=5), fast(d[1])
+    mac2 = lab.x(hosts[2], "cat", "/sys/class/net/eth0/address").stdout.strip()
+    assert neighbour(lab, hosts[1], underlay_ip(2))[0] == mac2
+    before = fast(d[1])
+    assert "20 received" in lab.ping(g[1], g[2], count=20).stdout
+    after = fast(d[1])
+    assert after["hit_guest"] - before["hit_guest"] >= 19 and after["slow_route"] == 0, after
+
+    # Stale: confirmed (delay, a unicast probe, reachable) with no help from
+    # other traffic (the guests' own ARP, which takes the kernel's way, is
+    # kept off by permanent entries).
+    for a, b in ((g[1], g[2]), (g[2], g[1])):
+        lab.x(a.ns, "ip", "neigh", "replace", b.ip, "dev", a.tap, "lladdr", b.mac, "nud", "permanent")
+    lab.x(hosts[1], "ip", "neigh", "replace", underlay_ip(2), "dev", "eth0", "lladdr", mac2, "nud", "stale")
+    pinger = lab.popen(g[1].ns, "ping", "-q", "-i", "0.05", "-c", "200", g[2].ip, stdout=subprocess.DEVNULL)
+    assert wait_until(lambda: neighbour(lab, hosts[1], underlay_ip(2))[1] == "REACHABLE", timeout=8), \
+        neighbour(lab, hosts[1], underlay_ip(2))
+    assert fast(d[1])["next_hop_confirms"] >= 1, fast(d[1])
+    pinger.kill()
+    pinger.wait()
+
+    # A wrong MAC in the table: followed (the fast path sends there: lost).
+    updates = fast(d[1])["next_hop_updates"]
+    lab.x(hosts[1], "ip", "neigh", "replace", underlay_ip(2), "dev", "eth0", "lladdr", "02:00:5e:00:00:99", "nud", "permanent")
+    assert wait_until(lambda: lab.ping(g[1], g[2], wait=1).returncode != 0, timeout=5), "pings still answered"
+    # The entry gone: the hop is forgotten, the kernel resolves it again.
+    lab.x(hosts[1], "ip", "neigh", "del", underlay_ip(2), "dev", "eth0")
+    assert wait_until(lambda: lab.ping(g[1], g[2], wait=1).returncode == 0, timeout=5), "pings not answered again"
+    assert wait_until(lambda: fast(d[1])["next_hops"] == 1, timeout=3)
+    assert fast(d[1])["next_hop_updates"] >= updates + 2, fast(d[1])
+    assert neighbour(lab, hosts[1], underlay_ip(2))[0] == mac2

@@ -87,6 +87,18 @@ struct link_info {
 	__u32 daddr;
 };
 
+// The next hop of a link's datagrams, as the neighbour table knows it:
+// vnetd keeps it (crates/vnetd/src/fast/next_hops.rs), for the links whose
+// neighbour entry is usable. With it, encap writes the outer Ethernet header
+// and sends straight out of the device; without it (not resolved yet, or
+// gone), bpf_redirect_neigh routes and resolves as the stack would.
+struct next_hop {
+	__u8 dst[6];     // the next hop's MAC
+	__u8 src[6];     // the underlay device's own MAC
+	__u32 ifindex;   // the device it was resolved on (must be the link's)
+	__u32 daddr;     // the peer it was resolved for (must be the link's)
+};
+
 struct addr_key {
 	__u32 addr; // network order
 	__u16 port; // network order
@@ -168,6 +180,15 @@ struct {
 	__type(key, __u32);
 	__type(value, struct link_info);
 } links SEC(".maps");
+
+// Added after layout 1: a folder without it is adopted and it is made
+// (src/lib.rs ADDED_MAPS).
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32); // link id
+	__type(value, struct next_hop);
+} next_hops SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -438,8 +459,21 @@ static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, str
 	outer_header(hdr, l, len);
 	if (bpf_skb_store_bytes(skb, ETH_HLEN, hdr, 28, 0))
 		goto shot;
+	// The next hop's MAC known (vnetd keeps it from the neighbour table):
+	// the outer Ethernet header written here and out of the device, with
+	// no route or neighbour lookup per packet.
+	struct next_hop *nh = bpf_map_lookup_elem(&next_hops, &a->link);
+	if (nh && nh->ifindex == l->ifindex && nh->daddr == l->daddr) {
+		struct ethhdr outer = { .h_proto = bpf_htons(ETH_P_IP) };
+		__builtin_memcpy(outer.h_dest, nh->dst, ETH_ALEN);
+		__builtin_memcpy(outer.h_source, nh->src, ETH_ALEN);
+		if (bpf_skb_store_bytes(skb, 0, &outer, ETH_HLEN, 0))
+			goto shot;
+		count_hit(p->origin, a, len, S_HIT_GUEST);
+		return bpf_redirect(l->ifindex, 0);
+	}
 	count_hit(p->origin, a, len, S_HIT_GUEST);
-	// The kernel routes the outer packet (it must leave by the link's
+	// Else the kernel routes the outer packet (it must leave by the link's
 	// device) and fills in the next hop's Ethernet header, resolving the
 	// neighbour if need be: no forwarding setting is needed on the host,
 	// as bpf_fib_lookup would want.

@@ -90,7 +90,7 @@ pub struct LinkPath {
 }
 
 #[repr(C)]
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub(crate) struct RawLink {
     pub(crate) hdr: [u8; 28],
     pub(crate) ip_sum: u32,
@@ -128,6 +128,23 @@ impl RawLink {
             daddr: u32::from_ne_bytes(p.dst.octets()),
         }
     }
+}
+
+/// A link's next hop (`next_hops`' value): with it the programs write the
+/// outer Ethernet header themselves instead of asking the kernel to route
+/// and resolve each datagram. Taken only while `ifindex` and `daddr` are
+/// still the link's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NextHop {
+    /// The next hop's MAC.
+    pub dst: [u8; 6],
+    /// The underlay device's MAC.
+    pub src: [u8; 6],
+    /// The device it was resolved on.
+    pub ifindex: u32,
+    /// The link's peer it was resolved for (network order, as `links`).
+    pub daddr: u32,
 }
 
 #[repr(C)]

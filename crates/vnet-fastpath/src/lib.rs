@@ -18,7 +18,7 @@ pub mod guard;
 mod layout;
 pub mod pin;
 
-pub use layout::{Action, CounterKind, Flow, FlowKey, LinkPath, LINK_BIT, STAT_NAMES};
+pub use layout::{Action, CounterKind, Flow, FlowKey, LinkPath, NextHop, LINK_BIT, STAT_NAMES};
 use layout::*;
 
 pub use pin::{LAYOUT, MAGIC};
@@ -59,7 +59,14 @@ impl Hook {
 
 /// The maps vnetd pins and adopts (the object's other maps, if any, are
 /// the loader's own and made anew by each load).
-const PINNED_MAPS: [&str; 9] = ["flows", "links", "link_addrs", "ports", "config", "counters", "stats", "meta", "ids"];
+const PINNED_MAPS: [&str; 10] =
+    ["flows", "links", "link_addrs", "ports", "config", "counters", "stats", "meta", "ids", "next_hops"];
+
+/// Maps added since layout 1 without changing any other map's meaning: a
+/// folder that lacks one is still adopted (the rest of it, entries and
+/// all), and the map is made and pinned beside the adopted ones. An upgrade
+/// from a build before it stays hitless.
+const ADDED_MAPS: [&str; 1] = ["next_hops"];
 
 /// The kinds of object vnetd gives ids to (`Kernel::stored_id`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -131,6 +138,7 @@ pub struct Kernel {
     stats: MapHandle,
     meta: MapHandle,
     ids: MapHandle,
+    next_hops: MapHandle,
     progs: HashMap<Hook, OwnedFd>,
     /// What `config` holds (the programs' switch and settings).
     config_now: Mutex<Config>,
@@ -209,6 +217,7 @@ impl Drop for LinkEntry {
             return;
         }
         let _ = self.kernel.links.delete(bytes_of(&self.id));
+        let _ = self.kernel.next_hops.delete(bytes_of(&self.id));
         // The address is this link's only if no later link took it: a link
         // replaced by one to the same peer (in one request, or while a
         // dispatcher still held the old one) must not lose the new link's
@@ -243,6 +252,9 @@ impl Kernel {
 
         // What is pinned, and whether it is ours to adopt.
         let mut pinned: Vec<(&str, MapHandle)> = Vec::new();
+        // Maps of ADDED_MAPS the folder lacks (made and pinned if the rest
+        // is adopted).
+        let mut added: Vec<&str> = Vec::new();
         let mut opened = Opened::Fresh;
         // The folder describes another network namespace's devices (its
         // ifindexes mean other devices here).
@@ -252,7 +264,11 @@ impl Kernel {
             for name in PINNED_MAPS {
                 let path = p.map_path(name);
                 if !path.exists() {
-                    fits = false;
+                    if ADDED_MAPS.contains(&name) {
+                        added.push(name);
+                    } else {
+                        fits = false;
+                    }
                     continue;
                 }
                 opened = Opened::Replaced { layout: 0 };
@@ -299,10 +315,12 @@ impl Kernel {
             let p = obj.progs().find(|p| p.name() == hook.name()).ok_or_else(|| anyhow!("no program {}", hook.name()))?;
             progs.insert(hook, p.as_fd().try_clone_to_owned()?);
         }
-        if let (Some(p), false) = (&pins, adopt) {
+        if let Some(p) = &pins {
             // New maps, pinned in the old ones' place: renamed over them,
-            // so that the folder always has a map of each name.
-            for name in PINNED_MAPS {
+            // so that the folder always has a map of each name. Adopting,
+            // only the maps the folder lacked.
+            let new: &[&str] = if adopt { &added } else { &PINNED_MAPS };
+            for &name in new {
                 let m = obj.maps().find(|m| m.name() == name).ok_or_else(|| anyhow!("no map {name}"))?;
                 let (tmp, path) = (p.new_map_path(name), p.map_path(name));
                 pin::obj_pin(m.as_fd().as_raw_fd(), &tmp)?;
@@ -338,6 +356,7 @@ impl Kernel {
             stats: map("stats")?,
             meta: map("meta")?,
             ids: map("ids")?,
+            next_hops: map("next_hops")?,
             progs,
             config_now: Mutex::new(Config::default()),
             underlays: Mutex::new(HashMap::new()),
@@ -408,6 +427,7 @@ impl Kernel {
         }
         for id in &left.links {
             let _ = self.links.delete(bytes_of(id));
+            let _ = self.next_hops.delete(bytes_of(id));
         }
         let stale: Vec<Vec<u8>> = self
             .link_addrs
@@ -611,6 +631,42 @@ impl Kernel {
         if let Err(e) = self.write_meta() {
             tracing::debug!("fast path: {e:#}");
         }
+    }
+
+    /// Every link the programs know: (id, underlay device, peer address).
+    pub fn link_paths(&self) -> Vec<(u32, u32, std::net::Ipv4Addr)> {
+        let mut out = Vec::new();
+        for k in self.links.keys() {
+            if let Ok(Some(v)) = self.links.lookup(&k, MapFlags::ANY) {
+                let l: RawLink = from_bytes(&v);
+                out.push((from_bytes::<u32>(&k), l.ifindex, std::net::Ipv4Addr::from(l.daddr.to_ne_bytes())));
+            }
+        }
+        out
+    }
+
+    /// Sets (`Some`) or removes (`None`) link `id`'s next hop. Returns
+    /// whether that changed the map.
+    pub fn set_next_hop(&self, id: u32, hop: Option<NextHop>) -> Result<bool> {
+        let held = self.next_hop(id);
+        if held == hop {
+            return Ok(false);
+        }
+        match hop {
+            Some(h) => self.next_hops.update(bytes_of(&id), bytes_of(&h), MapFlags::ANY)?,
+            None => self.next_hops.delete(bytes_of(&id))?,
+        }
+        Ok(true)
+    }
+
+    /// Link `id`'s next hop, if the programs have one.
+    pub fn next_hop(&self, id: u32) -> Option<NextHop> {
+        self.next_hops.lookup(bytes_of(&id), MapFlags::ANY).ok().flatten().map(|v| from_bytes::<NextHop>(&v))
+    }
+
+    /// The links that have a next hop.
+    pub fn next_hop_ids(&self) -> Vec<u32> {
+        self.next_hops.keys().map(|k| from_bytes::<u32>(&k)).collect()
     }
 
     /// Installs (or replaces) one route-cache entry. Fails when the map is

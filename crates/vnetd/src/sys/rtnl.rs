@@ -288,6 +288,45 @@ impl Rtnl {
         Ok(None)
     }
 
+    /// Every IPv4 neighbour entry (RTM_GETNEIGH, dumped): device, address,
+    /// entry.
+    pub fn neighbours(&self) -> io::Result<Vec<(u32, Ipv4Addr, Neighbour)>> {
+        let mut msg = NeighbourMessage::default();
+        msg.header.family = AddressFamily::Inet;
+        let replies = self.transact(RouteNetlinkMessage::GetNeighbour(msg), NLM_F_REQUEST | libc::NLM_F_DUMP as u16)?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|m| match m {
+                RouteNetlinkMessage::NewNeighbour(n) => {
+                    let (mut ip, mut mac) = (None, None);
+                    for a in &n.attributes {
+                        match a {
+                            NeighbourAttribute::Destination(NeighbourAddress::Inet(a)) => ip = Some(*a),
+                            NeighbourAttribute::LinkLayerAddress(b) if b.len() == 6 => {
+                                mac = Some(<[u8; 6]>::try_from(&b[..]).expect("6"))
+                            }
+                            _ => {}
+                        }
+                    }
+                    Some((n.header.ifindex, ip?, Neighbour { state: n.header.state, mac }))
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
+    /// Device `index`'s MAC (IFLA_ADDRESS), if it has one.
+    pub fn mac_of(&self, index: u32) -> io::Result<Option<[u8; 6]>> {
+        let replies = self.transact(get_link(None, index), NLM_F_REQUEST | NLM_F_ACK)?;
+        Ok(replies.into_iter().find_map(|m| match m {
+            RouteNetlinkMessage::NewLink(l) => l.attributes.into_iter().find_map(|a| match a {
+                LinkAttribute::Address(b) if b.len() == 6 => Some(<[u8; 6]>::try_from(&b[..]).expect("6")),
+                _ => None,
+            }),
+            _ => None,
+        }))
+    }
+
     /// Asks the kernel to resolve `ip` on `ifindex` now (NTF_USE: an ARP
     /// request goes out as if a packet waited for it).
     pub fn resolve(&self, ifindex: u32, ip: Ipv4Addr) -> io::Result<()> {

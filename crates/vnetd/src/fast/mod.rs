@@ -16,7 +16,10 @@
 //!   replies.
 //!
 //! So the kernel only ever holds answers the rule table gives now; the rule
-//! semantics stay in `vnet-core`.
+//! semantics stay in `vnet-core`. Beside the answers, the kernel holds each
+//! link's next hop (`next_hops`), kept from the neighbour table.
+
+pub mod next_hops;
 
 use crate::sys::rtnl;
 use crate::topology::Snapshot;
@@ -33,6 +36,8 @@ pub struct FastPath {
     pub kernel: Arc<Kernel>,
     pub counters: InstallCounters,
     finisher: std::sync::Mutex<Option<Finisher>>,
+    next_hops: Arc<next_hops::Counters>,
+    keeper: std::sync::Mutex<Option<next_hops::Keeper>>,
 }
 
 crate::stats::counter_set! {
@@ -222,16 +227,27 @@ impl FastPath {
     /// (or, pinned, taken over).
     pub fn new(kernel: Arc<Kernel>) -> anyhow::Result<FastPath> {
         let finisher = Finisher::make(&kernel)?;
+        let counters = Arc::new(next_hops::Counters::default());
+        let keeper = match next_hops::Keeper::start(&kernel, counters.clone()) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                tracing::warn!("fast path: cannot start the next-hop keeper ({e}); the kernel resolves each datagram's next hop");
+                None
+            }
+        };
         Ok(FastPath {
             kernel,
             counters: InstallCounters::default(),
             finisher: std::sync::Mutex::new(Some(finisher)),
+            next_hops: counters,
+            keeper: std::sync::Mutex::new(keeper),
         })
     }
 
     /// Closes what vnetd made for the fast path in its namespace (at exit):
     /// pinned, it all stays for the next vnetd; unpinned, it goes.
     pub fn shutdown(&self) {
+        self.keeper.lock().unwrap().take();
         self.finisher.lock().unwrap().take();
     }
 
@@ -344,6 +360,12 @@ impl FastPath {
         let on = datapath != vnet_core::command::Datapath::User;
         let mut s = format!("fastpath loaded=yes enabled={} entries={}", if on { "yes" } else { "no" }, self.kernel.flow_count());
         self.counters.render_into(&mut s);
+        s.push_str(&format!(
+            " next_hops={} next_hop_updates={} next_hop_confirms={}",
+            self.kernel.next_hop_ids().len(),
+            self.next_hops.updates.load(Relaxed),
+            self.next_hops.confirms.load(Relaxed)
+        ));
         for (name, v) in vnet_fastpath::STAT_NAMES.iter().zip(self.kernel.stats()) {
             s.push_str(&format!(" {name}={v}"));
         }
