@@ -109,7 +109,7 @@ def test_metrics_parse_and_equal_stats(lab):
             elif field not in ("id",):
                 between(f"vnet_{what}_{field}_total", {what: name}, kind, field)
             checked += 1
-    levels = {"rx_batch_mean", "cache_entries", "entries", "loaded", "enabled"}
+    levels = {"rx_batch_mean", "cache_entries", "entries", "loaded", "enabled", "next_hops"}
     for kind in ("global", "paths", "offload", "dispatch", "fastpath"):
         for field, v in after[kind].items():
             if field in levels:
@@ -121,6 +121,7 @@ def test_metrics_parse_and_equal_stats(lab):
             checked += 1
     assert checked > 70, checked
     assert ("vnet_dispatch_rx_batch_mean", frozenset()) in m  # vnet_fastpath_entries: the test below
+    assert m[("vnet_fastpath_next_hops", frozenset())] == after["fastpath"]["next_hops"]
     assert between("vnet_interface_in_frames_total", {"interface": "g1"}, "interface g1", "in_frames") >= 20
     assert between("vnet_global_drops_total", {"reason": "no_route"}, "global", "drop_no_route") >= 1
     assert m[("vnet_fastpath_enabled", frozenset())] == 1

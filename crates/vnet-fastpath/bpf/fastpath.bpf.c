@@ -127,7 +127,9 @@ struct config {
 	__u32 finish_recv;    // its receiving end
 };
 
-enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE };
+// C_LINK_RESOLVED: a link's frames sent with the kernel resolving the next
+// hop (bpf_redirect_neigh: vnetd did not know it yet). Added after layout 1.
+enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE, C_LINK_RESOLVED };
 
 struct counter_key {
 	__u32 kind;
@@ -473,6 +475,7 @@ static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, str
 		return bpf_redirect(l->ifindex, 0);
 	}
 	count_hit(p->origin, a, len, S_HIT_GUEST);
+	count(C_LINK_RESOLVED, a->link, len);
 	// Else the kernel routes the outer packet (it must leave by the link's
 	// device) and fills in the next hop's Ethernet header, resolving the
 	// neighbour if need be: no forwarding setting is needed on the host,

@@ -192,6 +192,8 @@ pub enum CounterKind {
     LinkIn = 3,
     LinkOut = 4,
     Route = 5,
+    /// A link's frames sent with the kernel resolving the next hop.
+    LinkResolved = 6,
 }
 
 #[repr(C)]

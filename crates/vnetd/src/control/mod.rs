@@ -329,7 +329,8 @@ impl Control {
         if all || scope == StatsScope::Links {
             for l in t.links.values() {
                 let fast = self.dp.fast.as_ref().map(|f| f.port(l.id, true)).unwrap_or_default();
-                out.push(format!("link {} name={} {}", l.id, l.name, l.stats.render_plus(fast)));
+                let resolved = self.dp.fast.as_ref().map_or(0, |f| f.resolved(l.id));
+                out.push(format!("link {} name={} {} fast_resolved_frames={resolved}", l.id, l.name, l.stats.render_plus(fast)));
             }
         }
         if all || scope == StatsScope::Vtoe {

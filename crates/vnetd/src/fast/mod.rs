@@ -390,9 +390,16 @@ impl FastPath {
         self.kernel.forget(CounterKind::IfaceOut, id);
     }
 
+    /// A link's frames the kernel sent resolving the next hop itself (the
+    /// link's hop not known yet: see next_hops.rs).
+    pub fn resolved(&self, id: u32) -> u64 {
+        self.kernel.counter(CounterKind::LinkResolved, id).0
+    }
+
     pub fn forget_link(&self, id: u32) {
         self.kernel.forget(CounterKind::LinkIn, id);
         self.kernel.forget(CounterKind::LinkOut, id);
+        self.kernel.forget(CounterKind::LinkResolved, id);
     }
 
     pub fn forget_route(&self, id: u32) {

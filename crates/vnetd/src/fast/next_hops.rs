@@ -5,7 +5,8 @@
 //! (`bpf_redirect_neigh`: the largest cost the fast path added to a frame,
 //! docs/benchmarks.md).
 //!
-//! Once a second a thread asks the kernel, for each link the programs
+//! When the neighbour table changes (its rtnetlink events) and at least
+//! once a second, a thread asks the kernel, for each link the programs
 //! know, which device and gateway reach its peer (RTM_GETROUTE) and what
 //! the neighbour table holds for that hop (one RTM_GETNEIGH dump), and
 //! writes the answer into `next_hops`, or removes it:
@@ -19,8 +20,8 @@
 //!   (NTF_USE: delay, then unicast probes): the fast path's datagrams do
 //!   not go through the neighbour entry, so without this it would never
 //!   be re-checked. A peer that stops answering fails its probes and
-//!   loses its hop; one that changes its MAC (and says so with a
-//!   gratuitous ARP, as Linux does) is followed within a second.
+//!   loses its hop; a MAC the table learns (from the peer's ARP) is taken
+//!   as the table changes.
 //!
 //! The programs take a hop only while its device and peer address are
 //! still the link's, so an entry a moment old for a link replaced since
@@ -28,7 +29,7 @@
 
 use crate::sys::rtnl::{Neighbour, Rtnl};
 use netlink_packet_route::neighbour::NeighbourState;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::Ipv4Addr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
@@ -36,8 +37,13 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 use vnet_fastpath::{Kernel, NextHop};
 
-/// How often the hops are read again.
+/// How often the hops are read again when the neighbour table is quiet.
 pub const REFRESH: Duration = Duration::from_secs(1);
+/// After a neighbour event, a pass at most this soon after the last (a
+/// busy table is read at most 20 times a second).
+const SETTLE: Duration = Duration::from_millis(50);
+/// rtnetlink's multicast group of neighbour events (RTNLGRP_NEIGH).
+const RTNLGRP_NEIGH: u32 = 3;
 
 /// What the keeper did, for STATS.
 #[derive(Default)]
@@ -80,25 +86,123 @@ fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>) {
             return;
         }
     };
+    // Neighbour events wake the keeper at once; without them it reads the
+    // table once a second all the same.
+    let events = neighbour_events()
+        .map_err(|e| tracing::info!("fast path: no neighbour events ({e}); next hops read once a second"))
+        .ok();
+    let mut watched = Watch { hops: HashSet::new(), open: true };
     loop {
         let Some(k) = kernel.upgrade() else { return };
-        if let Err(e) = refresh(&k, &rtnl, &counters) {
-            tracing::debug!("fast path: next hops not read this time: {e}");
+        match refresh(&k, &rtnl, &counters) {
+            Ok(w) => watched = w,
+            Err(e) => tracing::debug!("fast path: next hops not read this time: {e}"),
         }
         drop(k);
-        match stop.recv_timeout(REFRESH) {
-            Err(RecvTimeoutError::Timeout) => continue,
+        match stop.recv_timeout(SETTLE) {
+            Err(RecvTimeoutError::Timeout) => {}
             _ => return,
+        }
+        if !wait(events.as_ref(), &watched, &stop, REFRESH - SETTLE) {
+            return;
         }
     }
 }
 
-/// One pass over every link.
-fn refresh(k: &Kernel, rtnl: &Rtnl, counters: &Counters) -> std::io::Result<()> {
+/// A socket that receives the neighbour table's changes, non-blocking.
+fn neighbour_events() -> std::io::Result<netlink_sys::Socket> {
+    let mut s = netlink_sys::Socket::new(netlink_sys::protocols::NETLINK_ROUTE)?;
+    s.bind_auto()?;
+    s.add_membership(RTNLGRP_NEIGH)?;
+    s.set_non_blocking(true)?;
+    Ok(s)
+}
+
+/// The neighbours whose events call for a pass.
+struct Watch {
+    /// The hops the links go by (device, address).
+    hops: HashSet<(u32, Ipv4Addr)>,
+    /// Some link has no hop yet (or there is no link yet): any neighbour
+    /// event may be the one that resolves it.
+    open: bool,
+}
+
+/// Waits until an event about a watched neighbour, `most` passing, or the
+/// stop (false). Slices of 200 ms, so a stop is seen soon.
+fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<()>, most: Duration) -> bool {
+    use std::os::fd::AsFd;
+    let deadline = std::time::Instant::now() + most;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match stop.try_recv() {
+            Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            _ => return false,
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return true;
+        }
+        let slice = (deadline - now).min(Duration::from_millis(200));
+        let Some(s) = events else {
+            std::thread::sleep(slice);
+            continue;
+        };
+        let mut fds = [nix::poll::PollFd::new(s.as_fd(), nix::poll::PollFlags::POLLIN)];
+        let ms = nix::poll::PollTimeout::try_from(slice.as_millis() as i32).unwrap_or(nix::poll::PollTimeout::NONE);
+        if matches!(nix::poll::poll(&mut fds, ms), Ok(n) if n > 0) {
+            // Drain: one pass answers every event so far.
+            let mut any = false;
+            while let Ok(n) = s.recv(&mut &mut buf[..], 0) {
+                any |= concerns(&buf[..n], watched);
+            }
+            if any {
+                return true;
+            }
+        }
+    }
+}
+
+/// Whether a datagram of neighbour events names a watched neighbour (or
+/// cannot be read: then it might).
+fn concerns(mut buf: &[u8], watched: &Watch) -> bool {
+    if watched.open {
+        return true;
+    }
+    use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
+    use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute};
+    use netlink_packet_route::RouteNetlinkMessage;
+    while !buf.is_empty() {
+        let Ok(m) = NetlinkMessage::<RouteNetlinkMessage>::deserialize(buf) else { return true };
+        let len = (m.header.length as usize).next_multiple_of(4);
+        if let NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewNeighbour(n) | RouteNetlinkMessage::DelNeighbour(n)) =
+            m.payload
+        {
+            let ip = n.attributes.iter().find_map(|a| match a {
+                NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)) => Some(*ip),
+                _ => None,
+            });
+            if ip.is_some_and(|ip| watched.hops.contains(&(n.header.ifindex, ip))) {
+                return true;
+            }
+        }
+        if len == 0 || len >= buf.len() {
+            break;
+        }
+        buf = &buf[len..];
+    }
+    false
+}
+
+/// One pass over every link; returns what to watch until the next.
+fn refresh(k: &Kernel, rtnl: &Rtnl, counters: &Counters) -> std::io::Result<Watch> {
     let links = k.link_paths();
+    if links.is_empty() {
+        return Ok(Watch { hops: HashSet::new(), open: true });
+    }
     let table: HashMap<(u32, Ipv4Addr), Neighbour> =
         rtnl.neighbours()?.into_iter().map(|(dev, ip, n)| ((dev, ip), n)).collect();
     let mut macs: HashMap<u32, Option<[u8; 6]>> = HashMap::new();
+    let mut watched = Watch { hops: HashSet::new(), open: false };
     for &(id, ifindex, peer) in &links {
         let hop = (|| {
             let route = rtnl.route_get(peer).ok()?;
@@ -106,6 +210,7 @@ fn refresh(k: &Kernel, rtnl: &Rtnl, counters: &Counters) -> std::io::Result<()> 
                 return None; // the route moved: the kernel's own way until the link is described again
             }
             let via = route.gateway.unwrap_or(peer);
+            watched.hops.insert((ifindex, via));
             let n = table.get(&(ifindex, via))?;
             if n.state == NeighbourState::Stale && rtnl.resolve(ifindex, via).is_ok() {
                 counters.confirms.fetch_add(1, Relaxed);
@@ -114,6 +219,7 @@ fn refresh(k: &Kernel, rtnl: &Rtnl, counters: &Counters) -> std::io::Result<()> 
             let src = (*macs.entry(ifindex).or_insert_with(|| rtnl.mac_of(ifindex).ok().flatten()))?;
             Some(NextHop { dst, src, ifindex, daddr: u32::from_ne_bytes(peer.octets()) })
         })();
+        watched.open |= hop.is_none();
         match k.set_next_hop(id, hop) {
             Ok(true) => {
                 counters.updates.fetch_add(1, Relaxed);
@@ -129,5 +235,5 @@ fn refresh(k: &Kernel, rtnl: &Rtnl, counters: &Counters) -> std::io::Result<()> 
             let _ = k.set_next_hop(id, None);
         }
     }
-    Ok(())
+    Ok(watched)
 }
