@@ -200,9 +200,7 @@ impl TxQueue {
         }
         let (done, refused) = (&mut self.done, &mut self.gso_refused);
         self.batched += tx.len() as u64;
-        let gso_before = tx.gso_messages;
-        ep.flush(tx, |slot, len, err| done.push((slot, len, err.map(|e| classify(&e)))), |slot| refused.push(slot));
-        self.gso_messages += tx.gso_messages - gso_before;
+        self.gso_messages += ep.flush(tx, |slot, len, err| done.push((slot, len, err.map(|e| classify(&e)))), |slot| refused.push(slot));
         self.batches_sent += 1;
     }
 
@@ -241,12 +239,21 @@ fn epoch() -> Instant {
 impl GsoState {
     #[inline]
     pub fn ok(&self) -> bool {
-        let until = self.off_until_ms.load(Relaxed);
-        until == 0 || epoch().elapsed().as_millis() as u64 >= until
+        self.ok_at(epoch().elapsed())
     }
 
     pub fn refused(&self) {
-        let until = (epoch().elapsed() + GSO_RETRY).as_millis() as u64;
+        self.refused_at(epoch().elapsed())
+    }
+
+    #[inline]
+    fn ok_at(&self, now: Duration) -> bool {
+        let until = self.off_until_ms.load(Relaxed);
+        until == 0 || now.as_millis() as u64 >= until
+    }
+
+    fn refused_at(&self, now: Duration) {
+        let until = (now + GSO_RETRY).as_millis() as u64;
         self.off_until_ms.store(until.max(1), Relaxed);
     }
 }
@@ -272,5 +279,25 @@ pub fn sent_now(r: std::io::Result<()>, frames: usize, bytes: usize) -> Sent {
             }
             Sent::dropped(why, frames)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_link_whose_gso_was_refused_sends_datagram_by_datagram_for_30_s_then_tries_again() {
+        let g = GsoState::default();
+        let t = Duration::from_secs(100);
+        assert!(g.ok_at(Duration::ZERO) && g.ok_at(t));
+        g.refused_at(t);
+        assert!(!g.ok_at(t));
+        assert!(!g.ok_at(t + GSO_RETRY - Duration::from_millis(1)));
+        assert!(g.ok_at(t + GSO_RETRY));
+        // Refused again on the retry: another 30 s.
+        g.refused_at(t + GSO_RETRY);
+        assert!(!g.ok_at(t + GSO_RETRY + Duration::from_secs(29)));
+        assert!(g.ok_at(t + GSO_RETRY * 2));
     }
 }

@@ -6,7 +6,7 @@
 
 use super::{sent_now, Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::stats::DropReason;
-use crate::sys::udp::{UdpEndpoint, MAX_GSO_SEGMENTS};
+use crate::sys::udp::{gso_refusal, UdpEndpoint, MAX_GSO_SEGMENTS};
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -91,7 +91,11 @@ impl Transport for UdpLink {
     }
 
     /// One UDP GSO call per up to 64 segments; segment by segment while the
-    /// kernel refuses GSO toward this peer.
+    /// kernel refuses GSO toward this peer. The segments go by reference (an
+    /// iovec of their headers and slices of the frame, which may be the
+    /// guest's buffers: no copy), so they cannot wait in the pass's batch,
+    /// which copies what it holds; they leave at once, after what the batch
+    /// held (a flow keeps its order).
     fn send_segments(&self, q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent {
         // Frames queued before this one leave first: a flow's order holds.
         q.flush();
@@ -133,7 +137,7 @@ impl Transport for UdpLink {
                         cx.offload.gso_sends.fetch_add(1, Relaxed);
                         (end - i, Ok(()))
                     }
-                    Err(e) if matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL)) => {
+                    Err(e) if gso_refusal(&e) => {
                         tracing::info!(remote = %self.remote, "UDP GSO refused ({e}); sending segments one by one for a while");
                         cx.gso.refused();
                         self.send_each(pre, segs, i, end)
@@ -155,3 +159,60 @@ impl Transport for UdpLink {
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::GsoState;
+    use crate::stats::OffloadCounters;
+    use std::net::UdpSocket;
+    use vnet_core::offload::{plan_tcp_segments, SegmentPlan};
+
+    /// An Ethernet + IPv4 + TCP frame with `payload` bytes of `tag`.
+    fn tcp_frame(payload: usize, tag: u8) -> Vec<u8> {
+        let mut f = vec![0u8; 14 + 20 + 20];
+        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        f[14] = 0x45;
+        f[16..18].copy_from_slice(&((40 + payload) as u16).to_be_bytes());
+        f[22] = 64;
+        f[23] = 6;
+        f[26..30].copy_from_slice(&[10, 0, 0, 1]);
+        f[30..34].copy_from_slice(&[10, 0, 0, 2]);
+        f[46] = 0x50; // data offset 5
+        f[47] = 0x18; // PSH, ACK
+        f.extend(std::iter::repeat_n(tag, payload));
+        f
+    }
+
+    #[test]
+    fn a_super_frames_segments_leave_after_the_frames_queued_before_it() {
+        let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        rx.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        let ep = Arc::new(UdpEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap());
+        let link = UdpLink::new(ep, rx.local_addr().unwrap(), None);
+        let (gso, offload) = (GsoState::default(), OffloadCounters::default());
+        let cx = TxCtx { slot: 0, max_frame: 1500, gso: &gso, offload: &offload };
+        let mut q = TxQueue::default();
+        // Three small frames of the flow, queued for the pass's batch.
+        let small: Vec<Vec<u8>> = (1..=3).map(|i| tcp_frame(10, i)).collect();
+        for f in &small {
+            let parts = [&f[..]];
+            assert_eq!(link.send(&mut q, &cx, &VnetHdr::default(), Pieces::new(&parts)).frames, 0);
+        }
+        // Then a super-frame of the same flow, cut into three segments.
+        let big = tcp_frame(3000, 9);
+        let mut plan = SegmentPlan::default();
+        plan_tcp_segments(&big, 1000, &mut plan).unwrap();
+        let parts = [&big[..]];
+        let segs = Segments { plan: &plan, frame: Pieces::new(&parts), seg_size: 54 + 1000 };
+        assert_eq!(link.send_segments(&mut q, &cx, &segs).frames, 3);
+        q.flush();
+        let mut buf = [0u8; 2048];
+        let mut got = Vec::new();
+        for _ in 0..6 {
+            let n = rx.recv(&mut buf).unwrap();
+            got.push((n, buf[n - 1]));
+        }
+        assert_eq!(got, vec![(64, 1), (64, 2), (64, 3), (1054, 9), (1054, 9), (1054, 9)]);
+    }
+}

@@ -178,15 +178,17 @@ impl UdpEndpoint {
         }
     }
 
-    /// Sends every queued datagram of `tx`, then empties it: one
+    /// Sends every queued datagram of `tx`, then empties it; returns how
+    /// many messages held more than one datagram (GSO). One
     /// `sendmmsg` for the lot, in which each run of datagrams to one peer of
     /// one size (the last may be shorter) is one message with `UDP_SEGMENT`
     /// (GSO): the kernel routes and builds the run once, and a receiver
     /// with `UDP_GRO` takes it in one read. Reports each datagram through
     /// `done(link_slot, len, error)`, and each link whose GSO the kernel
     /// refused (its run then went datagram by datagram) through `refused`.
-    pub fn flush(&self, tx: &mut TxBatch, mut done: impl FnMut(u32, usize, Option<io::Error>), mut refused: impl FnMut(u32)) {
+    pub fn flush(&self, tx: &mut TxBatch, mut done: impl FnMut(u32, usize, Option<io::Error>), mut refused: impl FnMut(u32)) -> u64 {
         let msgs = tx.plan();
+        let mut gso_messages = 0;
         let mut start = 0;
         while start < msgs {
             let n = msgs - start;
@@ -203,7 +205,7 @@ impl UdpEndpoint {
                     break;
                 }
                 let (first, last) = tx.runs[start];
-                if last - first > 1 && matches!(code, libc::EIO | libc::EINVAL) {
+                if last - first > 1 && gso_refusal(&e) {
                     // GSO refused toward this peer (no checksum offload on
                     // the way, or segments above the path MTU): its run
                     // goes datagram by datagram.
@@ -223,14 +225,22 @@ impl UdpEndpoint {
             }
             for m in start..start + sent as usize {
                 if tx.runs[m].1 - tx.runs[m].0 > 1 {
-                    tx.gso_messages += 1;
+                    gso_messages += 1;
                 }
                 tx.each(m, |link, len| done(link, len, None));
             }
             start += sent as usize;
         }
         tx.clear();
+        gso_messages
     }
+}
+
+/// Whether a failed GSO send means the kernel will not segment toward that
+/// peer (no checksum offload on the way, or segments above the path MTU):
+/// its datagrams must go one by one.
+pub fn gso_refusal(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL))
 }
 
 impl AsRawFd for UdpEndpoint {
@@ -296,8 +306,6 @@ pub struct TxBatch {
     msgs: Vec<libc::mmsghdr>,
     cmsgs: Vec<cmsg::Space>,
     count: usize,
-    /// Messages sent that held more than one datagram (GSO), ever.
-    pub gso_messages: u64,
 }
 
 // SAFETY: the raw pointers inside are only set and used within flush.
@@ -322,7 +330,6 @@ impl Default for TxBatch {
             msgs: vec![unsafe { zeroed() }; TX_BATCH],
             cmsgs: vec![[0; 8]; TX_BATCH],
             count: 0,
-            gso_messages: 0,
         }
     }
 }
@@ -515,10 +522,10 @@ mod tests {
             assert!(tx.push(&[&datagram(n, i as u8)], to, 7, true));
         }
         let mut results = Vec::new();
-        ep.flush(&mut tx, |link, len, err| results.push((link, len, err.is_none())), |_| panic!("GSO refused on loopback"));
+        let gso = ep.flush(&mut tx, |link, len, err| results.push((link, len, err.is_none())), |_| panic!("GSO refused on loopback"));
         assert_eq!(results.len(), sizes.len());
         assert!(results.iter().all(|&(link, _, ok)| link == 7 && ok));
-        assert!(tx.gso_messages > 0 && tx.gso_messages < 20, "{} GSO messages", tx.gso_messages);
+        assert!(gso > 0 && gso < 20, "{gso} GSO messages");
         assert!(tx.is_empty());
         let mut buf = [0u8; 2048];
         for (i, &n) in sizes.iter().enumerate() {
@@ -541,10 +548,10 @@ mod tests {
             assert!(tx.push(&[&datagram(300, i)], to, 3, true));
         }
         let (mut results, mut refused) = (Vec::new(), Vec::new());
-        ep.flush(&mut tx, |link, len, err| results.push((link, len, err.is_none())), |link| refused.push(link));
+        let gso = ep.flush(&mut tx, |link, len, err| results.push((link, len, err.is_none())), |link| refused.push(link));
         assert_eq!(refused, vec![3]);
         assert_eq!(results, vec![(3, 300, true); 10]);
-        assert_eq!(tx.gso_messages, 0);
+        assert_eq!(gso, 0);
         let mut buf = [0u8; 2048];
         for i in 0..10u8 {
             let got = rx.recv(&mut buf).unwrap();
