@@ -105,6 +105,16 @@ ROUTE ADD {g4} {BCAST} interface {g3} interface {g4}
                    f"s.bind(('{self.g1.tap}', 0)); s.send(bytes.fromhex('{frame.hex()}'))")
         return frame
 
+    def burst_to_fe(self, n: int):
+        """g1 sends `n` frames to the frontend back to back: they reach host 2
+        in runs (sendmmsg, GSO, GRO), so a pass there brings more than the 64
+        frames after which fe's receive ring is published mid-burst."""
+        frame = mac(FE_MAC) + mac(self.g1.mac) + ETHERTYPE + bytes(50)
+        self.lab.x(self.g1.ns, "python3", "-c",
+                   "import socket; s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW); "
+                   f"s.bind(('{self.g1.tap}', 0)); f = bytes.fromhex('{frame.hex()}')\n"
+                   f"for _ in range({n}): s.send(f)")
+
     def exchange(self, f: vf.Frontend):
         """A frame each way between the frontend and g1."""
         before = rx_packets(self.lab, self.g1)
@@ -288,6 +298,43 @@ def test_s2_a_full_eventfd_as_call_descriptor_freezes_nobody(lab):
         p = t.pings(n=40, interval=0.05)
         print(f"g3 -> g4 after fe made its full call eventfd blocking again: {p}")
         assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings: {p}"
+        t.alive()
+        assert wait_until(lambda: "broken=a-call-descriptor-made-blocking-again" in t.fe_line(), 5), t.fe_line()
+    finally:
+        for fd in full:
+            os.close(fd)
+
+
+def test_s2_a_full_call_descriptor_met_in_the_middle_of_a_burst_freezes_nobody(lab):
+    """S2 on the batched path: one pass can bring fe more than 64 frames, and
+    its receive ring is then published (and the guest interrupted, if it
+    asks) in the middle of the burst, not only at its end. With a full
+    eventfd as the call descriptor, then the same one made blocking again by
+    the frontend, bursts of 200 frames to fe must neither put vnetd to sleep
+    (g3 and g4 keep pinging without loss) nor break anything but fe's ring.
+    Catches: a mid-burst interrupt that writes to the descriptor without the
+    checks the end of a pass makes."""
+    t = Lab3(lab)
+    f = t.connect(reply_ack=True, size=256)
+    t.exchange(f)
+    full = [vf.full_eventfd() for _ in vf.RINGS]
+    try:
+        for q in vf.RINGS:
+            assert f.set_call(q, full[q]) == 0, f"an eventfd refused as queue {q}'s call"
+        mid = t.counter("vhost_rx_mid_burst_publishes")
+        t.burst_to_fe(200)
+        assert wait_until(lambda: t.counter("vhost_rx_mid_burst_publishes") > mid, 5), t.fe()
+        p = t.pings(n=40, interval=0.05)
+        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings: {p}"
+        t.alive()
+        got = f.received()
+        assert len(got) >= 64, len(got)
+        # The buffers used so far (the exchange's and the burst's) posted again.
+        f.post_rx(n=1 + len(got))
+        os.set_blocking(full[0], True)
+        t.burst_to_fe(200)
+        p = t.pings(n=40, interval=0.05)
+        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings after a burst at a blocking call: {p}"
         t.alive()
         assert wait_until(lambda: "broken=a-call-descriptor-made-blocking-again" in t.fe_line(), 5), t.fe_line()
     finally:
