@@ -770,11 +770,14 @@ def test_ipv6_and_arp_inside_the_guests_cross_the_kernel_fast_path(lab):
     lab.x(g[1].ns, "ip", "neigh", "flush", "dev", "g1")
     lab.x(g[2].ns, "ip", "neigh", "flush", "dev", "g2")
     f1, f2 = fast(d[1]), fast(d[2])
+    resolved = {h: d[h].stats()[f"link {underlay_ip(3 - h)}"]["fast_resolved_frames"] for h in (1, 2)}
     assert "5 received" in lab.ping(g[1], g[2], count=5).stdout
     for h, f in ((1, f1), (2, f2)):
         now = fast(d[h])
         arp = {k: now[k] - f[k] for k in ("slow_not_ip", "hit_guest", "hit_net", "miss_guest", "miss_net")}
         assert arp["slow_not_ip"] == 0 and arp["hit_guest"] >= 6 and arp["hit_net"] >= 6, (h, arp)
+        # ARP round the finishing pair leaves by the link's kept next hop too.
+        assert d[h].stats()[f"link {underlay_ip(3 - h)}"]["fast_resolved_frames"] == resolved[h]
 
 
 def neighbour(lab, host, ip: str) -> tuple[str, str]:

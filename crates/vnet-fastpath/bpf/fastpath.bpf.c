@@ -393,6 +393,30 @@ static __always_inline void outer_header(__u8 hdr[28], const struct link_info *l
 	udp->len = bpf_htons(tot - sizeof(struct iphdr));
 }
 
+// Sends a datagram of link `id` (its outer IPv4 header in place after an
+// Ethernet header) toward the peer: to the next hop vnetd keeps from the
+// neighbour table (the Ethernet header written here, no route or neighbour
+// lookup), or, while vnetd does not know it, by bpf_redirect_neigh, which
+// routes the packet (it must leave by the link's device) and fills in the
+// next hop's header, resolving the neighbour if need be (counted). No
+// forwarding setting is needed on the host, as bpf_fib_lookup would want.
+static __always_inline int to_peer(struct __sk_buff *skb, __u32 id, const struct link_info *l)
+{
+	struct next_hop *nh = bpf_map_lookup_elem(&next_hops, &id);
+	if (nh && nh->ifindex == l->ifindex && nh->daddr == l->daddr) {
+		struct ethhdr outer = { .h_proto = bpf_htons(ETH_P_IP) };
+		__builtin_memcpy(outer.h_dest, nh->dst, ETH_ALEN);
+		__builtin_memcpy(outer.h_source, nh->src, ETH_ALEN);
+		if (bpf_skb_store_bytes(skb, 0, &outer, ETH_HLEN, 0)) {
+			stat(S_DROP_ENCAP);
+			return TC_ACT_SHOT;
+		}
+		return bpf_redirect(l->ifindex, 0);
+	}
+	count(C_LINK_RESOLVED, id, skb->len);
+	return bpf_redirect_neigh(l->ifindex, 0, 0, 0);
+}
+
 // A frame that is not IP (ARP, mostly) for a link. bpf_skb_adjust_room
 // encapsulates IP only, and bpf_redirect_neigh sends IP only (both go by
 // skb->protocol, which a program cannot set). So the outer headers are
@@ -461,26 +485,10 @@ static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, str
 	outer_header(hdr, l, len);
 	if (bpf_skb_store_bytes(skb, ETH_HLEN, hdr, 28, 0))
 		goto shot;
-	// The next hop's MAC known (vnetd keeps it from the neighbour table):
-	// the outer Ethernet header written here and out of the device, with
-	// no route or neighbour lookup per packet.
-	struct next_hop *nh = bpf_map_lookup_elem(&next_hops, &a->link);
-	if (nh && nh->ifindex == l->ifindex && nh->daddr == l->daddr) {
-		struct ethhdr outer = { .h_proto = bpf_htons(ETH_P_IP) };
-		__builtin_memcpy(outer.h_dest, nh->dst, ETH_ALEN);
-		__builtin_memcpy(outer.h_source, nh->src, ETH_ALEN);
-		if (bpf_skb_store_bytes(skb, 0, &outer, ETH_HLEN, 0))
-			goto shot;
+	int verdict = to_peer(skb, a->link, l);
+	if (verdict != TC_ACT_SHOT)
 		count_hit(p->origin, a, len, S_HIT_GUEST);
-		return bpf_redirect(l->ifindex, 0);
-	}
-	count_hit(p->origin, a, len, S_HIT_GUEST);
-	count(C_LINK_RESOLVED, a->link, len);
-	// Else the kernel routes the outer packet (it must leave by the link's
-	// device) and fills in the next hop's Ethernet header, resolving the
-	// neighbour if need be: no forwarding setting is needed on the host,
-	// as bpf_fib_lookup would want.
-	return bpf_redirect_neigh(l->ifindex, 0, 0, 0);
+	return verdict;
 shot:
 	stat(S_DROP_ENCAP);
 	return TC_ACT_SHOT;
@@ -559,7 +567,7 @@ int from_network(struct __sk_buff *skb)
 			stat(S_DROP_ENCAP);
 			return TC_ACT_SHOT;
 		}
-		return bpf_redirect_neigh(l->ifindex, 0, 0, 0);
+		return to_peer(skb, la->link, l);
 	}
 	if (udp->dest != c->port)
 		return PASS;
