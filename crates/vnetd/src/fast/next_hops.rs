@@ -237,3 +237,45 @@ fn refresh(k: &Kernel, rtnl: &Rtnl, counters: &Counters) -> std::io::Result<Watc
     }
     Ok(watched)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload};
+    use netlink_packet_route::neighbour::{NeighbourAddress, NeighbourAttribute, NeighbourMessage};
+    use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
+
+    /// A neighbour event as the kernel sends it: device, address.
+    fn event(ifindex: u32, ip: Ipv4Addr, new: bool) -> Vec<u8> {
+        let mut n = NeighbourMessage::default();
+        n.header.family = AddressFamily::Inet;
+        n.header.ifindex = ifindex;
+        n.attributes.push(NeighbourAttribute::Destination(NeighbourAddress::Inet(ip)));
+        let msg = if new { RouteNetlinkMessage::NewNeighbour(n) } else { RouteNetlinkMessage::DelNeighbour(n) };
+        let mut m = NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::from(msg));
+        m.finalize();
+        let mut buf = vec![0; m.buffer_len()];
+        m.serialize(&mut buf);
+        buf
+    }
+
+    #[test]
+    fn only_events_about_a_hop_a_link_goes_by_wake_the_keeper_unless_one_has_none() {
+        let hop: Ipv4Addr = "198.18.0.2".parse().unwrap();
+        let other: Ipv4Addr = "198.18.0.9".parse().unwrap();
+        let w = Watch { hops: HashSet::from([(2, hop)]), open: false };
+        assert!(concerns(&event(2, hop, true), &w));
+        assert!(concerns(&event(2, hop, false), &w), "a deleted entry");
+        assert!(!concerns(&event(2, other, true), &w));
+        assert!(!concerns(&event(3, hop, true), &w), "same address, another device");
+        // Several events in one datagram: the last one is the hop's.
+        let mut two = event(2, other, true);
+        two.extend(event(2, hop, true));
+        assert!(concerns(&two, &w));
+        // A link still without a hop: any event may resolve it.
+        let open = Watch { hops: HashSet::new(), open: true };
+        assert!(concerns(&event(7, other, true), &open));
+        // What cannot be read might be the hop's.
+        assert!(concerns(&[1, 2, 3], &w));
+    }
+}
