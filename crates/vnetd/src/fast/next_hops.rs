@@ -152,8 +152,14 @@ fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<(
         if matches!(nix::poll::poll(&mut fds, ms), Ok(n) if n > 0) {
             // Drain: one pass answers every event so far.
             let mut any = false;
-            while let Ok(n) = s.recv(&mut &mut buf[..], 0) {
-                any |= concerns(&buf[..n], watched);
+            loop {
+                match s.recv(&mut &mut buf[..], 0) {
+                    Ok(n) => any |= concerns(&buf[..n], watched),
+                    // Events were lost (the socket overflowed): any of them
+                    // may have been a hop's.
+                    Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => any = true,
+                    Err(_) => break,
+                }
             }
             if any {
                 return true;
