@@ -10,6 +10,7 @@ only; host 1 takes frames from its links to any of its guests. A frame of
 fe's that reaches g2 has crossed networks; g3 and g4 losing pings is fe
 hurting its neighbours."""
 
+import contextlib
 import json
 import os
 import re
@@ -134,6 +135,27 @@ ROUTE ADD {g4} {BCAST} interface {g3} interface {g4}
                               "while True:\n"
                               f"    s.send(bytes.fromhex('{frame.hex()}'))\n"
                               f"    time.sleep({1 / per_second})\n")
+
+    @contextlib.contextmanager
+    def full_calls(self, f: vf.Frontend):
+        """Both of f's queues given a full eventfd (tools/vhost_frontend.py)
+        as their call descriptor; yields the descriptors, closed after."""
+        full = [vf.full_eventfd() for _ in vf.RINGS]
+        try:
+            for q in vf.RINGS:
+                assert f.set_call(q, full[q]) == 0, f"an eventfd refused as queue {q}'s call"
+            yield full
+        finally:
+            for fd in full:
+                os.close(fd)
+
+    def neighbours_unharmed(self, after: str):
+        """g3 and g4 (fe's neighbours on host 2) ping each other 40 times
+        without loss, and vnetd is alive."""
+        p = self.pings(n=40, interval=0.05)
+        print(f"g3 -> g4 {after}: {p}")
+        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings {after}: {p}"
+        self.alive()
 
     def pings(self, n=200, interval=0.01) -> "Pings":
         """g3 pings g4 `n` times."""
@@ -274,18 +296,12 @@ def test_s2_a_full_eventfd_as_call_descriptor_freezes_nobody(lab):
     t = Lab3(lab)
     f = t.connect(reply_ack=True)
     t.exchange(f)
-    full = [vf.full_eventfd() for _ in vf.RINGS]
-    try:
-        for q in vf.RINGS:
-            assert f.set_call(q, full[q]) == 0, f"an eventfd refused as queue {q}'s call"
+    with t.full_calls(f) as full:
         for _ in range(3):
             t.to_fe()
         f.send_frame(mac(t.g1.mac) + mac(FE_MAC) + ETHERTYPE + bytes(46))
         time.sleep(0.3)
-        p = t.pings(n=40, interval=0.05)
-        print(f"g3 -> g4 with full eventfds as fe's call descriptors: {p}")
-        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings: {p}"
-        t.alive()
+        t.neighbours_unharmed("with full eventfds as fe's call descriptors")
         t.exchange(f)
         assert os.get_blocking(full[0]) is False, "vnetd left the call eventfd blocking"
         # The frontend shares the eventfd's open file: it makes it blocking
@@ -295,14 +311,8 @@ def test_s2_a_full_eventfd_as_call_descriptor_freezes_nobody(lab):
         for _ in range(3):
             t.to_fe()
         time.sleep(0.3)
-        p = t.pings(n=40, interval=0.05)
-        print(f"g3 -> g4 after fe made its full call eventfd blocking again: {p}")
-        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings: {p}"
-        t.alive()
+        t.neighbours_unharmed("after fe made its full call eventfd blocking again")
         assert wait_until(lambda: "broken=a-call-descriptor-made-blocking-again" in t.fe_line(), 5), t.fe_line()
-    finally:
-        for fd in full:
-            os.close(fd)
 
 
 def test_s2_a_full_call_descriptor_met_in_the_middle_of_a_burst_freezes_nobody(lab):
@@ -317,29 +327,19 @@ def test_s2_a_full_call_descriptor_met_in_the_middle_of_a_burst_freezes_nobody(l
     t = Lab3(lab)
     f = t.connect(reply_ack=True, size=256)
     t.exchange(f)
-    full = [vf.full_eventfd() for _ in vf.RINGS]
-    try:
-        for q in vf.RINGS:
-            assert f.set_call(q, full[q]) == 0, f"an eventfd refused as queue {q}'s call"
+    with t.full_calls(f) as full:
         mid = t.counter("vhost_rx_mid_burst_publishes")
         t.burst_to_fe(200)
         assert wait_until(lambda: t.counter("vhost_rx_mid_burst_publishes") > mid, 5), t.fe()
-        p = t.pings(n=40, interval=0.05)
-        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings: {p}"
-        t.alive()
+        t.neighbours_unharmed("after a burst at full call eventfds")
         got = f.received()
         assert len(got) >= 64, len(got)
         # The buffers used so far (the exchange's and the burst's) posted again.
         f.post_rx(n=1 + len(got))
         os.set_blocking(full[0], True)
         t.burst_to_fe(200)
-        p = t.pings(n=40, interval=0.05)
-        assert p.lost == 0, f"g3 -> g4 lost {p.lost} of {p.sent} pings after a burst at a blocking call: {p}"
-        t.alive()
+        t.neighbours_unharmed("after a burst at a blocking call eventfd")
         assert wait_until(lambda: "broken=a-call-descriptor-made-blocking-again" in t.fe_line(), 5), t.fe_line()
-    finally:
-        for fd in full:
-            os.close(fd)
 
 
 # ---- S3 ----

@@ -669,6 +669,11 @@ impl Kernel {
         self.next_hops.keys().map(|k| from_bytes::<u32>(&k)).collect()
     }
 
+    /// How many links have a next hop (keys only: no value is read).
+    pub fn next_hop_count(&self) -> usize {
+        map_count(&self.next_hops)
+    }
+
     /// Installs (or replaces) one route-cache entry. Fails when the map is
     /// full.
     pub fn install(&self, key: &FlowKey, flow: Flow) -> Result<()> {

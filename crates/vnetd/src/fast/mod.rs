@@ -360,12 +360,8 @@ impl FastPath {
         let on = datapath != vnet_core::command::Datapath::User;
         let mut s = format!("fastpath loaded=yes enabled={} entries={}", if on { "yes" } else { "no" }, self.kernel.flow_count());
         self.counters.render_into(&mut s);
-        s.push_str(&format!(
-            " next_hops={} next_hop_updates={} next_hop_confirms={}",
-            self.kernel.next_hop_ids().len(),
-            self.next_hops.updates.load(Relaxed),
-            self.next_hops.confirms.load(Relaxed)
-        ));
+        s.push_str(&format!(" next_hops={}", self.kernel.next_hop_count()));
+        self.next_hops.render_into(&mut s);
         for (name, v) in vnet_fastpath::STAT_NAMES.iter().zip(self.kernel.stats()) {
             s.push_str(&format!(" {name}={v}"));
         }

@@ -31,7 +31,7 @@ use crate::sys::rtnl::{Neighbour, Rtnl};
 use netlink_packet_route::neighbour::NeighbourState;
 use std::collections::{HashMap, HashSet};
 use std::net::Ipv4Addr;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -45,13 +45,14 @@ const SETTLE: Duration = Duration::from_millis(50);
 /// rtnetlink's multicast group of neighbour events (RTNLGRP_NEIGH).
 const RTNLGRP_NEIGH: u32 = 3;
 
-/// What the keeper did, for STATS.
-#[derive(Default)]
-pub struct Counters {
-    /// Hops written or removed because the neighbour table changed.
-    pub updates: AtomicU64,
-    /// Stale neighbour entries the keeper asked the kernel to confirm.
-    pub confirms: AtomicU64,
+crate::stats::counter_set! {
+    /// What the keeper did, for STATS.
+    pub struct Counters {
+        /// Hops written or removed because the neighbour table changed.
+        updates as "next_hop_updates",
+        /// Stale neighbour entries the keeper asked the kernel to confirm.
+        confirms as "next_hop_confirms",
+    }
 }
 
 /// The keeper thread; stopped when dropped.
@@ -92,6 +93,7 @@ fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>) {
         .map_err(|e| tracing::info!("fast path: no neighbour events ({e}); next hops read once a second"))
         .ok();
     let mut watched = Watch { hops: HashSet::new(), open: true };
+    let mut buf = vec![0u8; 64 * 1024];
     loop {
         let Some(k) = kernel.upgrade() else { return };
         match refresh(&k, &rtnl, &counters) {
@@ -103,7 +105,7 @@ fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>) {
             Err(RecvTimeoutError::Timeout) => {}
             _ => return,
         }
-        if !wait(events.as_ref(), &watched, &stop, REFRESH - SETTLE) {
+        if !wait(events.as_ref(), &watched, &stop, REFRESH - SETTLE, &mut buf) {
             return;
         }
     }
@@ -129,10 +131,9 @@ struct Watch {
 
 /// Waits until an event about a watched neighbour, `most` passing, or the
 /// stop (false). Slices of 200 ms, so a stop is seen soon.
-fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<()>, most: Duration) -> bool {
+fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<()>, most: Duration, buf: &mut [u8]) -> bool {
     use std::os::fd::AsFd;
     let deadline = std::time::Instant::now() + most;
-    let mut buf = vec![0u8; 64 * 1024];
     loop {
         match stop.try_recv() {
             Err(std::sync::mpsc::TryRecvError::Empty) => {}
