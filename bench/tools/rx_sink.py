@@ -90,7 +90,7 @@ def main():
             exp = [(start + j) % N for j in range(k)]
             if list(ids) != exp or (avail + k - u) & 0xFFFF > N:
                 print("odd", last, u, k, avail, ids[:5], exp[:5], lens[:5], file=sys.stderr, flush=True)
-        bad += sum(1 for n in lens if n != expect)
+        bad += k - lens.count(expect)
         # Every buffer back at once, in the order used.
         slot = avail % N
         head = min(k, N - slot)

@@ -64,6 +64,12 @@ impl Counters {
     }
 
     #[inline]
+    pub fn received_many(&self, frames: u64, bytes: u64) {
+        self.in_frames.fetch_add(frames, Relaxed);
+        self.in_bytes.fetch_add(bytes, Relaxed);
+    }
+
+    #[inline]
     pub fn sent(&self, bytes: usize) {
         self.out_frames.fetch_add(1, Relaxed);
         self.out_bytes.fetch_add(bytes as u64, Relaxed);

@@ -39,6 +39,12 @@ pub struct Forwarder {
     /// runs of frames of one flow skip even the cache's hash.
     hits: Vec<(Arc<Route>, Slot)>,
     last: Option<(u64, Port, Mac, Mac)>,
+    /// Frames (and bytes) `hits` routed from `run_origin` not yet counted:
+    /// a run of one flow costs its port, route and total counters once
+    /// (`settle`: when the flow changes, and at the end of each pass, so
+    /// always within one snapshot), not frame by frame.
+    run: (u64, u64),
+    run_origin: Slot,
     plan: SegmentPlan,
     coalescer: TcpCoalescer,
     /// The id of the interface the pending run goes to (an id, not a slot:
@@ -63,6 +69,8 @@ impl Forwarder {
             cache: RouteCache::default(),
             hits: Vec::with_capacity(16),
             last: None,
+            run: (0, 0),
+            run_origin: Slot::Iface(0),
             plan: SegmentPlan::default(),
             coalescer: TcpCoalescer::default(),
             pending_dest: 0,
@@ -78,30 +86,24 @@ impl Forwarder {
     /// when it cannot be routed. The destinations are left in `self.hits`.
     #[inline]
     fn route(&mut self, snap: &Snapshot, origin: Slot, head: &[u8], len: usize) -> bool {
-        let (port, origin_stats) = match origin {
-            Slot::Iface(s) => {
-                let i = &snap.ifaces[s as usize];
-                (Port::Interface(i.id), &i.stats)
-            }
-            Slot::Link(s) => {
-                let l = &snap.links[s as usize];
-                (Port::Link(l.id), &l.stats)
-            }
+        let port = match origin {
+            Slot::Iface(s) => Port::Interface(snap.ifaces[s as usize].id),
+            Slot::Link(s) => Port::Link(snap.links[s as usize].id),
         };
-        origin_stats.received(len);
-        self.st.global.received(len);
         let Some((dst, src)) = frame_macs(head) else {
-            self.st.drop_at(Some(origin_stats), DropReason::Malformed);
+            self.refuse(snap, origin, len, DropReason::Malformed);
             return false;
         };
         let key = Some((snap.table.generation(), port, src, dst));
         if self.last != key {
+            self.settle(snap);
             let misses = self.cache.misses;
             let hits = self.cache.route(&snap.table, port, src, dst);
             self.hits.clear();
             // Every port a rule names is in the snapshot the table came from.
             self.hits.extend(hits.iter().filter_map(|h: &Hit| Some((snap.routes.get(&h.rule)?.clone(), snap.slot_of(h.dst)?))));
             self.last = key;
+            self.run_origin = origin;
             if self.cache.misses != misses {
                 if let (true, Some(fast)) = (snap.fast_on, &self.fast) {
                     // The table was asked: the kernel may take this flow's next frames.
@@ -111,16 +113,39 @@ impl Forwarder {
             }
         }
         if self.hits.is_empty() {
-            self.st.drop_at(Some(origin_stats), DropReason::NoRoute);
+            self.refuse(snap, origin, len, DropReason::NoRoute);
             return false;
         }
+        self.run.0 += 1;
+        self.run.1 += len as u64;
+        true
+    }
+
+    /// A frame received at `origin` and dropped before it was routed.
+    #[cold]
+    fn refuse(&self, snap: &Snapshot, origin: Slot, len: usize, why: DropReason) {
+        let stats = stats_of(snap, origin);
+        stats.received(len);
+        self.st.global.received(len);
+        self.st.drop_at(Some(stats), why);
+    }
+
+    /// Counts the frames routed by `hits` since the last settling: in on
+    /// their origin and in the totals, out on each route (and fan-out's
+    /// extra copies). `snap` must be the one they were routed in.
+    fn settle(&mut self, snap: &Snapshot) {
+        let (frames, bytes) = std::mem::take(&mut self.run);
+        if frames == 0 {
+            return;
+        }
+        stats_of(snap, self.run_origin).received_many(frames, bytes);
+        self.st.global.received_many(frames, bytes);
         for (route, _) in &self.hits {
-            route.stats.sent(len);
+            route.stats.sent_many(frames as usize, bytes as usize);
         }
         if self.hits.len() > 1 {
-            self.st.dispatch.fanout_copies.fetch_add(self.hits.len() as u64 - 1, Relaxed);
+            self.st.dispatch.fanout_copies.fetch_add(frames * (self.hits.len() as u64 - 1), Relaxed);
         }
-        true
     }
 
     /// A frame read from a guest's NIC or a direct link, with its offload
@@ -407,6 +432,7 @@ impl Forwarder {
     /// Sends what this pass queued (one `sendmmsg` per UDP socket), writes
     /// out the links that buffered frames, and counts it all.
     pub fn flush(&mut self, snap: &Snapshot) {
+        self.settle(snap);
         self.tx.flush();
         for slot in self.tx.gso_refused.drain(..) {
             if let Some(link) = snap.links.get(slot as usize) {
@@ -414,15 +440,25 @@ impl Forwarder {
                 link.gso.refused();
             }
         }
+        // Datagrams sent, counted per run to one link.
+        let (mut at, mut frames, mut bytes) = (u32::MAX, 0usize, 0usize);
         for (slot, len, err) in self.tx.done.drain(..) {
-            let Some(link) = snap.links.get(slot as usize) else { continue };
-            match err {
-                None => {
-                    link.stats.sent(len);
-                    self.st.global.sent(len);
+            if slot != at || err.is_some() {
+                if frames > 0 {
+                    sent_on(&self.st, snap, at, frames, bytes);
                 }
-                Some(why) => self.st.drop_at(Some(&link.stats), why),
+                (at, frames, bytes) = (slot, 0, 0);
             }
+            match err {
+                None => (frames, bytes) = (frames + 1, bytes + len),
+                Some(why) => {
+                    let Some(link) = snap.links.get(slot as usize) else { continue };
+                    self.st.drop_at(Some(&link.stats), why);
+                }
+            }
+        }
+        if frames > 0 {
+            sent_on(&self.st, snap, at, frames, bytes);
         }
         for slot in self.tx.buffered.drain(..) {
             let Some(link) = snap.links.get(slot as usize) else { continue };
@@ -451,6 +487,23 @@ impl Forwarder {
             d.tx_batched.fetch_add(std::mem::take(&mut self.tx.batched), Relaxed);
             self.st.offload.gso_sends.fetch_add(std::mem::take(&mut self.tx.gso_messages), Relaxed);
         }
+    }
+}
+
+/// The counters of the port at `slot`.
+#[inline]
+fn stats_of(snap: &Snapshot, slot: Slot) -> &Counters {
+    match slot {
+        Slot::Iface(s) => &snap.ifaces[s as usize].stats,
+        Slot::Link(s) => &snap.links[s as usize].stats,
+    }
+}
+
+/// `frames` datagrams of `bytes` sent on the link at `slot`.
+fn sent_on(st: &ThreadStats, snap: &Snapshot, slot: u32, frames: usize, bytes: usize) {
+    if let Some(link) = snap.links.get(slot as usize) {
+        link.stats.sent_many(frames, bytes);
+        st.global.sent_many(frames, bytes);
     }
 }
 

@@ -237,9 +237,10 @@ fn epoch() -> Instant {
 }
 
 impl GsoState {
+    /// Asked for every frame: the clock is read only while GSO is off.
     #[inline]
     pub fn ok(&self) -> bool {
-        self.ok_at(epoch().elapsed())
+        self.off_until_ms.load(Relaxed) == 0 || self.ok_at(epoch().elapsed())
     }
 
     pub fn refused(&self) {
