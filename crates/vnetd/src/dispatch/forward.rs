@@ -45,6 +45,9 @@ pub struct Forwarder {
     /// always within one snapshot), not frame by frame.
     run: (u64, u64),
     run_origin: Slot,
+    /// Frames (and bytes) sent to the NIC at the first slot and not yet
+    /// counted, settled as `run` is (`settle_nic`).
+    to_nic: (u32, u64, u64),
     plan: SegmentPlan,
     coalescer: TcpCoalescer,
     /// The id of the interface the pending run goes to (an id, not a slot:
@@ -71,6 +74,7 @@ impl Forwarder {
             last: None,
             run: (0, 0),
             run_origin: Slot::Iface(0),
+            to_nic: (u32::MAX, 0, 0),
             plan: SegmentPlan::default(),
             coalescer: TcpCoalescer::default(),
             pending_dest: 0,
@@ -119,6 +123,16 @@ impl Forwarder {
         self.run.0 += 1;
         self.run.1 += len as u64;
         true
+    }
+
+    /// Counts the frames sent to one NIC since the last settling (`snap`
+    /// as for `settle`).
+    fn settle_nic(&mut self, snap: &Snapshot) {
+        let (slot, frames, bytes) = std::mem::replace(&mut self.to_nic, (u32::MAX, 0, 0));
+        if frames > 0 {
+            snap.ifaces[slot as usize].stats.sent_many(frames as usize, bytes as usize);
+            self.st.global.sent_many(frames as usize, bytes as usize);
+        }
     }
 
     /// A frame received at `origin` and dropped before it was routed.
@@ -275,8 +289,17 @@ impl Forwarder {
                     self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
                     return;
                 }
-                let r = with_pieces(head, rest, |p| iface.nic.send(vnet, p.parts()));
-                self.account(&iface.stats, r.map(|_| len));
+                match with_pieces(head, rest, |p| iface.nic.send(vnet, p.parts())) {
+                    Ok(_) => {
+                        if self.to_nic.0 != s {
+                            self.settle_nic(snap);
+                            self.to_nic.0 = s;
+                        }
+                        self.to_nic.1 += 1;
+                        self.to_nic.2 += len as u64;
+                    }
+                    Err(e) => self.account(&iface.stats, Err(e)),
+                }
             }
             Slot::Link(s) => {
                 let link = &snap.links[s as usize];
@@ -433,6 +456,7 @@ impl Forwarder {
     /// out the links that buffered frames, and counts it all.
     pub fn flush(&mut self, snap: &Snapshot) {
         self.settle(snap);
+        self.settle_nic(snap);
         self.tx.flush();
         for slot in self.tx.gso_refused.drain(..) {
             if let Some(link) = snap.links.get(slot as usize) {
