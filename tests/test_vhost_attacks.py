@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import subprocess
@@ -107,14 +108,22 @@ ROUTE ADD {g4} {BCAST} interface {g3} interface {g4}
         return frame
 
     def burst_to_fe(self, n: int):
-        """g1 sends `n` frames to the frontend back to back: they reach host 2
-        in runs (sendmmsg, GSO, GRO), so a pass there brings more than the 64
-        frames after which fe's receive ring is published mid-burst."""
+        """g1 sends `n` frames to the frontend back to back, while host 2's
+        vnetd is held (SIGSTOP): they wait in its socket, so its next pass
+        brings them all, more than the 64 frames after which fe's receive
+        ring is published mid-burst. (Unheld, whether one pass gets more
+        than 64 depends on how fast host 2 drains host 1's runs: a CI run
+        once saw none.)"""
         frame = mac(FE_MAC) + mac(self.g1.mac) + ETHERTYPE + bytes(50)
-        self.lab.x(self.g1.ns, "python3", "-c",
-                   "import socket; s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW); "
-                   f"s.bind(('{self.g1.tap}', 0)); f = bytes.fromhex('{frame.hex()}')\n"
-                   f"for _ in range({n}): s.send(f)")
+        os.kill(self.d2.proc.pid, signal.SIGSTOP)
+        try:
+            self.lab.x(self.g1.ns, "python3", "-c",
+                       "import socket; s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW); "
+                       f"s.bind(('{self.g1.tap}', 0)); f = bytes.fromhex('{frame.hex()}')\n"
+                       f"for _ in range({n}): s.send(f)")
+            time.sleep(0.5)  # host 1's vnetd sends them on
+        finally:
+            os.kill(self.d2.proc.pid, signal.SIGCONT)
 
     def exchange(self, f: vf.Frontend):
         """A frame each way between the frontend and g1."""
