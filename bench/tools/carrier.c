@@ -139,7 +139,7 @@ static int tx_xsk(char **a) {
     u->dest = htons(atoi(a[5]));
     u->len = htons(8 + payload);
     for (int i = 0; i < NFRAMES / 2; i++) memcpy((uint8_t *)x.area + (size_t)i * FRAME, f, len);
-    unsigned long long sent = 0, outstanding = 0;
+    unsigned long long sent = 0;
     uint32_t next = 0;
     double t0 = now(), end = t0 + secs;
     while (now() < end) {
@@ -150,13 +150,11 @@ static int tx_xsk(char **a) {
             d->len = len;
         }
         xsk_ring_prod__submit(&x.tx, k);
-        outstanding += k;
         if (sendto(xsk_socket__fd(x.sock), NULL, 0, MSG_DONTWAIT, NULL, 0) < 0 && errno != EAGAIN && errno != EBUSY &&
             errno != ENOBUFS)
             die("sendto (kick)", errno);
         uint32_t cidx, c = xsk_ring_cons__peek(&x.comp, NFRAMES / 2, &cidx);
         xsk_ring_cons__release(&x.comp, c);
-        outstanding -= c;
         sent += c;
     }
     report("tx-xsk", sent, now() - t0);

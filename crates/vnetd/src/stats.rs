@@ -64,9 +64,9 @@ impl Counters {
     }
 
     #[inline]
-    pub fn received_many(&self, frames: u64, bytes: u64) {
-        self.in_frames.fetch_add(frames, Relaxed);
-        self.in_bytes.fetch_add(bytes, Relaxed);
+    pub fn received_many(&self, frames: usize, bytes: usize) {
+        self.in_frames.fetch_add(frames as u64, Relaxed);
+        self.in_bytes.fetch_add(bytes as u64, Relaxed);
     }
 
     #[inline]
@@ -179,6 +179,20 @@ pub struct ThreadStats {
 }
 
 impl ThreadStats {
+    /// Counts frames received, on the port that took them and in the totals.
+    #[inline]
+    pub fn received_at(&self, port: &Counters, frames: usize, bytes: usize) {
+        port.received_many(frames, bytes);
+        self.global.received_many(frames, bytes);
+    }
+
+    /// Counts frames sent, on the port that sent them and in the totals.
+    #[inline]
+    pub fn sent_at(&self, port: &Counters, frames: usize, bytes: usize) {
+        port.sent_many(frames, bytes);
+        self.global.sent_many(frames, bytes);
+    }
+
     /// Counts a drop, on the port it happened at (if any) and in the totals.
     #[inline]
     pub fn drop_at(&self, port: Option<&Counters>, why: DropReason) {

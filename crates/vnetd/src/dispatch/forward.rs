@@ -43,11 +43,11 @@ pub struct Forwarder {
     /// a run of one flow costs its port, route and total counters once
     /// (`settle`: when the flow changes, and at the end of each pass, so
     /// always within one snapshot), not frame by frame.
-    run: (u64, u64),
+    run: (usize, usize),
     run_origin: Slot,
     /// Frames (and bytes) sent to the NIC at the first slot and not yet
     /// counted, settled as `run` is (`settle_nic`).
-    to_nic: (u32, u64, u64),
+    to_nic: (u32, usize, usize),
     plan: SegmentPlan,
     coalescer: TcpCoalescer,
     /// The id of the interface the pending run goes to (an id, not a slot:
@@ -121,7 +121,7 @@ impl Forwarder {
             return false;
         }
         self.run.0 += 1;
-        self.run.1 += len as u64;
+        self.run.1 += len;
         true
     }
 
@@ -130,8 +130,7 @@ impl Forwarder {
     fn settle_nic(&mut self, snap: &Snapshot) {
         let (slot, frames, bytes) = std::mem::replace(&mut self.to_nic, (u32::MAX, 0, 0));
         if frames > 0 {
-            snap.ifaces[slot as usize].stats.sent_many(frames as usize, bytes as usize);
-            self.st.global.sent_many(frames as usize, bytes as usize);
+            self.st.sent_at(&snap.ifaces[slot as usize].stats, frames, bytes);
         }
     }
 
@@ -139,8 +138,7 @@ impl Forwarder {
     #[cold]
     fn refuse(&self, snap: &Snapshot, origin: Slot, len: usize, why: DropReason) {
         let stats = stats_of(snap, origin);
-        stats.received(len);
-        self.st.global.received(len);
+        self.st.received_at(stats, 1, len);
         self.st.drop_at(Some(stats), why);
     }
 
@@ -152,13 +150,12 @@ impl Forwarder {
         if frames == 0 {
             return;
         }
-        stats_of(snap, self.run_origin).received_many(frames, bytes);
-        self.st.global.received_many(frames, bytes);
+        self.st.received_at(stats_of(snap, self.run_origin), frames, bytes);
         for (route, _) in &self.hits {
-            route.stats.sent_many(frames as usize, bytes as usize);
+            route.stats.sent_many(frames, bytes);
         }
         if self.hits.len() > 1 {
-            self.st.dispatch.fanout_copies.fetch_add(frames * (self.hits.len() as u64 - 1), Relaxed);
+            self.st.dispatch.fanout_copies.fetch_add((frames * (self.hits.len() - 1)) as u64, Relaxed);
         }
     }
 
@@ -261,10 +258,7 @@ impl Forwarder {
             }
         };
         match result {
-            Ok(_) => {
-                iface.stats.sent_many(frames, bytes);
-                self.st.global.sent_many(frames, bytes);
-            }
+            Ok(_) => self.st.sent_at(&iface.stats, frames, bytes),
             Err(e) => {
                 for _ in 0..frames {
                     self.st.drop_at(Some(&iface.stats), crate::link::classify(&e));
@@ -296,7 +290,7 @@ impl Forwarder {
                             self.to_nic.0 = s;
                         }
                         self.to_nic.1 += 1;
-                        self.to_nic.2 += len as u64;
+                        self.to_nic.2 += len;
                     }
                     Err(e) => self.account(&iface.stats, Err(e)),
                 }
@@ -437,8 +431,7 @@ impl Forwarder {
     #[inline]
     fn count(&self, link: &Link, sent: Sent) {
         if sent.frames > 0 {
-            link.stats.sent_many(sent.frames, sent.bytes);
-            self.st.global.sent_many(sent.frames, sent.bytes);
+            self.st.sent_at(&link.stats, sent.frames, sent.bytes);
         }
         if let Some(why) = sent.why {
             for _ in 0..sent.dropped {
@@ -464,32 +457,27 @@ impl Forwarder {
                 link.gso.refused();
             }
         }
-        // Datagrams sent, counted per run to one link.
-        let (mut at, mut frames, mut bytes) = (u32::MAX, 0usize, 0usize);
+        // Datagrams sent, counted per run to one link; refusals one by one.
+        let (mut at, mut frames, mut bytes) = (u32::MAX, 0, 0);
         for (slot, len, err) in self.tx.done.drain(..) {
-            if slot != at || err.is_some() {
-                if frames > 0 {
-                    sent_on(&self.st, snap, at, frames, bytes);
-                }
-                (at, frames, bytes) = (slot, 0, 0);
-            }
-            match err {
-                None => (frames, bytes) = (frames + 1, bytes + len),
-                Some(why) => {
-                    let Some(link) = snap.links.get(slot as usize) else { continue };
+            if let Some(why) = err {
+                if let Some(link) = snap.links.get(slot as usize) {
                     self.st.drop_at(Some(&link.stats), why);
                 }
+                continue;
             }
+            if slot != at {
+                sent_on(&self.st, snap, at, frames, bytes);
+                (at, frames, bytes) = (slot, 0, 0);
+            }
+            (frames, bytes) = (frames + 1, bytes + len);
         }
-        if frames > 0 {
-            sent_on(&self.st, snap, at, frames, bytes);
-        }
+        sent_on(&self.st, snap, at, frames, bytes);
         for slot in self.tx.buffered.drain(..) {
             let Some(link) = snap.links.get(slot as usize) else { continue };
             let (frames, bytes) = link.transport.write_out();
             if frames > 0 {
-                link.stats.sent_many(frames, bytes);
-                self.st.global.sent_many(frames, bytes);
+                self.st.sent_at(&link.stats, frames, bytes);
             }
         }
         // NICs last: a guest's transmit buffers sent in place (cut-through)
@@ -523,11 +511,10 @@ fn stats_of(snap: &Snapshot, slot: Slot) -> &Counters {
     }
 }
 
-/// `frames` datagrams of `bytes` sent on the link at `slot`.
+/// `frames` datagrams of `bytes` sent on the link at `slot` (none: nothing).
 fn sent_on(st: &ThreadStats, snap: &Snapshot, slot: u32, frames: usize, bytes: usize) {
-    if let Some(link) = snap.links.get(slot as usize) {
-        link.stats.sent_many(frames, bytes);
-        st.global.sent_many(frames, bytes);
+    if let (true, Some(link)) = (frames > 0, snap.links.get(slot as usize)) {
+        st.sent_at(&link.stats, frames, bytes);
     }
 }
 
@@ -549,10 +536,7 @@ fn with_pieces<R>(head: &[u8], rest: &[&[u8]], f: impl FnOnce(Pieces) -> R) -> R
 #[inline]
 fn account(st: &ThreadStats, stats: &Counters, r: io::Result<usize>) {
     match r {
-        Ok(n) => {
-            stats.sent(n);
-            st.global.sent(n);
-        }
+        Ok(n) => st.sent_at(stats, 1, n),
         Err(e) => {
             let why = crate::link::classify(&e);
             if why == DropReason::TxError {

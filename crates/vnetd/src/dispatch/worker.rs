@@ -472,8 +472,7 @@ impl Worker {
         let link = &self.snap.links[port.slot as usize];
         let w = port.link.write_out();
         if w.frames > 0 {
-            link.stats.sent_many(w.frames, w.bytes);
-            self.st.global.sent_many(w.frames, w.bytes);
+            self.st.sent_at(&link.stats, w.frames, w.bytes);
         }
         if !w.blocked {
             self.sync_tcp(at);
