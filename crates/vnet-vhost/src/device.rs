@@ -85,6 +85,57 @@ pub enum Taken {
     Copied { len: usize, vnet: VnetHdr },
     /// In the caller's `GuestFrame`.
     InPlace,
+    /// Longer than the caller's buffer: returned to the guest unread (the
+    /// caller counts the drop).
+    TooBig,
+}
+
+/// Frames and bytes.
+#[derive(Default)]
+struct Count(u64, u64);
+
+impl Count {
+    fn add(&mut self, len: usize) {
+        self.0 += 1;
+        self.1 += len as u64;
+    }
+}
+
+/// What one burst took, counted at its end.
+#[derive(Default)]
+struct Tally {
+    small: Count,
+    scattered: Count,
+    in_place: Count,
+    head_bytes: u64,
+    gathered: u64,
+    bad: u64,
+}
+
+impl Tally {
+    fn in_place(&mut self, f: &GuestFrame) {
+        let (head, all) = (f.head_len(), f.len());
+        self.in_place.add(all - head);
+        self.head_bytes += head as u64;
+        self.gathered += (f.pieces.len() > 1) as u64;
+    }
+
+    fn add_to(&self, c: &Counters) {
+        let add = |a: &AtomicU64, v: u64| {
+            if v > 0 {
+                a.fetch_add(v, Relaxed);
+            }
+        };
+        add(&c.tx_copied_small_frames, self.small.0);
+        add(&c.tx_copied_small_bytes, self.small.1);
+        add(&c.tx_copied_scattered_frames, self.scattered.0);
+        add(&c.tx_copied_scattered_bytes, self.scattered.1);
+        add(&c.tx_in_place_frames, self.in_place.0);
+        add(&c.tx_in_place_bytes, self.in_place.1);
+        add(&c.tx_head_copied_bytes, self.head_bytes);
+        add(&c.tx_gathered_frames, self.gathered);
+        add(&c.bad_chains, self.bad);
+    }
 }
 
 impl<B: DirtyLog> Device<B> {
@@ -143,51 +194,49 @@ impl<B: DirtyLog> Device<B> {
         self.epoll.as_raw_fd()
     }
 
-    /// The next frame from the guest's transmit queue: into `buf`, or, given
-    /// `frame` (cut-through), its head copied there and the rest in place.
-    pub fn take(&self, buf: &mut [u8], mut frame: Option<&mut GuestFrame>) -> io::Result<Taken> {
+    /// Takes up to `max` frames from the guest's transmit queue, the ring
+    /// held once for the whole burst and its counters added once at its
+    /// end: each frame goes to `each` in `buf`, or, given `frame`
+    /// (cut-through), with its head copied there and the rest in place
+    /// (`each` must be done with it when it returns). How many frames
+    /// `each` was given.
+    pub fn take_burst(&self, buf: &mut [u8], mut frame: Option<&mut GuestFrame>, max: usize, mut each: impl FnMut(Taken, &mut [u8], Option<&mut GuestFrame>)) -> usize {
         let hdr_len = self.hdr_len();
-        let c = &*self.counters;
+        let mut tally = Tally::default();
         let mut tx = self.ring(TX);
         // Kicks re-armed and frames found waiting: look once more, never in a
         // loop (a guest whose avail index is nonsense would hold us there).
         let mut looked_again = false;
-        loop {
+        let mut n = 0;
+        while n < max {
             if !tx.running() {
                 tx.clear_kick();
                 self.clear_poke();
-                return Err(io::ErrorKind::WouldBlock.into());
+                break;
             }
-            match tx.pop_frame(buf, hdr_len, frame.as_deref_mut()) {
+            let taken = match tx.pop_frame(buf, hdr_len, frame.as_deref_mut()) {
                 Popped::Frame { len, vnet, copied } => {
                     if copied && len <= MAX_HEAD {
-                        c.tx_copied_small_frames.fetch_add(1, Relaxed);
-                        c.tx_copied_small_bytes.fetch_add(len as u64, Relaxed);
+                        tally.small.add(len);
                     } else if copied {
-                        c.tx_copied_scattered_frames.fetch_add(1, Relaxed);
-                        c.tx_copied_scattered_bytes.fetch_add(len as u64, Relaxed);
+                        tally.scattered.add(len);
                     }
-                    return Ok(Taken::Copied { len, vnet });
+                    Taken::Copied { len, vnet }
                 }
                 Popped::InPlace => {
                     let f = frame.as_deref().expect("in place only when asked");
-                    let (head, all) = (f.head_len() as u64, f.len() as u64);
-                    c.tx_in_place_frames.fetch_add(1, Relaxed);
-                    c.tx_in_place_bytes.fetch_add(all - head, Relaxed);
-                    c.tx_head_copied_bytes.fetch_add(head, Relaxed);
-                    if f.pieces.len() > 1 {
-                        c.tx_gathered_frames.fetch_add(1, Relaxed);
-                    }
-                    return Ok(Taken::InPlace);
+                    tally.in_place(f);
+                    Taken::InPlace
                 }
                 Popped::Bad => {
-                    c.bad_chains.fetch_add(1, Relaxed);
+                    tally.bad += 1;
+                    continue;
                 }
-                Popped::TooBig => return Err(io::Error::from_raw_os_error(libc::EMSGSIZE)),
+                Popped::TooBig => Taken::TooBig,
                 Popped::Later => {
                     // Come back after the other NICs had their turn.
                     self.poke();
-                    return Err(io::ErrorKind::WouldBlock.into());
+                    break;
                 }
                 Popped::Empty => {
                     tx.clear_kick();
@@ -196,10 +245,15 @@ impl<B: DirtyLog> Device<B> {
                         looked_again = true;
                         continue;
                     }
-                    return Err(io::ErrorKind::WouldBlock.into());
+                    break;
                 }
-            }
+            };
+            n += 1;
+            each(taken, buf, frame.as_deref_mut());
         }
+        drop(tx);
+        tally.add_to(&self.counters);
+        n
     }
 
     /// Writes one frame into the guest's receive buffers; its length.

@@ -35,7 +35,7 @@ use crate::settings::{IfaceDispatch, Sched};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
 use crate::link::Rx;
-use crate::nic::{Frame, GuestFrame};
+use crate::nic::{GuestFrame, RxBuffers, RxFrame};
 use crate::topology::{Slot, Snapshot};
 use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
 use anyhow::{bail, Result};
@@ -275,37 +275,32 @@ impl Worker {
         let snap = &self.snap;
         let Some(iface) = snap.ifaces.get(slot as usize) else { return 0 };
         let quota = snap.dispatch.quota as usize;
+        let (fwd, st) = (&mut self.fwd, &*self.st);
+        let mut rx = RxBuffers { buf: &mut self.buf, in_place: snap.dispatch.cut_through.then_some(&mut self.in_place) };
         let mut n = 0;
-        while n < quota {
-            let r = if snap.dispatch.cut_through {
-                iface.nic.recv_in_place(&mut self.buf, &mut self.in_place)
-            } else {
-                iface.nic.recv(&mut self.buf).map(Frame::Copied)
-            };
-            match r {
-                Ok(Frame::Copied(rx)) => {
+        let r = iface.nic.recv_burst(&mut rx, quota, &mut |f| {
+            match f {
+                RxFrame::Copied(frame, vnet) => {
                     n += 1;
-                    self.fwd.from_port(snap, Slot::Iface(slot), &mut self.buf[rx.start..rx.end], rx.vnet);
+                    fwd.from_port(snap, Slot::Iface(slot), frame, vnet);
                 }
-                Ok(Frame::InPlace) => {
+                RxFrame::InPlace(g) => {
                     n += 1;
                     // Routed on the head vnetd copied, sent with the rest
                     // from where it lies.
-                    let vnet = self.in_place.vnet;
+                    let vnet = g.vnet;
                     let mut rest = [&[][..]; MAX_PIECES];
-                    let (head, k) = self.in_place.parts(&mut rest);
-                    self.fwd.from_port_pieces(snap, Slot::Iface(slot), head, &rest[..k], vnet);
-                    self.in_place.release();
+                    let (head, k) = g.parts(&mut rest);
+                    fwd.from_port_pieces(snap, Slot::Iface(slot), head, &rest[..k], vnet);
+                    g.release();
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
-                }
-                Err(e) => {
-                    tracing::warn!(iface = %iface.name, "read from NIC failed: {e}");
-                    break;
+                RxFrame::Oversize => {
+                    st.drop_at(Some(&iface.stats), DropReason::Oversize);
                 }
             }
+        });
+        if let Err(e) = r {
+            tracing::warn!(iface = %iface.name, "read from NIC failed: {e}");
         }
         if n > 0 {
             self.st.dispatch.rx_frames.fetch_add(n as u64, Relaxed);

@@ -38,22 +38,32 @@ pub use veth::VethNic;
 pub use vhost_user::VhostUserNic;
 
 /// A guest's virtual NIC, as the dispatcher uses it; the dispatcher never
-/// asks which kind it has. The first three methods (and `event_fd`) are
-/// what a NIC behind a file descriptor needs; the vhost-user NIC added the
-/// ones shared rings need (`recv_in_place`, `arriving`, `flush`, `idle`,
-/// `takes_offloads`), each a no-op by default.
+/// asks which kind it has. `recv`, `send` and `event_fd` are what a NIC
+/// behind a file descriptor needs; the vhost-user NIC added the ones
+/// shared rings need (its own `recv_burst`, `arriving`, `flush`, `idle`,
+/// `takes_offloads`), each a loop over `recv` or a no-op by default.
 pub trait VirtualNic: Send + Sync {
     /// Reads one frame without blocking: `buf[start..end]`, with its offload
     /// metadata (every NIC kind here speaks virtio-net headers, so a guest's
     /// super-frames and partial checksums arrive labelled).
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received>;
-    /// As `recv`, but a NIC that shares the guest's memory may leave most
-    /// of the frame where it lies, uncopied (cut-through): it then copies
-    /// its headers into `at` (the dispatcher's, reused), notes the rest
-    /// there, and returns `Frame::InPlace`; the dispatcher routes on the
-    /// copy and finishes with the frame before its next flush.
-    fn recv_in_place(&self, buf: &mut [u8], _at: &mut GuestFrame) -> io::Result<Frame> {
-        self.recv(buf).map(Frame::Copied)
+    /// Reads up to `quota` frames without blocking, handing each to `each`
+    /// as it comes (the burst is the unit: a NIC with shared rings holds
+    /// its ring once for all of them). Given `rx.in_place`, a NIC that
+    /// shares the guest's memory may leave most of a frame where it lies
+    /// (cut-through): its headers are copied there, the rest noted, and
+    /// `each` must be done with it when it returns. An error other than
+    /// "nothing waits" ends the burst.
+    fn recv_burst(&self, rx: &mut RxBuffers, quota: usize, each: &mut dyn FnMut(RxFrame)) -> io::Result<()> {
+        for _ in 0..quota {
+            match self.recv(rx.buf) {
+                Ok(r) => each(RxFrame::Copied(&mut rx.buf[r.start..r.end], r.vnet)),
+                Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => each(RxFrame::Oversize),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
     /// Sends one frame made of `parts`, with offload metadata `vnet` (all
     /// zero for a plain frame); returns the frame's length.
@@ -114,11 +124,23 @@ pub trait VirtualNic: Send + Sync {
     }
 }
 
-/// A frame read from a NIC: copied into the caller's buffer, or taken into
-/// the `GuestFrame` passed (its headers copied, the rest in guest memory).
-pub enum Frame {
-    Copied(Received),
-    InPlace,
+/// Where a burst's frames are read to: the dispatcher's buffer, reused
+/// frame after frame, and, when cut-through is on, its `GuestFrame`.
+pub struct RxBuffers<'a> {
+    pub buf: &'a mut [u8],
+    pub in_place: Option<&'a mut GuestFrame>,
+}
+
+/// One frame of a burst, as `VirtualNic::recv_burst` hands it over.
+pub enum RxFrame<'a> {
+    /// Copied: the frame, with its offload metadata.
+    Copied(&'a mut [u8], VnetHdr),
+    /// Cut through: its headers copied into the `GuestFrame`, the rest where
+    /// it lies in guest memory.
+    InPlace(&'a mut GuestFrame),
+    /// Longer than the buffer: not read (the guest has it back); the
+    /// dispatcher counts the drop.
+    Oversize,
 }
 
 /// One received frame: `buf[start..end]`, and its offload metadata.

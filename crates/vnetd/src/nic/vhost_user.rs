@@ -16,7 +16,7 @@
 //! replaces anything but a stale socket, and makes its own mode 600 through
 //! a descriptor of the file it bound.
 
-use super::{Frame, GuestFrame, Received, VirtualNic};
+use super::{Received, RxBuffers, RxFrame, VirtualNic};
 use crate::settings::IrqPolicy;
 use anyhow::{bail, Context, Result};
 use std::ffi::CString;
@@ -328,17 +328,24 @@ impl Drop for VhostUserNic {
 
 impl VirtualNic for VhostUserNic {
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
-        match self.shared.take(buf, None)? {
-            Taken::Copied { len, vnet } => Ok(Received { start: 0, end: len, vnet }),
-            Taken::InPlace => unreachable!("in place only when asked"),
-        }
+        let mut got = Err(io::ErrorKind::WouldBlock.into());
+        self.shared.take_burst(buf, None, 1, |t, _, _| {
+            got = match t {
+                Taken::Copied { len, vnet } => Ok(Received { start: 0, end: len, vnet }),
+                Taken::TooBig => Err(io::Error::from_raw_os_error(libc::EMSGSIZE)),
+                Taken::InPlace => unreachable!("in place only when asked"),
+            }
+        });
+        got
     }
 
-    fn recv_in_place(&self, buf: &mut [u8], at: &mut GuestFrame) -> io::Result<Frame> {
-        match self.shared.take(buf, Some(at))? {
-            Taken::Copied { len, vnet } => Ok(Frame::Copied(Received { start: 0, end: len, vnet })),
-            Taken::InPlace => Ok(Frame::InPlace),
-        }
+    fn recv_burst(&self, rx: &mut RxBuffers, quota: usize, each: &mut dyn FnMut(RxFrame)) -> io::Result<()> {
+        self.shared.take_burst(rx.buf, rx.in_place.as_deref_mut(), quota, |t, buf, frame| match t {
+            Taken::Copied { len, vnet } => each(RxFrame::Copied(&mut buf[..len], vnet)),
+            Taken::InPlace => each(RxFrame::InPlace(frame.expect("in place only when asked"))),
+            Taken::TooBig => each(RxFrame::Oversize),
+        });
+        Ok(())
     }
 
     fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
