@@ -90,6 +90,13 @@ pub enum Taken {
     TooBig,
 }
 
+/// How the guest's driver takes frames: its header's length, and whether
+/// one frame may fill several of its buffers.
+struct Receiving {
+    mergeable: bool,
+    hdr_len: usize,
+}
+
 /// Frames and bytes.
 #[derive(Default)]
 struct Count(u64, u64);
@@ -258,16 +265,46 @@ impl<B: DirtyLog> Device<B> {
 
     /// Writes one frame into the guest's receive buffers; its length.
     pub fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
-        let mergeable = self.acked.load(Relaxed) & feature::MRG_RXBUF != 0;
-        let hdr_len = self.hdr_len();
+        let to = self.receiving();
         let mut rx = self.ring(RX);
+        let len = self.put(&mut rx, &to, vnet, parts)?;
+        self.counters.rx_frames.fetch_add(1, Relaxed);
+        Ok(len)
+    }
+
+    /// Writes a burst of plain frames (each one piece, all with offload
+    /// header `vnet`) into the guest's receive buffers, the ring held once
+    /// and the frames counted once; `done(its length or why it was
+    /// dropped)` is told of each frame in turn.
+    pub fn send_burst<'a>(&self, vnet: &VnetHdr, frames: impl Iterator<Item = &'a [u8]>, mut done: impl FnMut(io::Result<usize>)) {
+        let to = self.receiving();
+        let mut rx = self.ring(RX);
+        let mut sent = 0;
+        for f in frames {
+            let r = self.put(&mut rx, &to, vnet, &[f]);
+            sent += r.is_ok() as u64;
+            done(r);
+        }
+        drop(rx);
+        if sent > 0 {
+            self.counters.rx_frames.fetch_add(sent, Relaxed);
+        }
+    }
+
+    /// How frames are written into the guest's receive buffers, as its
+    /// driver negotiated.
+    fn receiving(&self) -> Receiving {
+        Receiving { mergeable: self.acked.load(Relaxed) & feature::MRG_RXBUF != 0, hdr_len: self.hdr_len() }
+    }
+
+    /// Writes one frame into the held receive ring; its length.
+    fn put(&self, rx: &mut Ring<B>, to: &Receiving, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
         if !rx.running() {
             return Err(io::Error::from_raw_os_error(libc::ENETDOWN));
         }
-        rx.put_frame(vnet, parts, hdr_len, mergeable)?;
+        rx.put_frame(vnet, parts, to.hdr_len, to.mergeable)?;
         let len: usize = parts.iter().map(|p| p.len()).sum();
         rx.irq.bytes += len as u64;
-        self.counters.rx_frames.fetch_add(1, Relaxed);
         // A long burst is shown to the guest as it goes, a stretch at a
         // time (as vhost-net does every 64 frames), so that its driver
         // refills the ring while the rest arrives instead of finding it

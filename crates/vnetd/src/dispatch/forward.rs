@@ -50,8 +50,12 @@ pub struct Forwarder {
     to_nic: (u32, usize, usize),
     plan: SegmentPlan,
     coalescer: TcpCoalescer,
-    /// The id of the interface the pending run goes to (an id, not a slot:
-    /// it is looked up again in the snapshot that ends the run).
+    /// Plain frames from a link, routed to one interface and sent to it as
+    /// one burst by `end_run`: ranges of the received buffer.
+    burst: Vec<Range<usize>>,
+    /// The id of the interface the pending run (`coalescer`, `burst`) goes
+    /// to (an id, not a slot: it is looked up again in the snapshot that
+    /// ends the run).
     pending_dest: u32,
     /// Link sends queued or buffered this pass, sent at its end (`flush`).
     pub tx: TxQueue,
@@ -77,6 +81,7 @@ impl Forwarder {
             to_nic: (u32::MAX, 0, 0),
             plan: SegmentPlan::default(),
             coalescer: TcpCoalescer::default(),
+            burst: Vec::with_capacity(64),
             pending_dest: 0,
             tx: TxQueue::default(),
             fast,
@@ -123,6 +128,18 @@ impl Forwarder {
         self.run.0 += 1;
         self.run.1 += len;
         true
+    }
+
+    /// Notes `frames` frames (`bytes`) sent to the NIC at `slot`, counted
+    /// with the rest of the run to it (`settle_nic`).
+    #[inline]
+    fn sent_to_nic(&mut self, snap: &Snapshot, slot: u32, frames: usize, bytes: usize) {
+        if self.to_nic.0 != slot {
+            self.settle_nic(snap);
+            self.to_nic.0 = slot;
+        }
+        self.to_nic.1 += frames;
+        self.to_nic.2 += bytes;
     }
 
     /// Counts the frames sent to one NIC since the last settling (`snap`
@@ -189,25 +206,37 @@ impl Forwarder {
             return;
         }
         if let [(_, Slot::Iface(s))] = self.hits[..] {
-            if !snap.ifaces[s as usize].nic.takes_offloads() {
+            let iface = &snap.ifaces[s as usize];
+            if !iface.nic.takes_offloads() {
                 self.end_run(snap, buf);
                 let mut vnet = VnetHdr::default();
                 let len = range.len();
                 self.deliver(snap, Slot::Iface(s), &mut buf[range], &[], len, &mut vnet);
                 return;
             }
-            let id = snap.ifaces[s as usize].id;
-            if self.coalescer.is_pending() && self.pending_dest == id && self.coalescer.offer(buf, range.clone()) {
-                return;
+            // One pending run at a time, to one interface: TCP segments
+            // merged (the coalescer), after plain frames (`burst`).
+            if self.pending_dest != iface.id {
+                self.end_run(snap, buf);
+                self.pending_dest = iface.id;
             }
-            self.end_run(snap, buf);
+            if self.coalescer.is_pending() {
+                if self.coalescer.offer(buf, range.clone()) {
+                    return;
+                }
+                self.end_run(snap, buf);
+            }
             if self.coalescer.offer(buf, range.clone()) {
-                self.pending_dest = id;
                 return;
             }
-        } else {
-            self.end_run(snap, buf);
+            if range.len() > iface.max_frame() {
+                self.st.drop_at(Some(&iface.stats), DropReason::Oversize);
+                return;
+            }
+            self.burst.push(range);
+            return;
         }
+        self.end_run(snap, buf);
         let hits = std::mem::take(&mut self.hits);
         let mut vnet = VnetHdr::default();
         for &(_, to) in &hits {
@@ -221,15 +250,17 @@ impl Forwarder {
     /// run is dropped and counted, never sent elsewhere).
     pub fn end_run(&mut self, snap: &Snapshot, buf: &[u8]) {
         // Called after every received batch: nothing pending costs nothing.
-        if !self.coalescer.is_pending() {
+        if !self.coalescer.is_pending() && self.burst.is_empty() {
             return;
         }
         let Some(slot) = snap.iface_slot(self.pending_dest) else {
-            let frames = match self.coalescer.take() {
-                Run::Empty => 0,
-                Run::Single(_) => 1,
-                Run::Merged { frames, .. } => frames,
-            };
+            let frames = self.burst.len()
+                + match self.coalescer.take() {
+                    Run::Empty => 0,
+                    Run::Single(_) => 1,
+                    Run::Merged { frames, .. } => frames,
+                };
+            self.burst.clear();
             for _ in 0..frames {
                 self.st.drop_at(None, DropReason::NoRoute);
             }
@@ -237,6 +268,16 @@ impl Forwarder {
         };
         let iface = &snap.ifaces[slot as usize];
         self.arriving(snap, slot);
+        if !self.burst.is_empty() {
+            // The plain frames first: they came before the merged run.
+            let (st, mut frames, mut bytes) = (&*self.st, 0, 0);
+            iface.nic.send_burst(&VnetHdr::default(), &mut self.burst.iter().map(|r| &buf[r.clone()]), &mut |r| match r {
+                Ok(n) => (frames, bytes) = (frames + 1, bytes + n),
+                Err(e) => st.drop_at(Some(&iface.stats), crate::link::classify(&e)),
+            });
+            self.burst.clear();
+            self.sent_to_nic(snap, slot, frames, bytes);
+        }
         let (result, frames, bytes) = match self.coalescer.take() {
             Run::Empty => return,
             Run::Single(r) => {
@@ -284,14 +325,7 @@ impl Forwarder {
                     return;
                 }
                 match with_pieces(head, rest, |p| iface.nic.send(vnet, p.parts())) {
-                    Ok(_) => {
-                        if self.to_nic.0 != s {
-                            self.settle_nic(snap);
-                            self.to_nic.0 = s;
-                        }
-                        self.to_nic.1 += 1;
-                        self.to_nic.2 += len;
-                    }
+                    Ok(_) => self.sent_to_nic(snap, s, 1, len),
                     Err(e) => self.account(&iface.stats, Err(e)),
                 }
             }

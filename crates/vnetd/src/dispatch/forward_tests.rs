@@ -259,6 +259,26 @@ fn a_run_of_tcp_segments_from_a_link_reaches_a_guest_merged_into_one_super_frame
 }
 
 #[test]
+fn a_links_plain_frames_reach_a_guest_as_bursts_in_the_order_they_came_merged_runs_between() {
+    let mut r = lan();
+    let (p1, p2, p3, p4) = (eth(B, R, 60), eth(B, R, 61), eth(B, R, 62), eth(B, R, 63));
+    let too_long = eth(B, R, 1519 - 14);
+    let (s1, s2) = (tcp4(B, R, 100, &[1u8; 1000]), tcp4(B, R, 1100, &[2u8; 1000]));
+    let to_a = eth(A, R, 60);
+    r.from_link(0, &[&p1, &s1, &s2, &p2, &too_long, &p3, &to_a, &p4]);
+    let got: Vec<Vec<u8>> = r.nics[1].1.take_sent().into_iter().map(|g| g.bytes).collect();
+    assert_eq!(got.len(), 5, "p1, the merged run, p2, p3, p4");
+    assert_eq!((&got[0], &got[2], &got[3], &got[4]), (&p1, &p2, &p3, &p4));
+    assert_eq!(tcp_payload(&got[1]), &[[1u8; 1000], [2u8; 1000]].concat()[..]);
+    // One burst before the merged run, one after it (the frame that was
+    // too long dropped from it), one after the frame to A.
+    assert_eq!(r.nics[1].1.take_bursts(), vec![1, 2, 1]);
+    assert_eq!(r.nics[0].1.take_sent().len(), 1);
+    assert_eq!(r.guest_stats(1).drops(DropReason::Oversize), 1);
+    assert_eq!(r.guest_stats(1).out_frames.load(Relaxed), 6, "five sent, the run counted as its two");
+}
+
+#[test]
 fn every_frame_is_counted_once_received_and_once_sent_or_dropped() {
     // The balance the soak test checks over hours, here frame by frame:
     // in + fan-out copies + extra segments = out + drops.

@@ -26,6 +26,8 @@ struct State {
     rx: Mutex<VecDeque<DummyFrame>>,
     /// Frames vnetd sent to the "guest".
     sent: Mutex<Vec<DummyFrame>>,
+    /// How many frames each `send_burst` call brought.
+    bursts: Mutex<Vec<usize>>,
     /// Readable while `rx` holds frames (what a dispatcher watches).
     event: EventFd,
     /// Sends fail with ENETDOWN, as a TAP's do before the guest brings it up.
@@ -46,6 +48,7 @@ impl DummyNic {
         Ok(DummyNic(Arc::new(State {
             rx: Mutex::new(VecDeque::new()),
             sent: Mutex::new(Vec::new()),
+            bursts: Mutex::new(Vec::new()),
             event: EventFd::new()?,
             down: AtomicBool::new(false),
             takes_offloads,
@@ -61,6 +64,11 @@ impl DummyNic {
     /// Frames vnetd sent to this NIC since the last call.
     pub fn take_sent(&self) -> Vec<DummyFrame> {
         std::mem::take(&mut *self.0.sent.lock().unwrap())
+    }
+
+    /// How many frames each burst vnetd sent since the last call held.
+    pub fn take_bursts(&self) -> Vec<usize> {
+        std::mem::take(&mut *self.0.bursts.lock().unwrap())
     }
 
     /// Frames injected and not yet read by vnetd.
@@ -101,6 +109,15 @@ impl VirtualNic for DummyNic {
         let n = bytes.len();
         self.0.sent.lock().unwrap().push(DummyFrame { vnet: *vnet, bytes });
         Ok(n)
+    }
+
+    fn send_burst(&self, vnet: &VnetHdr, frames: &mut dyn Iterator<Item = &[u8]>, done: &mut dyn FnMut(io::Result<usize>)) {
+        let mut n = 0;
+        for f in frames {
+            n += 1;
+            done(self.send(vnet, &[f]));
+        }
+        self.0.bursts.lock().unwrap().push(n);
     }
 
     fn event_fd(&self) -> RawFd {

@@ -68,6 +68,14 @@ pub trait VirtualNic: Send + Sync {
     /// Sends one frame made of `parts`, with offload metadata `vnet` (all
     /// zero for a plain frame); returns the frame's length.
     fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize>;
+    /// Sends a burst of plain frames (each one piece, all with offload
+    /// metadata `vnet`), telling `done` of each in turn: its length, or why
+    /// it was dropped. A NIC with shared rings holds its ring once for all.
+    fn send_burst(&self, vnet: &VnetHdr, frames: &mut dyn Iterator<Item = &[u8]>, done: &mut dyn FnMut(io::Result<usize>)) {
+        for f in frames {
+            done(self.send(vnet, &[f]));
+        }
+    }
     /// A descriptor that is readable while frames wait: the dispatcher
     /// watches it while the NIC runs guest-driven.
     fn event_fd(&self) -> RawFd;

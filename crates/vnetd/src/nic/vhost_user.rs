@@ -352,6 +352,10 @@ impl VirtualNic for VhostUserNic {
         self.shared.send(vnet, parts)
     }
 
+    fn send_burst(&self, vnet: &VnetHdr, frames: &mut dyn Iterator<Item = &[u8]>, done: &mut dyn FnMut(io::Result<usize>)) {
+        self.shared.send_burst(vnet, frames, done);
+    }
+
     fn event_fd(&self) -> RawFd {
         self.shared.event_fd()
     }
