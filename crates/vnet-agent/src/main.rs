@@ -83,6 +83,7 @@ pub struct Args {
 }
 
 fn main() {
+    vnet_sys::process::abort_on_panic();
     let cli = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));

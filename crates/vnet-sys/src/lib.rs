@@ -6,7 +6,8 @@
 //! - `eventfd`: the one way an eventfd is made (non-blocking, close-on-exec),
 //!   written and drained;
 //! - `cmsg`: the one walker of a received message's control data, the one
-//!   writer of a control message, and descriptor passing built on them.
+//!   writer of a control message, and descriptor passing built on them;
+//! - `process`: a panic in any thread of a VNET program ends the process.
 //!
 //! No VNET knowledge lives here: only system calls behind safe functions,
 //! each `unsafe` block with the reason it is sound. It may use only `libc`.
@@ -14,3 +15,4 @@
 pub mod cmsg;
 pub mod epoll;
 pub mod eventfd;
+pub mod process;

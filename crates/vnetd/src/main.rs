@@ -11,6 +11,7 @@ use clap::{CommandFactory, Parser};
 use vnetd::daemon::{run, Args, LogFormat};
 
 fn main() {
+    vnet_sys::process::abort_on_panic();
     let args = Args::parse();
     if let Some(shell) = args.completions {
         clap_complete::generate(shell, &mut Args::command(), "vnetd", &mut std::io::stdout());

@@ -42,6 +42,7 @@ struct Args {
 const FORWARDED: [i32; 6] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2];
 
 fn main() {
+    vnet_sys::process::abort_on_panic();
     let args = Args::parse();
     match run(&args) {
         Ok(code) => std::process::exit(code),
