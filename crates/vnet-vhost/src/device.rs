@@ -66,6 +66,10 @@ pub const TX: usize = 1;
 
 /// What the protocol thread and the dispatchers share.
 pub struct Device<B: DirtyLog = ()> {
+    /// Lock order: a dispatcher holds a transmit ring for a whole burst
+    /// (`take_burst`), forwarding each frame as it is taken, so it may lock
+    /// any device's receive ring under it; nothing is ever locked under a
+    /// receive ring, and the protocol thread holds one ring at a time.
     rings: [Mutex<Ring<B>>; 2],
     /// The features the frontend acknowledged.
     pub(crate) acked: AtomicU64,
