@@ -17,3 +17,34 @@ pub fn abort_on_panic() {
         std::process::abort();
     }));
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Command;
+
+    const CHILD: &str = "VNET_SYS_PANIC_CHILD";
+
+    /// Run in a child process of the test below: a thread panics while the
+    /// main thread would go on for 10 s.
+    #[test]
+    fn child_panics_in_a_thread() {
+        if std::env::var_os(CHILD).is_none() {
+            return;
+        }
+        super::abort_on_panic();
+        let _ = std::thread::spawn(|| panic!("a dispatcher's bug"));
+        std::thread::sleep(std::time::Duration::from_secs(10));
+        std::process::exit(0);
+    }
+
+    #[test]
+    fn a_panic_in_any_thread_ends_the_whole_process_with_sigabrt_and_its_message() {
+        let me = std::env::current_exe().unwrap();
+        let started = std::time::Instant::now();
+        let out = Command::new(me).args(["--exact", "process::tests::child_panics_in_a_thread", "--nocapture", "--test-threads=1"]).env(CHILD, "1").output().unwrap();
+        assert_eq!(out.status.signal(), Some(libc::SIGABRT), "{out:?}");
+        assert!(started.elapsed().as_secs() < 5, "the process went on after the panic");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("a dispatcher's bug"), "{out:?}");
+    }
+}
