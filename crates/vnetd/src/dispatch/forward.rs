@@ -30,6 +30,11 @@ use vnet_core::offload::{self, Pieces, Run, SegmentPlan, TcpCoalescer, VnetHdr, 
 use vnet_core::table::{Hit, Port};
 use vnet_core::{Mac, RouteCache};
 
+/// Plain frames sent to a guest per `send_burst` at most: a TCP link's one
+/// read (256 KiB) can hold thousands of small frames, and the guest's
+/// receive ring is locked for a burst.
+const BURST: usize = 64;
+
 pub struct Forwarder {
     /// This thread's daemon-wide counters.
     st: Arc<ThreadStats>,
@@ -81,7 +86,7 @@ impl Forwarder {
             to_nic: (u32::MAX, 0, 0),
             plan: SegmentPlan::default(),
             coalescer: TcpCoalescer::default(),
-            burst: Vec::with_capacity(64),
+            burst: Vec::with_capacity(BURST),
             pending_dest: 0,
             tx: TxQueue::default(),
             fast,
@@ -234,6 +239,9 @@ impl Forwarder {
                 return;
             }
             self.burst.push(range);
+            if self.burst.len() == BURST {
+                self.end_run(snap, buf);
+            }
             return;
         }
         self.end_run(snap, buf);

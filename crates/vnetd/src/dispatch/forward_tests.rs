@@ -279,6 +279,17 @@ fn a_links_plain_frames_reach_a_guest_as_bursts_in_the_order_they_came_merged_ru
 }
 
 #[test]
+fn a_long_run_of_plain_frames_reaches_a_guest_in_bursts_of_at_most_64() {
+    let mut r = lan();
+    let frames: Vec<Vec<u8>> = (0..150).map(|i| eth(B, R, 60 + i % 7)).collect();
+    let refs: Vec<&[u8]> = frames.iter().map(|f| &f[..]).collect();
+    r.from_link(0, &refs);
+    assert_eq!(r.nics[1].1.take_bursts(), vec![64, 64, 22]);
+    let got: Vec<Vec<u8>> = r.nics[1].1.take_sent().into_iter().map(|g| g.bytes).collect();
+    assert_eq!(got, frames, "all of them, in order");
+}
+
+#[test]
 fn every_frame_is_counted_once_received_and_once_sent_or_dropped() {
     // The balance the soak test checks over hours, here frame by frame:
     // in + fan-out copies + extra segments = out + drops.
