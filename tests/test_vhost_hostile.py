@@ -575,3 +575,55 @@ def test_the_socket_replaces_only_a_stale_socket_and_goes_with_its_interface(lab
     assert d.stop() == 0
     assert not os.path.lexists(last)
     listener.close()
+
+
+def test_dirty_page_logs_are_checked_and_a_good_one_gets_every_page_vnetd_writes_and_no_other(lab):
+    """Live migration's dirty-page log (docs/vhost-user.md, "Live
+    migration") from a frontend that may lie: a log that is not sealed
+    against shrinking, lies past its file's end, or is over 64 MiB is
+    refused (no reply; `vhost_refused_logs`) and the device goes on. A good
+    one, with LOG_ALL acknowledged, gets the guest pages vnetd wrote (both
+    used rings, the receive buffer the frame went to) marked, and none it
+    only read (descriptor tables, avail rings, the transmit buffer); with
+    LOG_ALL off again nothing more is marked.
+
+    Catches: used-ring writes made around guest memory's bitmap (the used
+    pages unmarked), logging left on after LOG_ALL went (pages marked in the
+    last step), a log mapped without its size checked against the file."""
+    t = Lab2(lab)
+    f = vf.Frontend(t.sock, reply_ack=True, log_shmfd=True, setup=False)
+    f.send(vf.GET_FEATURES)
+    offered = f.reply_u64()
+    assert offered & vf.F_LOG_ALL, hex(offered)
+    f.negotiate(vf.F_VERSION_1 | vf.F_INDIRECT, vf.MEM)
+    f.setup_rings()
+    f.post_rx()
+    assert wait_until(lambda: "connected=yes" in t.d2.ctl("INTERFACE", "LIST").stdout, 5)
+    assert not f.set_log(4096, sealed=False), "a log that could shrink"
+    assert not f.set_log(8192, file_size=4096), "a log past its file's end"
+    assert not f.set_log((64 << 20) + 8), "a log over 64 MiB"
+    assert t.fe()["vhost_refused_logs"] == 3 and t.fe()["vhost_dirty_logs"] == 0, t.fe()
+    t.exchange(f)
+    t.alive()
+
+    pages = vf.MEM // 4096
+    assert f.set_log(pages // 8)
+    assert f.request(vf.SET_FEATURES, struct.pack("<Q", vf.F_VERSION_1 | vf.F_INDIRECT | vf.F_PROTOCOL_FEATURES | vf.F_LOG_ALL)) == 0
+    assert t.fe()["vhost_dirty_logs"] == 1
+    assert f.logged_pages() == set()
+    tx_buf_page = (0x10000 + vf.BUF * (f.next_buf % 200)) // 4096
+    t.exchange(f)
+    rx_pages = {a // 4096 for a in f.rx_bufs.values()}
+    got = f.logged_pages()
+    used = {vf.RINGS[q][2] // 4096 for q in vf.RINGS}
+    read_only = {a // 4096 for q in vf.RINGS for a in vf.RINGS[q][:2]} | {tx_buf_page}
+    assert used <= got, (sorted(got), used)
+    assert got & rx_pages, (sorted(got), rx_pages)
+    assert got <= used | rx_pages and not got & read_only, (sorted(got), read_only)
+
+    assert f.request(vf.SET_FEATURES, struct.pack("<Q", vf.F_VERSION_1 | vf.F_INDIRECT | vf.F_PROTOCOL_FEATURES)) == 0
+    f.log[:] = bytes(len(f.log))
+    t.exchange(f)
+    assert f.logged_pages() == set(), "logging went on without LOG_ALL"
+    assert "dirty-page logging off" in t.d2.log_text()
+    t.alive()

@@ -22,13 +22,15 @@ import threading
 import time
 
 GET_FEATURES, SET_FEATURES, SET_OWNER = 1, 2, 3
-SET_MEM_TABLE = 5
+SET_MEM_TABLE, SET_LOG_BASE = 5, 6
 SET_VRING_NUM, SET_VRING_ADDR, SET_VRING_BASE, GET_VRING_BASE = 8, 9, 10, 11
 SET_VRING_KICK, SET_VRING_CALL = 12, 13
 GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES = 15, 16
 SET_VRING_ENABLE = 18
 VERSION, REPLY, NEED_REPLY = 0x1, 0x4, 0x8
 PROTOCOL_F_REPLY_ACK = 1 << 3
+PROTOCOL_F_LOG_SHMFD = 1 << 1
+F_LOG_ALL = 1 << 26
 F_PROTOCOL_FEATURES = 1 << 30
 F_VERSION_1 = 1 << 32
 F_MRG_RXBUF = 1 << 15
@@ -49,15 +51,17 @@ class Frontend:
     rings, as a VMM does when the backend comes back after a crash (the
     ring's base is then the used index in guest memory, as QEMU sends).
     `sealed`: seal the memory file against shrinking and growing. `size`:
-    both queues' size (at most 256, what the layout has room for)."""
+    both queues' size (at most 256, what the layout has room for).
+    `log_shmfd`: negotiate LOG_SHMFD too (with `reply_ack`), for `set_log`."""
 
     def __init__(self, path, features=F_VERSION_1 | F_INDIRECT, mem_size=MEM, region_size=None, setup=True,
-                 reply_ack=False, resume: "Frontend | None" = None, sealed=True, size=SIZE):
+                 reply_ack=False, resume: "Frontend | None" = None, sealed=True, size=SIZE, log_shmfd=False):
         assert size <= 256 and size & (size - 1) == 0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(5)
         self.sock.connect(str(path))
         self.reply_ack = reply_ack
+        self.log_shmfd = log_shmfd
         self.size = size
         if resume is not None:
             self.fd, self.mem, mem_size = resume.fd, resume.mem, len(resume.mem)
@@ -125,11 +129,43 @@ class Frontend:
             self.send(GET_PROTOCOL_FEATURES)
             if not self.reply_u64() & PROTOCOL_F_REPLY_ACK:
                 raise RuntimeError("the backend does not offer REPLY_ACK")
-            self.send(SET_PROTOCOL_FEATURES, struct.pack("<Q", PROTOCOL_F_REPLY_ACK))
+            self.send(SET_PROTOCOL_FEATURES, struct.pack("<Q", PROTOCOL_F_REPLY_ACK | (PROTOCOL_F_LOG_SHMFD if self.log_shmfd else 0)))
         self._set(SET_OWNER)
         self._set(SET_FEATURES, struct.pack("<Q", features & offered))
         self._set(SET_MEM_TABLE, struct.pack("<II", 1, 0) + struct.pack("<QQQQ", 0, region_size, USER_BASE, 0),
                   fds=[self.fd])
+
+    def recv_exact(self, n) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the backend closed the connection")
+            data += chunk
+        return data
+
+    def set_log(self, size, file_size=None, sealed=True):
+        """SET_LOG_BASE: a dirty-page log of `size` bytes in a new memfd of
+        `file_size` bytes (default `size`). True if the backend took it (it
+        replies), False if it refused it (no reply: the GET_FEATURES sent
+        after it is answered first). The log, mapped, is `self.log`."""
+        fd = os.memfd_create("log", os.MFD_ALLOW_SEALING if sealed else 0)
+        os.ftruncate(fd, file_size if file_size is not None else size)
+        if sealed:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self.send(SET_LOG_BASE, struct.pack("<QQ", size, 0), fds=[fd])
+        self.send(GET_FEATURES)
+        req, _, n = struct.unpack("<III", self.recv_exact(12))
+        self.recv_exact(n)
+        if req == SET_LOG_BASE:
+            self.reply_u64()
+            self.log = mmap.mmap(fd, os.fstat(fd).st_size)
+        os.close(fd)
+        return req == SET_LOG_BASE
+
+    def logged_pages(self) -> set[int]:
+        """The guest pages (4 KiB, guest-physical) marked in `self.log`."""
+        return {8 * i + b for i, byte in enumerate(bytes(self.log)) if byte for b in range(8) if byte & (1 << b)}
 
     def setup_rings(self, resume=False):
         """Both rings: size, base (0, or with `resume` the used index in

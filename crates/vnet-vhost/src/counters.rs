@@ -23,6 +23,11 @@ vnet_core::counter_set! {
         /// Memory tables refused: a file that can shrink (no F_SEAL_SHRINK)
         /// without `unsealed-memory`, or a region past its file's end.
         refused_memory as "vhost_refused_memory",
+        /// Dirty-page logs set up (`SET_LOG_BASE`, a migration beginning or
+        /// its log resized), and logs refused (too big, past their file's
+        /// end, not sealed against shrinking).
+        dirty_logs as "vhost_dirty_logs",
+        refused_logs as "vhost_refused_logs",
         /// Faults on guest memory survived (its file shrank): the device is
         /// broken until the frontend sets up new memory.
         memory_faults as "vhost_memory_faults",

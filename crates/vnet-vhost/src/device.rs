@@ -34,6 +34,9 @@ pub mod feature {
     pub const HOST_TSO6: u64 = 1 << 12;
     pub const HOST_ECN: u64 = 1 << 13;
     pub const MRG_RXBUF: u64 = 1 << 15;
+    /// `VHOST_F_LOG_ALL`: the frontend may ask for every write to be
+    /// logged (live migration); offered only by a device whose memory logs.
+    pub const LOG_ALL: u64 = 1 << 26;
     pub const INDIRECT_DESC: u64 = 1 << 28;
     pub const EVENT_IDX: u64 = 1 << 29;
     pub const PROTOCOL_FEATURES: u64 = 1 << 30;
@@ -54,6 +57,11 @@ pub mod feature {
         | EVENT_IDX
         | PROTOCOL_FEATURES
         | VERSION_1;
+
+    /// What a device whose guest memory is `B` offers.
+    pub fn offered<B: crate::memory::DirtyLog>() -> u64 {
+        OFFERED | if B::LOGS { LOG_ALL } else { 0 }
+    }
 }
 
 /// Frames written into a guest's receive ring before they are made visible
@@ -168,6 +176,14 @@ impl<B: DirtyLog> Device<B> {
 
     pub fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring<B>> {
         self.rings[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the guest's driver works the device: both rings started. A
+    /// VMM starts them when the VM runs (on a migration's destination, when
+    /// it resumes there) and stops them when it stops (the source, at the
+    /// switch-over).
+    pub fn running(&self) -> bool {
+        self.ring(RX).running() && self.ring(TX).running()
     }
 
     /// The transmit queue's kick descriptor changed from `old` to `new`.

@@ -117,3 +117,13 @@ impl Drop for Guard {
         }
     }
 }
+
+/// Whether the file is sealed against shrinking (a memfd with
+/// `F_SEAL_SHRINK`), so that a mapping of it cannot fault; files that
+/// cannot be sealed are not.
+pub(crate) fn sealed_against_shrinking(file: &std::fs::File) -> bool {
+    // SAFETY: fcntl on a descriptor we hold.
+    let seals = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(file), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
+}
+

@@ -7,7 +7,8 @@
 //! of a type rather than a check in the forwarder:
 //!
 //! - [`memory`]: guest memory (`GuestMemory<B>`, generic over the
-//!   dirty-page bitmap live migration will need). Files that can shrink are
+//!   dirty-page bitmap: [`dirty`] logs every write while the VMM migrates
+//!   the VM). Files that can shrink are
 //!   refused unless the interface allows them, and a fault on a mapping
 //!   (SIGBUS: the file shrank after all) breaks that device only, never
 //!   vnetd ([`fault`], the only room that handles signals).
@@ -29,6 +30,7 @@
 
 pub mod counters;
 pub mod device;
+pub mod dirty;
 pub mod fault;
 pub mod frame;
 pub mod irq;
@@ -39,6 +41,7 @@ pub mod queue;
 
 pub use counters::Counters;
 pub use device::{Device, Taken};
+pub use dirty::DirtyPages;
 pub use frame::{GuestFrame, HeadCopy, MAX_HEAD, MIN_HEAD};
 pub use irq::IrqPolicy;
 pub use memory::{GuestMemory, MemoryPolicy};

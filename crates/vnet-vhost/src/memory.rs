@@ -2,8 +2,9 @@
 //!
 //! `GuestMemory<B>` is the guest's regions (rust-vmm's `GuestMemoryMmap`,
 //! bounds-checked access) with the fault guard that keeps a shrinking file
-//! from ending vnetd, generic over the dirty-page bitmap `B` (`()` today;
-//! live migration will log writes through it).
+//! from ending vnetd, generic over the dirty-page bitmap `B` (`()`: none;
+//! `dirty::DirtyPages`: every write marked in the frontend's log while it
+//! asks for one, for live migration).
 //!
 //! A region's file must hold the whole region, and must be sealed against
 //! shrinking (`F_SEAL_SHRINK`, as QEMU's memfd backend seals by default):
@@ -11,17 +12,14 @@
 //! virtio-user, hugetlbfs files), and then the fault guard is what stands
 //! between a frontend that truncates its file and vnetd.
 
-use crate::fault::Guard;
+use crate::fault::{sealed_against_shrinking, Guard};
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
-use vm_memory::bitmap::{Bitmap, NewBitmap};
+use crate::dirty::{LogMap, Stale};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap};
 
-/// What a dirty-page log must be (`()`: none).
-pub trait DirtyLog: Bitmap + NewBitmap + Send + Sync + 'static {}
-impl<B: Bitmap + NewBitmap + Send + Sync + 'static> DirtyLog for B {}
+pub use crate::dirty::DirtyLog;
 
 /// Which memory files the device takes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -97,6 +95,12 @@ impl<B: DirtyLog> GuestMemory<B> {
         self.user.iter().find(|(base, size, _)| va >= *base && va - base < *size).map(|(base, _, gpa)| va - base + gpa)
     }
 
+    /// Logs every region's writes into `log` from now on (None: nowhere);
+    /// the views replaced, to drop once no writer can hold them.
+    pub fn set_log(&self, log: Option<&Arc<LogMap>>) -> Vec<Stale> {
+        self.mmap.iter().map(|r| (**r).bitmap().set_log(log, r.start_addr().0)).collect()
+    }
+
     /// Whether a fault hit this memory (its file shrank): the device must
     /// stop using it.
     #[inline]
@@ -110,13 +114,6 @@ impl<B: DirtyLog> GuestMemory<B> {
     }
 }
 
-/// Whether the file is sealed against shrinking (a memfd with
-/// `F_SEAL_SHRINK`); files that cannot be sealed are not.
-fn sealed_against_shrinking(file: &File) -> bool {
-    // SAFETY: fcntl on a descriptor we hold.
-    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
-}
 
 #[cfg(test)]
 mod tests {

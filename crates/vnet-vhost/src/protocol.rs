@@ -11,6 +11,7 @@
 //! papers' modes) must own them.
 
 use crate::device::{feature, Device, RX, TX};
+use crate::dirty::LogMap;
 use crate::memory::{DirtyLog, GuestMemory};
 use crate::notify::{Kick, Notifier};
 use crate::queue::{Ring, MAX_QUEUE_SIZE};
@@ -35,18 +36,25 @@ pub struct Frontend<B: DirtyLog = ()> {
     /// The memory table in force: ring addresses come as the frontend's
     /// addresses, translated through it.
     mem: Option<Arc<GuestMemory<B>>>,
+    /// The frontend's dirty-page log (`SET_LOG_BASE`), and whether it asks
+    /// for writes to be logged now (`VHOST_F_LOG_ALL` acknowledged).
+    log: Option<Arc<LogMap>>,
+    logging: bool,
 }
 
 impl<B: DirtyLog> Frontend<B> {
     pub fn new(shared: Arc<Device<B>>) -> Frontend<B> {
-        let f = Frontend { shared, acked: 0, mem: None };
+        let mut f = Frontend { shared, acked: 0, mem: None, log: None, logging: false };
         f.reset();
         f
     }
 
-    /// Both rings back to nothing, guest memory let go (a reset, or the
-    /// frontend went away).
-    pub fn reset(&self) {
+    /// Both rings back to nothing, guest memory and the log let go (a
+    /// reset, or the frontend went away).
+    pub fn reset(&mut self) {
+        self.logging = false;
+        self.log = None;
+        self.apply_log();
         for i in [RX, TX] {
             let mut r = self.shared.ring(i);
             if i == TX {
@@ -56,6 +64,24 @@ impl<B: DirtyLog> Frontend<B> {
             r.mem = None;
         }
         self.shared.acked.store(0, Relaxed);
+    }
+
+    /// The log where writes go now, if the frontend asks for one.
+    fn log_in_force(&self) -> Option<&Arc<LogMap>> {
+        self.log.as_ref().filter(|_| self.logging)
+    }
+
+    /// Points guest memory's writes at the log in force (or nowhere), then
+    /// frees the views replaced once no writer can hold one: every write
+    /// into guest memory is made under a ring lock, so each ring's lock is
+    /// taken once after the swap (one at a time: the lock order).
+    fn apply_log(&self) {
+        let Some(mem) = &self.mem else { return };
+        let stale = mem.set_log(self.log_in_force());
+        for i in [RX, TX] {
+            drop(self.shared.ring(i));
+        }
+        drop(stale);
     }
 
     fn ring(&self, index: u32) -> Result<std::sync::MutexGuard<'_, Ring<B>>> {
@@ -104,15 +130,23 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
     }
 
     fn get_features(&mut self) -> Result<u64> {
-        Ok(feature::OFFERED)
+        Ok(feature::offered::<B>())
     }
 
     fn set_features(&mut self, features: u64) -> Result<()> {
         tracing::debug!("vhost-user features acked: {features:#x}");
-        if features & !feature::OFFERED != 0 {
+        if features & !feature::offered::<B>() != 0 {
             return Err(Error::InvalidParam);
         }
         self.acked = features;
+        // Logging starts (a migration's pre-copy) or stops (it ended, or
+        // was cancelled) with LOG_ALL, at run time, rings running.
+        let logging = features & feature::LOG_ALL != 0;
+        if logging != self.logging {
+            self.logging = logging;
+            tracing::info!(logging, "vhost-user dirty-page logging {}", if logging { "on" } else { "off" });
+            self.apply_log();
+        }
         self.shared.acked.store(features, Relaxed);
         for i in [RX, TX] {
             let mut r = self.shared.ring(i);
@@ -133,6 +167,8 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
                 return Err(Error::InvalidParam);
             }
         };
+        // The new memory logs from its first write, before a ring has it.
+        drop(mem.set_log(self.log_in_force()));
         self.mem = Some(mem.clone());
         for i in [RX, TX] {
             self.shared.ring(i).mem = Some(mem.clone());
@@ -224,7 +260,8 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
     }
 
     fn get_protocol_features(&mut self) -> Result<VhostUserProtocolFeatures> {
-        Ok(VhostUserProtocolFeatures::REPLY_ACK)
+        let log = if B::LOGS { VhostUserProtocolFeatures::LOG_SHMFD } else { VhostUserProtocolFeatures::empty() };
+        Ok(VhostUserProtocolFeatures::REPLY_ACK | log)
     }
 
     fn set_protocol_features(&mut self, _features: u64) -> Result<()> {
@@ -298,7 +335,22 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         unsupported("no shared memory regions")
     }
 
-    fn set_log_base(&mut self, _log: &VhostUserLog, _file: File) -> Result<()> {
-        unsupported("no dirty-page logging (live migration is not offered)")
+    fn set_log_base(&mut self, log: &VhostUserLog, file: File) -> Result<()> {
+        if !B::LOGS {
+            return unsupported("no dirty-page logging (live migration is not offered)");
+        }
+        let map = match LogMap::map(&file, log.mmap_size, log.mmap_offset) {
+            Ok(m) => m,
+            Err(e) => {
+                self.shared.counters.refused_logs.fetch_add(1, Relaxed);
+                tracing::warn!("vhost-user dirty-page log refused: {e}");
+                return Err(Error::InvalidParam);
+            }
+        };
+        tracing::info!(bytes = log.mmap_size, "vhost-user dirty-page log set");
+        self.shared.counters.dirty_logs.fetch_add(1, Relaxed);
+        self.log = Some(Arc::new(map));
+        self.apply_log();
+        Ok(())
     }
 }
