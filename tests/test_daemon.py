@@ -97,6 +97,38 @@ def test_raw_protocol_begin_commit_abort(lab):
     s.close()
 
 
+def test_wait_answers_at_the_next_change_and_only_then(lab):
+    """`WAIT` (what vnet-agent blocks on): the count of changes at once
+    without one, at the next committed change with one, after its time
+    without a change; a bad one refused."""
+    h = lab.add_host(1)
+    d = lab.start_vnetd(h, CONFIG)
+    s = UnixSession(d.sock)
+    status, out = s.request("WAIT\n")
+    assert status == "OK 1" and out[0].startswith("changes "), (status, out)
+    n = int(out[0].split()[1])
+    t = time.monotonic()
+    assert s.request(f"WAIT {n} 300\n") == ("OK 1", [f"changes {n}"])
+    assert 0.25 < time.monotonic() - t < 2, "nothing changed: it waited its time"
+    # A change committed by another session wakes the waiter at once.
+    s.send(f"WAIT {n} 20000\n")
+    time.sleep(0.3)
+    t = time.monotonic()
+    d.ctl("LINK", "ADD", "198.18.0.7")
+    status, out = s.reply()
+    assert status == "OK 1" and int(out[0].split()[1]) > n, out
+    assert time.monotonic() - t < 1
+    # A request that changes nothing (a listing, a refused change) is no change.
+    n = int(out[0].split()[1])
+    d.ctl("LINK", "LIST")
+    d.ctl("LINK", "DEL", "no-such-link", check=False)
+    assert s.request(f"WAIT {n} 100\n") == ("OK 1", [f"changes {n}"])
+    for bad in ("WAIT x", "WAIT 1 2 3", "WAIT 1 -5"):
+        status, _ = s.request(bad + "\n")
+        assert status.startswith("ERR WAIT"), (bad, status)
+    s.close()
+
+
 def test_vnetctl_exit_codes(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h, CONFIG)

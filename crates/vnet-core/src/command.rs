@@ -222,7 +222,10 @@ SHOW                                                 settings and everything abo
 RELOAD                                               apply vnetd's --config file again: what was added by
                                                      lines now gone is deleted, new lines are applied
 BEGIN ... COMMIT                                     several lines, all or nothing
-FORMAT <json | text>                                 replies from now on as one line of JSON, or as text";
+FORMAT <json | text>                                 replies from now on as one line of JSON, or as text
+WAIT [<count> [<ms>]]                                `changes <n>`: how many times the listings changed
+                                                     (a change committed, a VM's rings started or stopped),
+                                                     once it is no longer <count> or <ms> passed (most 60000)";
 
 /// A parse error: which line (1-based, within the request) and why.
 #[derive(Clone, PartialEq, Eq, Debug)]

@@ -233,6 +233,7 @@ pub fn run(args: Args) -> Result<()> {
         direct_devices: args.allow_direct.clone(),
         link_key_dir: args.link_key_dir.clone(),
         vhost_user_dir: args.vhost_user_dir.clone(),
+        changes: Default::default(),
     };
     let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;

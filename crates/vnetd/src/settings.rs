@@ -24,6 +24,9 @@ pub struct Settings {
     pub link_key_dir: PathBuf,
     /// Where vhost-user sockets live (`--vhost-user-dir`).
     pub vhost_user_dir: PathBuf,
+    /// What control clients wait on with `WAIT` (NICs report their guest
+    /// starting or stopping there).
+    pub changes: std::sync::Arc<crate::stats::Changes>,
 }
 
 /// The dispatcher's tunables (`SET ...`), with the papers' and the original

@@ -8,6 +8,37 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+/// How many times what a control client lists changed: a request that
+/// changed interfaces, links, routes or settings committed, or a NIC's guest
+/// started or stopped working it (a VM's rings, `VirtualNic::running`). A
+/// client waits for the next change with `WAIT` (vnet-agent does, so that a
+/// migrated VM's claim moves the moment its rings start, not at a poll).
+#[derive(Debug, Default)]
+pub struct Changes {
+    count: std::sync::Mutex<u64>,
+    changed: std::sync::Condvar,
+}
+
+impl Changes {
+    /// One more change; wakes every waiter.
+    pub fn bump(&self) {
+        *self.count.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.changed.notify_all();
+    }
+
+    pub fn count(&self) -> u64 {
+        *self.count.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits until the count is no longer `seen`, or `limit` passed; the
+    /// count then.
+    pub fn wait_past(&self, seen: u64, limit: std::time::Duration) -> u64 {
+        let guard = self.count.lock().unwrap_or_else(|p| p.into_inner());
+        let (guard, _) = self.changed.wait_timeout_while(guard, limit, |c| *c == seen).unwrap_or_else(|p| p.into_inner());
+        *guard
+    }
+}
+
 /// Counter sets whose names are written once (see `vnet_core::counter_set!`).
 pub(crate) use vnet_core::counter_set;
 

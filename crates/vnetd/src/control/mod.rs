@@ -21,7 +21,7 @@ use vnet_core::command::{parse_request, Attach, Command, Mode, StatsScope, HELP}
 pub struct Control {
     state: Mutex<State>,
     dp: Arc<Datapath>,
-    settings: Settings,
+    pub(crate) settings: Settings,
     /// VTOE, when vnetd offers it (--vtoe-socket).
     vtoe: Option<Arc<crate::vtoe::Vtoe>>,
     /// The config file (--config) and its changes (line number, text) as
@@ -244,6 +244,7 @@ impl Control {
                 }
             }
             work.removed_routes.clear();
+            self.settings.changes.bump();
             state.retiring.extend(std::mem::take(&mut work.retired).into_iter().map(|r| (generation, r)));
             state.topo = work;
             self.tear_down_retired(&mut state.retiring);

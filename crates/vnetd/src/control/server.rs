@@ -14,6 +14,13 @@
 //! text` asks for the lines above again. A vnetd that predates FORMAT
 //! answers it `ERR ... unknown command`, so a client knows to fall back.
 //!
+//! `WAIT [<count> [<ms>]]` (outside BEGIN..COMMIT) waits until what the
+//! listings show changed: `changes <n>`, how many times it has (a request
+//! that changed something committed, or a VM's rings started or stopped,
+//! `stats::Changes`), once the count is no longer `<count>` or after `<ms>`
+//! (default and most: `WAIT_MOST`); without a count it answers at once. A
+//! client that lists after each answer sees every change, and waits for none.
+//!
 //! Who may connect, and as what, is `access`'s business: on the Unix socket
 //! the kernel's peer credentials decide; a TCP session's first line must be
 //! `AUTH <token>`, and anything else ends it. Every session has deadlines
@@ -49,6 +56,8 @@ pub const IDLE_TIME: Duration = Duration::from_secs(300);
 pub const REQUEST_TIME: Duration = Duration::from_secs(30);
 /// A reply the client does not read within this ends the session.
 pub const WRITE_TIME: Duration = Duration::from_secs(10);
+/// The longest `WAIT` (well inside the idle bound).
+pub const WAIT_MOST: Duration = Duration::from_secs(60);
 /// A bad token is answered only after this, to slow guessing.
 pub const AUTH_DELAY: Duration = Duration::from_millis(200);
 /// Unix sessions of root and of vnetd's own user, who never compete with
@@ -473,6 +482,7 @@ fn serve<C: Conn>(ctl: &Control, s: &mut Session<C>, caller: &Caller) {
                     _ => Err(format!("FORMAT needs json or text: {text}")),
                 }
             }
+            (w, None) if w.split_whitespace().next() == Some("wait") => wait(ctl, w),
             (w, None) => {
                 help = w == "help";
                 ctl.execute(text, caller)
@@ -489,6 +499,21 @@ fn serve<C: Conn>(ctl: &Control, s: &mut Session<C>, caller: &Caller) {
         idle_since = Instant::now();
     }
     tracing::debug!("control: {caller}: session closed");
+}
+
+/// `WAIT [<count> [<ms>]]`: `changes <n>` once the count of changes is no
+/// longer `<count>` (at once without one), or after `<ms>`.
+fn wait(ctl: &Control, line: &str) -> Result<Vec<String>, String> {
+    let words: Vec<&str> = line.split_whitespace().skip(1).collect();
+    let number = |w: &str, what: &str| w.parse::<u64>().map_err(|_| format!("WAIT needs a count and a time in ms, not {what} '{w}'"));
+    let changes = &ctl.settings.changes;
+    let n = match words[..] {
+        [] => changes.count(),
+        [seen] => changes.wait_past(number(seen, "count")?, WAIT_MOST),
+        [seen, ms] => changes.wait_past(number(seen, "count")?, Duration::from_millis(number(ms, "time")?).min(WAIT_MOST)),
+        _ => return Err("WAIT takes at most a count and a time in ms".into()),
+    };
+    Ok(vec![format!("changes {n}")])
 }
 
 #[cfg(test)]

@@ -61,7 +61,7 @@ impl Default for Rig {
             nics: Vec::new(),
             links: Vec::new(),
             generation: 0,
-            settings: Settings { default_link_port: 9000, default_mtu: 1500, direct_devices: Vec::new(), link_key_dir: PathBuf::new(), vhost_user_dir: PathBuf::from("/run/vnet") },
+            settings: Settings { default_link_port: 9000, default_mtu: 1500, direct_devices: Vec::new(), link_key_dir: PathBuf::new(), vhost_user_dir: PathBuf::from("/run/vnet"), changes: Default::default() },
             buf: vec![0; 65536 + 128],
         }
     }

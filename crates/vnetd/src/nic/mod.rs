@@ -84,6 +84,15 @@ pub trait VirtualNic: Send + Sync {
     /// membership is the whole switch; a NIC with shared rings would also
     /// tell the guest here (virtio's `VRING_USED_F_NO_NOTIFY`).
     fn set_notify(&self, _on: bool) {}
+    /// Whether a guest works this NIC now. A VM's vhost-user NIC runs while
+    /// its rings do: not yet on the host a VM is migrating to (QEMU starts
+    /// them when the VM resumes there), no more on the host it left, nor
+    /// while its VMM is away. vnet-agent claims only a running interface's
+    /// MAC, so the overlay follows the running VM. A NIC whose answer
+    /// changes bumps `stats::Changes` (control clients `WAIT` on it).
+    fn running(&self) -> bool {
+        true
+    }
     /// The request that holds this NIC committed with it in force.
     fn in_force(&self) {}
     /// The request that deleted its interface committed (`detach`: the

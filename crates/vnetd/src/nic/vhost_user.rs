@@ -29,7 +29,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use vhost::vhost_user::{BackendReqHandler, Error as VhostError};
 use vnet_core::offload::VnetHdr;
-use vnet_vhost::{Device, Frontend, MemoryPolicy, Taken};
+use crate::stats::Changes;
+use vnet_vhost::{Device, DirtyPages, Frontend, MemoryPolicy, Taken};
+
+/// The device, its guest memory logging writes while a VMM migrates the VM.
+type Dev = Device<DirtyPages>;
 
 /// How the socket's other end is met.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -48,10 +52,25 @@ struct Control {
     /// The live connection (shut down to end it) and the listener.
     conn: Mutex<Option<UnixStream>>,
     listener: Option<RawFd>,
+    /// The guest works the rings (`Device::running`, as last reported to
+    /// `changes`).
+    running: AtomicBool,
+    changes: Arc<Changes>,
+}
+
+impl Control {
+    /// Reports the device's running state if it changed.
+    fn report(&self, shared: &Dev) {
+        let now = shared.running();
+        if self.running.swap(now, Relaxed) != now {
+            tracing::info!("vhost-user guest {}", if now { "running: its rings started" } else { "stopped: its rings stopped" });
+            self.changes.bump();
+        }
+    }
 }
 
 pub struct VhostUserNic {
-    shared: Arc<Device>,
+    shared: Arc<Dev>,
     control: Arc<Control>,
     path: PathBuf,
     role: Role,
@@ -72,7 +91,8 @@ impl VhostUserNic {
     /// Serves a vhost-user-net device on its socket (`client`: connects to
     /// the VMM's socket there instead); `unsealed`: takes guest memory files
     /// that are not sealed against shrinking.
-    pub fn new(name: &str, at: &Where, client: bool, unsealed: bool) -> Result<VhostUserNic> {
+    /// The NIC reports its guest starting and stopping to `changes`.
+    pub fn new(name: &str, at: &Where, client: bool, unsealed: bool, changes: Arc<Changes>) -> Result<VhostUserNic> {
         let (dir, file) = resolve(at)?;
         let dir = Arc::new(SocketDir::open(&dir)?);
         let path = dir.path.join(&file);
@@ -87,6 +107,8 @@ impl VhostUserNic {
             stop: AtomicBool::new(false),
             conn: Mutex::new(None),
             listener: listener.as_ref().map(|l| l.as_raw_fd()),
+            running: AtomicBool::new(false),
+            changes,
         });
         let (s, c) = (shared.clone(), control.clone());
         let l = listener.as_ref().map(|l| l.try_clone()).transpose().context("listener")?;
@@ -244,7 +266,7 @@ fn fstat(fd: RawFd) -> Result<libc::stat> {
 }
 
 /// Serves one frontend connection until it ends (or vnetd stops it).
-fn run_connection(shared: &Arc<Device>, control: &Control, stream: UnixStream) {
+fn run_connection(shared: &Arc<Dev>, control: &Control, stream: UnixStream) {
     if let Ok(c) = stream.try_clone() {
         *control.conn.lock().unwrap() = Some(c);
     }
@@ -270,13 +292,15 @@ fn run_connection(shared: &Arc<Device>, control: &Control, stream: UnixStream) {
                 break;
             }
         }
+        control.report(shared);
     }
     shared.connected.store(false, Relaxed);
     fe.lock().unwrap().reset();
+    control.report(shared);
     *control.conn.lock().unwrap() = None;
 }
 
-fn serve(shared: &Arc<Device>, control: &Control, listener: &UnixListener) {
+fn serve(shared: &Arc<Dev>, control: &Control, listener: &UnixListener) {
     while !control.stop.load(Relaxed) {
         match listener.accept() {
             Ok((s, _)) => run_connection(shared, control, s),
@@ -291,7 +315,7 @@ fn serve(shared: &Arc<Device>, control: &Control, listener: &UnixListener) {
     }
 }
 
-fn connect_loop(shared: &Arc<Device>, control: &Control, dir: &SocketDir, name: &str) {
+fn connect_loop(shared: &Arc<Dev>, control: &Control, dir: &SocketDir, name: &str) {
     let mut logged = false;
     while !control.stop.load(Relaxed) {
         match dir.connect(name) {
@@ -360,6 +384,10 @@ impl VirtualNic for VhostUserNic {
         self.shared.event_fd()
     }
 
+    fn running(&self) -> bool {
+        self.control.running.load(Relaxed)
+    }
+
     fn set_notify(&self, on: bool) {
         self.shared.set_notify(on);
     }
@@ -384,8 +412,9 @@ impl VirtualNic for VhostUserNic {
         let role = if self.role == Role::Client { " client" } else { "" };
         let unsealed = if self.shared.memory_policy().allow_unsealed { " unsealed-memory" } else { "" };
         let up = if self.shared.connected.load(Relaxed) { "yes" } else { "no" };
+        let running = if self.running() { "yes" } else { "no" };
         let broken = self.shared.broken().map(|why| format!(" broken={}", why.replace(' ', "-"))).unwrap_or_default();
-        format!("vhost-user={}{role}{unsealed} connected={up}{broken}", self.path.display())
+        format!("vhost-user={}{role}{unsealed} connected={up} running={running}{broken}", self.path.display())
     }
 
     fn extra_stats(&self) -> String {

@@ -32,11 +32,13 @@ pub struct NicSpec<'a> {
     pub ifname: Option<&'a str>,
     /// The id the interface will have (the fast path's port number).
     pub id: u32,
+    /// Where a NIC reports its guest starting or stopping (`running`).
+    pub changes: &'a Arc<crate::stats::Changes>,
 }
 
 /// Makes the NIC of the kind `spec.attach` asks for.
 pub fn nic(spec: &NicSpec, kernel: Option<&Arc<vnet_fastpath::Kernel>>) -> Result<Box<dyn VirtualNic>, String> {
-    let NicSpec { name, mac, mtu, attach, netns, socket, vhost_dir, ifname, id } = *spec;
+    let NicSpec { name, mac, mtu, attach, netns, socket, vhost_dir, ifname, id, changes } = *spec;
     let nic: anyhow::Result<Box<dyn VirtualNic>> = match (attach, netns) {
         (Attach::Netns, None) => Tap::create(name, mtu, mac).map(|t| Box::new(t) as Box<dyn VirtualNic>),
         (Attach::Netns, Some(ns)) => Tap::create_in_netns(name, mtu, mac, ns).map(|(t, _)| Box::new(t) as Box<dyn VirtualNic>),
@@ -48,7 +50,7 @@ pub fn nic(spec: &NicSpec, kernel: Option<&Arc<vnet_fastpath::Kernel>>) -> Resul
         (Attach::VhostUser { client, unsealed }, _) => {
             let Some(socket) = socket else { return Err("a vhost-user interface needs a socket".into()) };
             let at = crate::nic::vhost_user::Where { dir: vhost_dir, socket };
-            VhostUserNic::new(name, &at, client, unsealed).map(|n| Box::new(n) as Box<dyn VirtualNic>)
+            VhostUserNic::new(name, &at, client, unsealed, changes.clone()).map(|n| Box::new(n) as Box<dyn VirtualNic>)
         }
     };
     nic.map_err(|e| format!("{e:#}"))

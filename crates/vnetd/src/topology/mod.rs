@@ -169,6 +169,7 @@ impl Topology {
                     vhost_dir: &settings.vhost_user_dir,
                     ifname: ifname.as_deref(),
                     id,
+                    changes: &settings.changes,
                 };
                 let nic = factory::nic(&spec, self.kernel.as_ref())?;
                 let idx = self.insert_interface_as(id, name, *mac, mtu, *attach, netns.clone(), network.clone(), nic);

@@ -119,6 +119,7 @@ impl Vnetd {
             direct_devices: Vec::new(),
             link_key_dir: keys.0.clone(),
             vhost_user_dir: keys.0.clone(),
+            changes: Default::default(),
         };
         Vnetd { topo: Topology::default(), generation: 0, settings, env: FakeEnv::default(), keys }
     }
@@ -733,6 +734,7 @@ fn settings_allowing(direct: &[&str]) -> Settings {
         direct_devices: direct.iter().map(|d| d.to_string()).collect(),
         link_key_dir: PathBuf::from("/nonexistent"),
         vhost_user_dir: PathBuf::from("/nonexistent"),
+        changes: Default::default(),
     }
 }
 
