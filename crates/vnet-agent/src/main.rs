@@ -68,7 +68,8 @@ pub struct Args {
     /// the other hosts withdraw its guests.
     #[arg(long, default_value_t = 5)]
     pub ttl: i64,
-    /// How often the agent reads its vnetd's interfaces (milliseconds).
+    /// How often the agent reads its vnetd's interfaces (milliseconds),
+    /// besides at once whenever vnetd reports a change (`WAIT`).
     #[arg(long, default_value_t = 200)]
     pub interval_ms: u64,
     /// How often the agent publishes its routes' traffic counters
@@ -121,6 +122,8 @@ async fn run(args: Args) -> Result<()> {
     let mut store = store::Store::new(&args.etcd, me);
     let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let changed = std::sync::Arc::new(tokio::sync::Notify::new());
+    vnetd::watch(&args.socket, changed.clone());
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut traffic_at = Instant::now();
     // What the last full pass derived from, to skip passes that would
@@ -132,6 +135,9 @@ async fn run(args: Args) -> Result<()> {
     loop {
         let event = tokio::select! {
             _ = tick.tick() => false,
+            // vnetd changed (an interface, or a VM's rings started or
+            // stopped): a pass now.
+            _ = changed.notified() => false,
             _ = store.next_event() => true,
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,

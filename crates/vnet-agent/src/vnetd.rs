@@ -1,7 +1,15 @@
 //! The agent's session with its vnetd: the control language over the Unix
 //! socket (docs/control-language.md), as any other admin client speaks it.
 //! The agent reads vnetd's interfaces, links and routes, and applies its
-//! changes as one BEGIN..COMMIT request, all or nothing.
+//! changes as one BEGIN..COMMIT request, all or nothing. A second session
+//! waits on vnetd's changes (`WAIT`, `watch`), so that a change vnetd makes
+//! by itself (a VM's rings starting on the host it migrated to) reaches the
+//! agent at once, not at its next poll.
+//!
+//! An interface whose guest does not run there (`running=no`: a VM arriving
+//! by migration whose rings have not started, a VM that left or stopped) is
+//! not a local guest: its MAC is not claimed, and where another host holds
+//! it, it is routed there.
 
 use anyhow::{anyhow, Context, Result};
 use std::collections::{BTreeMap, BTreeSet};
@@ -71,6 +79,65 @@ impl Vnetd {
     }
 }
 
+/// Least time between two wake-ups of the agent by vnetd's changes: a VMM
+/// that starts and stops its rings in a loop makes at most one pass (and
+/// etcd write) per this.
+pub const WATCH_GAP: Duration = Duration::from_millis(20);
+
+/// Wakes `wake` each time vnetd's state changes (a session of its own,
+/// blocked in `WAIT`; opened again whenever it breaks), from a thread.
+pub fn watch(path: &Path, wake: std::sync::Arc<tokio::sync::Notify>) {
+    let path = path.to_path_buf();
+    let run = move || {
+        let mut seen: Option<u64> = None;
+        let mut session: Option<Session> = None;
+        loop {
+            if session.is_none() {
+                match Session::unix(&path, Some(Duration::from_secs(70))) {
+                    Ok(s) => session = Some(s),
+                    Err(_) => {
+                        std::thread::sleep(Duration::from_millis(200));
+                        continue;
+                    }
+                }
+            }
+            let s = session.as_mut().expect("opened above");
+            let ask = match seen {
+                Some(n) => format!("WAIT {n} 30000"),
+                None => "WAIT".to_string(),
+            };
+            match s.request(&ask).map(|lines| parse_changes(&lines)) {
+                Ok(Some(n)) => {
+                    if seen != Some(n) {
+                        seen = Some(n);
+                        wake.notify_one();
+                        std::thread::sleep(WATCH_GAP);
+                    }
+                }
+                Ok(None) | Err(Error::Refused(_)) => {
+                    // A vnetd without WAIT: the agent's poll is all there is.
+                    tracing::warn!("vnetd does not answer WAIT: changes are seen at the agent's poll only");
+                    return;
+                }
+                Err(_) => {
+                    session = None;
+                    seen = None;
+                    wake.notify_one();
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+        }
+    };
+    if let Err(e) = std::thread::Builder::new().name("vnetd-watch".into()).spawn(run) {
+        tracing::warn!("cannot watch vnetd's changes ({e}): changes are seen at the agent's poll only");
+    }
+}
+
+/// The count in `WAIT`'s answer, `changes <n>`.
+fn parse_changes(lines: &[String]) -> Option<u64> {
+    lines.first()?.strip_prefix("changes ")?.parse().ok()
+}
+
 /// `key=value` words of a listing line.
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split(' ').find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
@@ -82,6 +149,9 @@ pub fn parse_state(lines: &[String]) -> Result<State> {
         let words: Vec<&str> = line.split(' ').collect();
         match words.first().copied() {
             Some("interface") => {
+                if field(line, "running") == Some("no") {
+                    continue;
+                }
                 let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("interface line without an id")?;
                 let mac = field(line, "mac").context("interface line without mac=")?.to_ascii_lowercase();
                 let net = field(line, "network").unwrap_or("default").to_string();
@@ -129,6 +199,8 @@ mod tests {
         let lines: Vec<String> = [
             "interface 0 name=g1 mac=02:00:00:00:00:01 mtu=1500 attach=netns netns=g1 network=blue mode=default alpha-lower=default alpha-upper=default window-ms=default",
             "interface 3 name=g2 mac=02:00:00:00:00:02 mtu=1500 attach=veth netns=g2 network=default veth=g2",
+            "interface 4 name=vm1 mac=02:00:00:00:00:03 mtu=1500 attach=vhost-user network=default vhost-user=/run/vnet/vm1 connected=yes running=yes",
+            "interface 5 name=vm2 mac=02:00:00:00:00:04 mtu=1500 attach=vhost-user network=default vhost-user=/run/vnet/vm2 connected=yes running=no",
             "link 0 name=agent.h2 proto=udp remote=198.18.0.2:9000 mtu=1500 max_frame=1458",
             "link 1 name=mine proto=udp remote=198.18.0.9:9000 mtu=1500 max_frame=1458",
             "route 4 02:00:00:00:00:01 02:00:00:00:00:a2 edge agent.h2 interface 02:00:00:00:00:01 owner agent",
@@ -141,6 +213,10 @@ mod tests {
         let st = parse_state(&lines).unwrap();
         assert_eq!(st.ifaces["02:00:00:00:00:01"], (0, "blue".to_string()));
         assert_eq!(st.ifaces["02:00:00:00:00:02"], (3, "default".to_string()));
+        assert_eq!(st.ifaces["02:00:00:00:00:03"], (4, "default".to_string()), "a VM whose rings run is here");
+        assert!(!st.ifaces.contains_key("02:00:00:00:00:04"), "a VM whose rings do not run is not (yet, or any more)");
+        assert_eq!(parse_changes(&["changes 42".to_string()]), Some(42));
+        assert_eq!(parse_changes(&["route 1".to_string()]), None);
         assert_eq!(st.links.len(), 1, "only the agent's links");
         assert_eq!(st.links["agent.h2"], (0, "198.18.0.2".parse().unwrap(), 9000));
         assert_eq!(st.routes["02:00:00:00:00:01 02:00:00:00:00:a2 edge agent.h2 interface 02:00:00:00:00:01"], 4);
