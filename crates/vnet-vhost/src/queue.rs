@@ -272,7 +272,7 @@ impl<B: DirtyLog> Ring<B> {
         // An indirect table longer than the queue is refused before it is
         // walked (a chain continued into one is cut by the count below).
         let mut d = [0u8; 16];
-        if mem.read_slice(&mut d, GuestAddress(queue.desc_table().wrapping_add(16 * u64::from(head)))).is_ok() {
+        if mem.read(&mut d, GuestAddress(queue.desc_table().wrapping_add(16 * u64::from(head)))).is_ok() {
             let (len, flags) = (u32::from_le_bytes([d[8], d[9], d[10], d[11]]), u16::from_le_bytes([d[12], d[13]]));
             if flags & VRING_DESC_F_INDIRECT != 0 && len / 16 > u32::from(size) {
                 return Some(Walk::TooLong(head, 1));
@@ -373,7 +373,7 @@ impl<B: DirtyLog> Ring<B> {
         while got < hdr_len {
             let Some(&(addr, len)) = segs.get(at) else { return Popped::Bad };
             let n = (len - skip).min(hdr_len - got);
-            if mem.read_slice(&mut hdr[got..got + n], GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
+            if mem.read(&mut hdr[got..got + n], GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
                 return Popped::Bad;
             }
             got += n;
@@ -403,7 +403,7 @@ impl<B: DirtyLog> Ring<B> {
         for &(addr, l) in rest {
             let (a, n) = (GuestAddress(addr.0.wrapping_add(skip as u64)), l - skip);
             skip = 0;
-            if mem.read_slice(&mut out[len..len + n], a).is_err() {
+            if mem.read(&mut out[len..len + n], a).is_err() {
                 return Popped::Bad;
             }
             len += n;
@@ -429,7 +429,7 @@ impl<B: DirtyLog> Ring<B> {
             let avail = len - skip;
             let take = if f.head.len() + avail <= MAX_HEAD { avail } else { MIN_HEAD - f.head.len() };
             let Some(dst) = f.head.extend(take) else { return false };
-            if mem.read_slice(dst, GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
+            if mem.read(dst, GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
                 return false;
             }
             if take == avail {
@@ -542,7 +542,7 @@ impl<B: DirtyLog> Ring<B> {
                     continue;
                 }
                 let n = (len - off).min(s.len());
-                if mem.write_slice(&s[..n], GuestAddress(addr.0.wrapping_add(off as u64))).is_err() {
+                if mem.write(&s[..n], GuestAddress(addr.0.wrapping_add(off as u64))).is_err() {
                     ok = false;
                     break 'copy;
                 }
@@ -584,7 +584,7 @@ impl<B: DirtyLog> Ring<B> {
         e[4..].copy_from_slice(&len.to_le_bytes());
         // An address the guest made invalid fails here; the ring is the
         // guest's to break.
-        let _ = mem.write_slice(&e, GuestAddress(at));
+        let _ = mem.write(&e, GuestAddress(at));
         self.queue.set_next_used(next.wrapping_add(1));
         self.unpublished = self.unpublished.wrapping_add(1);
     }
