@@ -277,3 +277,28 @@ pub fn render_totals(threads: &[&ThreadStats]) -> [String; 3] {
     }
     [g, o.join(" "), d.join(" ")]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Changes;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_waiter_wakes_at_the_next_change_and_not_before() {
+        let c = Arc::new(Changes::default());
+        assert_eq!(c.wait_past(5, Duration::from_secs(10)), 0, "already past: at once");
+        let t = Instant::now();
+        assert_eq!(c.wait_past(0, Duration::from_millis(100)), 0);
+        assert!(t.elapsed() >= Duration::from_millis(100), "no change: its whole time");
+        let b = c.clone();
+        let bumper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            b.bump();
+        });
+        let t = Instant::now();
+        assert_eq!(c.wait_past(0, Duration::from_secs(10)), 1);
+        assert!(t.elapsed() < Duration::from_secs(5), "woken by the change");
+        bumper.join().unwrap();
+    }
+}
