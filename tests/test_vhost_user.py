@@ -140,12 +140,15 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     # early one was unread). The guest gets fewer than vnetd sends: a write
     # to an interrupt eventfd QEMU has not read yet (an idle-point interrupt
     # right after an early one) adds nothing. But it got at least every
-    # early interrupt (EVI): one is sent only to a guest waiting for one.
+    # early interrupt (EVI): one is sent only to a guest waiting for one
+    # (slack 2, as above: the guest reads its counter before vnetd's are
+    # read, and a stray frame between the two reads may bring an EVI the
+    # guest has not counted; seen once: 275 EVIs, 274 interrupts).
     d2.ctl("SET", "interrupts", "optimistic")
     irqs, d = receive(5004, "IN2")
     reasons = ("evi_sent", "eoc_masked", "eoc_cold", "eoc_density", "idle_interrupts")
     assert d["vhost_rx_interrupts"] == sum(d[k] for k in reasons) - d["eoc_pending"], d
-    assert 0 < d["evi_sent"] <= irqs <= d["vhost_rx_interrupts"] + d["vhost_tx_interrupts"] + 2, (irqs, d)
+    assert 0 < d["evi_sent"] <= irqs + 2 and irqs <= d["vhost_rx_interrupts"] + d["vhost_tx_interrupts"] + 2, (irqs, d)
     st = d2.stats()["interface vm9"]
     assert st["vhost_connects"] == 1 and st["vhost_bad_chains"] == 0, st
 

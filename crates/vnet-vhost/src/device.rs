@@ -183,7 +183,10 @@ impl<B: DirtyLog> Device<B> {
     /// it resumes there) and stops them when it stops (the source, at the
     /// switch-over).
     pub fn running(&self) -> bool {
-        self.ring(RX).running() && self.ring(TX).running()
+        // One ring at a time (the lock order): a guard held to the end of
+        // the `&&` would hold the receive ring while taking the transmit one.
+        let rx = self.ring(RX).running();
+        rx && self.ring(TX).running()
     }
 
     /// The transmit queue's kick descriptor changed from `old` to `new`.
