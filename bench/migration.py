@@ -8,7 +8,7 @@ hosts 1 and 2 is migrated h1 -> h2 -> h1 -> ... (--moves, default 6) with
 QEMU's `migrate` over TCP, while a guest on host 3 pings it (--interval,
 default 0.01 s) and holds a TCP echo stream to it. Each move is checked as
 tests/test_migration.py checks it (`move()`: the stream intact, no duplicate
-reply, every lost ping a drop vnetd counted) and timed:
+reply, no more pings lost than drops vnetd counted) and timed:
 
   QEMU total / downtime   what QEMU's query-migrate reports (downtime: the VM
                           stopped, from the source's stop to the destination

@@ -212,23 +212,10 @@ impl DirtyLog for DirtyPages {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::tests::memfd;
     use crate::memory::GuestMemory;
     use std::sync::atomic::Ordering::Relaxed;
     use vm_memory::{Bytes, GuestAddress};
-
-    fn log_file(size: u64, seal: bool) -> File {
-        // SAFETY: memfd_create with a static name.
-        let fd = unsafe { libc::memfd_create(c"log".as_ptr(), libc::MFD_ALLOW_SEALING) };
-        assert!(fd >= 0);
-        // SAFETY: the descriptor just made.
-        let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        f.set_len(size).unwrap();
-        if seal {
-            // SAFETY: fcntl on our memfd.
-            assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) }, 0);
-        }
-        f
-    }
 
     fn bits(f: &File) -> Vec<u64> {
         let mut b = vec![0u8; f.metadata().unwrap().len() as usize];
@@ -240,7 +227,7 @@ mod tests {
     fn writes_through_guest_memory_mark_their_guest_pages_while_a_log_is_set_and_only_then() {
         // Two regions, the second at 1 MiB guest-physical.
         let mem = GuestMemory::<DirtyPages>::anonymous(&[(GuestAddress(0), 0x10000), (GuestAddress(0x10_0000), 0x10000)]);
-        let file = log_file(64, true);
+        let file = memfd(64, true);
         let log = Arc::new(LogMap::map(&file, 64, 0).unwrap());
         mem.write_slice(&[1; 100], GuestAddress(0x2000)).unwrap();
         assert!(bits(&file).is_empty(), "no log set: nothing marked");
@@ -264,18 +251,18 @@ mod tests {
 
     #[test]
     fn a_log_that_could_shrink_lies_past_its_file_or_is_huge_is_refused() {
-        assert!(LogMap::map(&log_file(4096, false), 4096, 0).is_err(), "not sealed against shrinking");
-        assert!(LogMap::map(&log_file(4096, true), 8192, 0).is_err(), "past the file's end");
-        assert!(LogMap::map(&log_file(4096, true), 4096, 1).is_err(), "past the file's end by its offset");
-        assert!(LogMap::map(&log_file(4096, true), 0, 0).is_err(), "empty");
-        assert!(LogMap::map(&log_file(4096, true), MAX_LOG + 8, 0).is_err(), "too big");
-        assert!(LogMap::map(&log_file(4096, true), 4096, 0).is_ok());
+        assert!(LogMap::map(&memfd(4096, false), 4096, 0).is_err(), "not sealed against shrinking");
+        assert!(LogMap::map(&memfd(4096, true), 8192, 0).is_err(), "past the file's end");
+        assert!(LogMap::map(&memfd(4096, true), 4096, 1).is_err(), "past the file's end by its offset");
+        assert!(LogMap::map(&memfd(4096, true), 0, 0).is_err(), "empty");
+        assert!(LogMap::map(&memfd(4096, true), MAX_LOG + 8, 0).is_err(), "too big");
+        assert!(LogMap::map(&memfd(4096, true), 4096, 0).is_ok());
     }
 
     #[test]
     fn pages_past_the_logs_end_are_not_marked() {
         let mem = GuestMemory::<DirtyPages>::anonymous(&[(GuestAddress(0), 0x100000)]);
-        let file = log_file(4096, true);
+        let file = memfd(4096, true);
         // A log of one byte: pages 0-7.
         let log = Arc::new(LogMap::map(&file, 1, 0).unwrap());
         drop(mem.set_log(Some(&log)));

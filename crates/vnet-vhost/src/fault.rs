@@ -126,4 +126,3 @@ pub(crate) fn sealed_against_shrinking(file: &std::fs::File) -> bool {
     let seals = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(file), libc::F_GET_SEALS) };
     seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
 }
-

@@ -144,13 +144,14 @@ impl<B: DirtyLog> GuestMemory<B> {
     }
 }
 
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use vm_memory::Bytes;
 
-    fn memfd(size: u64, seal: bool) -> File {
+    /// A memfd of `size` bytes, sealed against shrinking and growing if
+    /// `seal` (as QEMU's guest memory and dirty log are).
+    pub(crate) fn memfd(size: u64, seal: bool) -> File {
         // SAFETY: memfd_create with a static name.
         let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), libc::MFD_ALLOW_SEALING) };
         assert!(fd >= 0);
