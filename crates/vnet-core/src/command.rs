@@ -7,7 +7,7 @@
 //!               [network <name>]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
-//! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>] [vtoe <key-name>]
+//! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | wireguard <peer-public-key>] [name <name>] [mtu <bytes>] [vtoe <key-name>]
 //! LINK ADD direct <device> [name <name>] [mtu <bytes>]
 //! LINK DEL <link-idx | name>
 //! LINK LIST
@@ -43,6 +43,9 @@ pub enum LinkProto {
     Vxlan { vni: u32 },
     /// Raw onto a host device (the papers' direct send/receive).
     Direct { device: String },
+    /// WireGuard to the peer holding this X25519 public key: the frame as a
+    /// VNET/P datagram (IPv4/UDP to the peer's port 9000) inside the tunnel.
+    WireGuard { peer: [u8; 32] },
 }
 
 impl LinkProto {
@@ -52,8 +55,27 @@ impl LinkProto {
             LinkProto::Tcp { .. } => "tcp",
             LinkProto::Vxlan { .. } => "vxlan",
             LinkProto::Direct { .. } => "direct",
+            LinkProto::WireGuard { .. } => "wireguard",
         }
     }
+}
+
+/// Default UDP port of WireGuard (what `wg-quick` users expect).
+pub const WIREGUARD_PORT: u16 = 51820;
+
+/// A WireGuard key as `wg genkey`/`wg pubkey` write it: 32 bytes in base64.
+pub fn parse_wireguard_key(text: &str) -> Result<[u8; 32], String> {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text.trim())
+        .map_err(|_| format!("'{}' is not a WireGuard key (32 bytes in base64, as wg genkey/wg pubkey write)", text.trim()))?;
+    bytes.try_into().map_err(|_| format!("'{}' is not a WireGuard key: not 32 bytes", text.trim()))
+}
+
+/// A WireGuard key in the base64 `wg` writes.
+pub fn wireguard_key_text(key: &[u8; 32]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(key)
 }
 
 /// Default UDP port of VXLAN (IANA).
@@ -194,10 +216,13 @@ INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
-LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <underlay-MTU>]
-         [vtoe <key-name>]                           a link to another vnetd (or VXLAN endpoint); vtoe: guests'
-                                                     TCP connections to its guests may be offloaded (VTOE),
-                                                     shadow connections authenticated by that key
+LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | wireguard <peer-public-key>]
+         [name <name>] [mtu <underlay-MTU>]
+         [vtoe <key-name>]                           a link to another vnetd (or VXLAN endpoint); wireguard:
+                                                     encrypted to the peer holding that key (its port,
+                                                     default 51820); vtoe: guests' TCP connections to its
+                                                     guests may be offloaded (VTOE), shadow connections
+                                                     authenticated by that key
 LINK ADD direct <device> [name <name>] [mtu <bytes>]  frames raw onto a host device's LAN
 LINK DEL <link-idx | name>
 LINK LIST
@@ -525,7 +550,7 @@ fn check_key_name(v: &str) -> Result<(), String> {
 
 fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     const USAGE: &str =
-        "LINK ADD needs <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n>] [name <name>] [mtu <bytes>] [vtoe <key-name>], or direct <device>";
+        "LINK ADD needs <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | wireguard <peer-public-key>] [name <name>] [mtu <bytes>] [vtoe <key-name>], or direct <device>";
     let Some((first, mut rest)) = args.split_first() else { return Err(USAGE.into()) };
     let mut ip = None;
     let mut proto = LinkProto::Udp;
@@ -553,7 +578,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     let mut vtoe = None;
     while let Some((kw, r)) = rest.split_first() {
         let kw = kw.to_ascii_lowercase();
-        let needs_value = matches!(kw.as_str(), "name" | "mtu" | "vni" | "key" | "vtoe");
+        let needs_value = matches!(kw.as_str(), "name" | "mtu" | "vni" | "key" | "vtoe" | "wireguard");
         let (val, r2) = if needs_value {
             match r.split_first() {
                 Some((v, r2)) => (Some(*v), r2),
@@ -563,7 +588,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
             (None, r)
         };
         match (kw.as_str(), val) {
-            ("udp" | "tcp" | "vxlan", _) if matches!(proto, LinkProto::Direct { .. }) => {
+            ("udp" | "tcp" | "vxlan" | "wireguard", _) if matches!(proto, LinkProto::Direct { .. }) => {
                 return Err(format!("a direct link takes no '{kw}'"));
             }
             ("udp", _) => proto = LinkProto::Udp,
@@ -574,6 +599,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
                 *key = v.to_string();
             }
             ("vxlan", _) => proto = LinkProto::Vxlan { vni: u32::MAX },
+            ("wireguard", Some(v)) => proto = LinkProto::WireGuard { peer: parse_wireguard_key(v)? },
             ("vni", Some(v)) => {
                 let LinkProto::Vxlan { vni } = &mut proto else { return Err("vni is only for vxlan links".into()) };
                 let n: u32 = v.parse().map_err(|_| format!("'{v}' is not a VNI"))?;
@@ -599,7 +625,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
             }
             (other, _) => {
                 return Err(format!(
-                    "unexpected '{other}' (want a port, udp, tcp key <key-name>, vxlan vni <n>, name <name>, mtu <bytes> or vtoe <key-name>)"
+                    "unexpected '{other}' (want a port, udp, tcp key <key-name>, vxlan vni <n>, wireguard <peer-public-key>, name <name>, mtu <bytes> or vtoe <key-name>)"
                 ))
             }
         }
@@ -751,6 +777,27 @@ mod tests {
         assert_eq!(parse_request("LINK ADD 198.18.0.2 vtoe").unwrap_err().to_string(), "line 1: vtoe needs a value: LINK ADD 198.18.0.2 vtoe");
         assert!(parse_request("LINK ADD 198.18.0.2 vtoe ../etc").is_err());
         assert!(parse_request("LINK ADD direct eth1 vtoe k").is_err());
+        let key = "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk=";
+        assert_eq!(
+            one(&format!("LINK ADD 198.18.0.2 wireguard {key} name wg-b")),
+            Command::LinkAdd {
+                ip: Some("198.18.0.2".parse().unwrap()),
+                port: None,
+                proto: LinkProto::WireGuard { peer: parse_wireguard_key(key).unwrap() },
+                name: Some("wg-b".into()),
+                mtu: None,
+                vtoe: None
+            }
+        );
+        assert_eq!(wireguard_key_text(&parse_wireguard_key(key).unwrap()), key);
+        assert_eq!(
+            parse_request("LINK ADD 198.18.0.2 wireguard").unwrap_err().to_string(),
+            "line 1: wireguard needs a value: LINK ADD 198.18.0.2 wireguard"
+        );
+        // Not base64, or not 32 bytes: rejected with the reason.
+        assert!(parse_request("LINK ADD 198.18.0.2 wireguard not-a-key").unwrap_err().to_string().contains("is not a WireGuard key"));
+        assert!(parse_request("LINK ADD 198.18.0.2 wireguard AAAA").unwrap_err().to_string().contains("not 32 bytes"));
+        assert!(parse_request(&format!("LINK ADD direct eth1 wireguard {key}")).is_err());
         assert_eq!(one("stats vtoe"), Command::Stats(StatsScope::Vtoe));
         assert_eq!(
             one("link add direct eth1 name lan"),

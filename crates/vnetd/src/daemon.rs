@@ -30,6 +30,15 @@ pub struct Args {
     /// Port for UDP and TCP links (ours, and the default remote port of a link).
     #[arg(long, default_value_t = 9000)]
     pub udp_port: u16,
+    /// vnetd's WireGuard key pair, for `wireguard` links: a file as
+    /// `wg genkey` writes it (base64), mode 600, owned by vnetd's user;
+    /// made with a new key if missing. Without it vnetd has no WireGuard.
+    #[arg(long, value_name = "FILE")]
+    pub wireguard_key_file: Option<PathBuf>,
+    /// Local UDP port of WireGuard links (bound at start when a key file
+    /// is given; on --udp-bind's address if set).
+    #[arg(long, default_value_t = vnet_core::command::WIREGUARD_PORT)]
+    pub wireguard_port: u16,
     /// Local UDP port of VXLAN links (bound when the first one is added).
     #[arg(long, default_value_t = vnet_core::command::VXLAN_PORT)]
     pub vxlan_port: u16,
@@ -209,6 +218,20 @@ pub fn run(args: Args) -> Result<()> {
             (v4, v6)
         }
     };
+    let wireguard = match &args.wireguard_key_file {
+        None => None,
+        Some(path) => {
+            let keys = crate::link::wireguard::WgKeys::load_or_create(path).map_err(|e| anyhow::anyhow!("--wireguard-key-file: {e}"))?;
+            let ip = match args.udp_bind {
+                Some(IpAddr::V4(ip)) => ip,
+                _ => Ipv4Addr::UNSPECIFIED,
+            };
+            let hub = crate::link::wireguard::WgHub::start(SocketAddr::new(ip.into(), args.wireguard_port), n, keys)
+                .map_err(|e| anyhow::anyhow!("WireGuard: {e:#} (choose --wireguard-port)"))?;
+            tracing::info!("WireGuard on {} with public key {}", hub.local_addr(), hub.public_text());
+            Some(hub)
+        }
+    };
     let metrics = args.metrics.as_deref().map(metrics_addr).transpose()?.map(metrics::bind).transpose()?;
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
     let unix_listener = control_unix.as_deref().map(|p| server::bind_unix(p, control_group)).transpose()?;
@@ -237,6 +260,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;
+    dp.wireguard = wireguard;
     let mut adopted_flows = 0;
     dp.fast = match vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port) {
         // Two vnetds on one datapath: refused, not run without a fast path.

@@ -25,7 +25,9 @@ fn main() {
         return;
     }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&args.log_level));
+        // boringtun's own warnings (handshake retries) are WireGuard's
+        // routine; its errors stay (RUST_LOG=boringtun=debug shows all).
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{},boringtun=error", args.log_level)));
     let log = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false);
     match args.log_format {
         LogFormat::Text => log.init(),

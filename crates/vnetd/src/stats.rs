@@ -59,11 +59,22 @@ pub enum DropReason {
     Down,
     /// Any other send error, counted rather than lost.
     TxError,
+    /// A sealed link's datagram that failed its authentication: forged,
+    /// replayed, or of a session this end does not have.
+    Unauthenticated,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 7] =
-        [DropReason::NoRoute, DropReason::UnknownSender, DropReason::Oversize, DropReason::Malformed, DropReason::QueueFull, DropReason::Down, DropReason::TxError];
+    pub const ALL: [DropReason; 8] = [
+        DropReason::NoRoute,
+        DropReason::UnknownSender,
+        DropReason::Oversize,
+        DropReason::Malformed,
+        DropReason::QueueFull,
+        DropReason::Down,
+        DropReason::TxError,
+        DropReason::Unauthenticated,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -74,6 +85,7 @@ impl DropReason {
             DropReason::QueueFull => "queue_full",
             DropReason::Down => "down",
             DropReason::TxError => "tx_error",
+            DropReason::Unauthenticated => "unauthenticated",
         }
     }
 }

@@ -276,6 +276,9 @@ impl Control {
                     .replace(' ', "_")
                 ));
                 out.push(format!("settings {}", t.dispatch.render()));
+                if let Some(w) = &self.dp.wireguard {
+                    out.push(w.describe());
+                }
                 match &self.vtoe {
                     Some(v) => {
                         out.push(v.describe());
@@ -331,7 +334,13 @@ impl Control {
             for l in t.links.values() {
                 let fast = self.dp.fast.as_ref().map(|f| f.port(l.id, true)).unwrap_or_default();
                 let resolved = self.dp.fast.as_ref().map_or(0, |f| f.resolved(l.id));
-                out.push(format!("link {} name={} {} fast_resolved_frames={resolved}", l.id, l.name, l.stats.render_plus(fast)));
+                out.push(format!(
+                    "link {} name={} {} fast_resolved_frames={resolved}{}",
+                    l.id,
+                    l.name,
+                    l.stats.render_plus(fast),
+                    l.transport.extra_stats()
+                ));
             }
         }
         if all || scope == StatsScope::Vtoe {

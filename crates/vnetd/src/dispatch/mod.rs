@@ -57,6 +57,8 @@ pub struct Datapath {
     pub fast: Option<Arc<crate::fast::FastPath>>,
     /// How dispatcher threads are scheduled.
     pub sched: Sched,
+    /// vnetd's WireGuard side (`--wireguard-key-file`), if it has one.
+    pub wireguard: Option<Arc<crate::link::wireguard::WgHub>>,
 }
 
 /// The control plane's handle on one dispatcher thread.
@@ -107,6 +109,7 @@ impl Datapath {
             stop: AtomicBool::new(false),
             fast: None,
             sched: Sched::Realtime,
+            wireguard: None,
         })
     }
 
@@ -118,6 +121,9 @@ impl Datapath {
         );
         if let Some(t) = self.tcp_acceptor.get() {
             v.push(format!("tcp:{}", t.local));
+        }
+        if let Some(w) = &self.wireguard {
+            v.push(format!("wireguard:{}", w.local_addr()));
         }
         v.join(",")
     }
@@ -258,6 +264,10 @@ impl LinkEnv for Arc<Datapath> {
         let group = UdpEndpoint::bind_group(SocketAddr::new(ip, self.vxlan_port), self.workers.len()).map_err(|e| format!("{e:#}"))?;
         // Each dispatcher watches its socket from its next snapshot on.
         Ok(cell.get_or_init(|| group)[0].clone())
+    }
+
+    fn wireguard(&self) -> Result<Arc<crate::link::wireguard::WgHub>, String> {
+        self.wireguard.clone().ok_or_else(|| "vnetd has no WireGuard key: start it with --wireguard-key-file <file>".to_string())
     }
 
     fn ensure_tcp_acceptor(&self) -> Result<(), String> {

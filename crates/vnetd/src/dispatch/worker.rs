@@ -34,6 +34,7 @@ use crate::sys::udp::{RxBatch, UdpEndpoint};
 use crate::settings::{IfaceDispatch, Sched};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
+use crate::link::wireguard::Opened;
 use crate::link::Rx;
 use crate::nic::{GuestFrame, RxBuffers, RxFrame};
 use crate::topology::{Slot, Snapshot};
@@ -47,7 +48,8 @@ use std::time::{Duration, Instant};
 use vnet_core::command::{Mode, YieldStrategy};
 
 const TOKEN_WAKE: u64 = u64::MAX;
-/// UDP sockets: `TOKEN_SOCKET + i` for VNET/P v4, v6, VXLAN v4, v6.
+/// UDP sockets: `TOKEN_SOCKET + i` for VNET/P v4, v6, VXLAN v4, v6,
+/// WireGuard.
 const TOKEN_SOCKET: u64 = u64::MAX - 8;
 /// Other sources: kind in the high half, index into the thread's list of
 /// that kind in the low half.
@@ -98,8 +100,8 @@ struct Worker {
     /// Direct links this thread reads: (slot, fd).
     direct: Vec<(u32, RawFd)>,
     tcp: Vec<TcpPort>,
-    /// Which of the four UDP sockets are in the epoll set.
-    sockets: [bool; 4],
+    /// Which of the UDP sockets are in the epoll set.
+    sockets: [bool; SOCKETS],
     fwd: Forwarder,
     buf: Vec<u8>,
     /// The frame a NIC left in its guest's memory (cut-through).
@@ -128,7 +130,7 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         owned: Vec::new(),
         direct: Vec::new(),
         tcp: Vec::new(),
-        sockets: [false; 4],
+        sockets: [false; SOCKETS],
         buf: vec![0u8; BUF_LEN],
         in_place: GuestFrame::default(),
         rx: RxBatch::default(),
@@ -261,7 +263,7 @@ impl Worker {
                 work += self.drain_nic(self.owned[i].slot);
             }
         }
-        for i in 0..4 {
+        for i in 0..SOCKETS {
             if self.sockets[i] {
                 work += self.drain_socket(i);
             }
@@ -314,6 +316,9 @@ impl Worker {
     /// Takes up to `quota` datagrams from UDP socket `i` (GRO runs count as
     /// their datagrams); returns how many.
     fn drain_socket(&mut self, i: usize) -> usize {
+        if i == WIREGUARD {
+            return self.drain_wireguard();
+        }
         let dp = &*self.dp;
         let st = &*self.st;
         let Some(ep) = socket(dp, i, self.index) else { return 0 };
@@ -374,6 +379,53 @@ impl Worker {
                     self.fwd.from_link(snap, link, buf, start..r.end);
                 }
                 self.fwd.end_run(snap, buf);
+            }
+        }
+        frames
+    }
+
+    /// Takes up to `quota` datagrams from this thread's WireGuard socket:
+    /// each opened (decrypted and checked) into `buf`, a GRO run's frames
+    /// one after another, then routed as one run.
+    fn drain_wireguard(&mut self) -> usize {
+        let Some(hub) = self.dp.wireguard.clone() else { return 0 };
+        let Some(ep) = hub.group.get(self.index) else { return 0 };
+        let (st, snap) = (&*self.st, &self.snap);
+        let quota = snap.dispatch.quota as usize;
+        let mut frames = 0;
+        while frames < quota {
+            let n = match ep.recv_batch(&mut self.rx) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+                Err(e) => {
+                    tracing::warn!("WireGuard receive failed: {e}");
+                    break;
+                }
+            };
+            for m in 0..n {
+                let (len, seg) = (self.rx.lens[m], self.rx.seg[m]);
+                frames += gro_segments(len, seg).count();
+                let Some(from) = self.rx.from[m] else { continue };
+                if self.rx.truncated[m] {
+                    st.global.received(len);
+                    st.drop_at(None, DropReason::Oversize);
+                    continue;
+                }
+                let dgrams = self.rx.buf_mut(m);
+                let mut at = 0;
+                for r in gro_segments(len, seg) {
+                    if at + r.len() > self.buf.len() {
+                        self.fwd.end_run(snap, &self.buf);
+                        at = 0;
+                    }
+                    if let Opened::Frame(slot, f) = hub.open(snap, st, from, &dgrams[r], &mut self.buf[at..]) {
+                        let f = at + f.start..at + f.end;
+                        at = f.end;
+                        self.fwd.from_link(snap, slot, &mut self.buf, f);
+                    }
+                }
+                self.fwd.end_run(snap, &self.buf);
             }
         }
         frames
@@ -611,7 +663,7 @@ impl Worker {
         }
         // Each thread reads its own socket of each UDP group (VXLAN's once
         // they exist).
-        for i in 0..4 {
+        for i in 0..SOCKETS {
             if !self.sockets[i] {
                 if let Some(fd) = socket(&self.dp, i, self.index).map(|e| e.as_raw_fd()) {
                     self.sockets[i] = self.epoll.add(fd, epoll::IN, TOKEN_SOCKET + i as u64).is_ok();
@@ -658,13 +710,19 @@ impl Worker {
     }
 }
 
-/// Thread `t`'s socket of UDP group `i`: VNET/P IPv4, IPv6, VXLAN IPv4, IPv6.
+/// UDP socket groups a thread reads, and WireGuard's place among them.
+const SOCKETS: usize = 5;
+const WIREGUARD: usize = 4;
+
+/// Thread `t`'s socket of UDP group `i`: VNET/P IPv4, IPv6, VXLAN IPv4, IPv6,
+/// WireGuard.
 fn socket(dp: &Datapath, i: usize, t: usize) -> Option<&UdpEndpoint> {
     let group: &[Arc<UdpEndpoint>] = match i {
         0 => &dp.udp4,
         1 => &dp.udp6,
         2 => dp.vxlan4.get().map_or(&[], |g| &g[..]),
-        _ => dp.vxlan6.get().map_or(&[], |g| &g[..]),
+        3 => dp.vxlan6.get().map_or(&[], |g| &g[..]),
+        _ => dp.wireguard.as_ref().map_or(&[], |w| &w.group[..]),
     };
     group.get(t).map(|e| &**e)
 }

@@ -9,6 +9,8 @@
 //! - `tcp`: frames over a TCP connection opened by a key handshake, for
 //!   networks where UDP does not pass.
 //! - `direct`: raw onto a host device's LAN, through a packet socket.
+//! - `wireguard`: frames encrypted and authenticated by WireGuard, on
+//!   vnetd's WireGuard port, each peer told apart by its key and index.
 //!
 //! A new kind is a new module implementing `Transport`: how it sends a frame
 //! and a run of segments, and which of the three receive shapes (`Rx`) it
@@ -18,6 +20,7 @@ pub mod direct;
 pub mod dummy;
 pub mod tcp;
 pub mod udp;
+pub mod wireguard;
 
 use crate::sys::packet::PacketPort;
 use crate::sys::udp::{TxBatch, UdpEndpoint};
@@ -38,6 +41,9 @@ pub enum Rx<'a> {
     Device(&'a PacketPort),
     /// On the link's own stream connection.
     Stream(&'a Arc<tcp::TcpLink>),
+    /// On vnetd's WireGuard sockets, told apart by receiver index or, for a
+    /// handshake initiation, by the peer's static key.
+    Sealed(&'a wireguard::WgLink),
 }
 
 /// What became of frames handed to a link.
@@ -147,6 +153,11 @@ pub trait Transport: Send + Sync {
     fn describe(&self) -> String {
         String::new()
     }
+    /// The kind's own counters for `STATS links` (and so `/metrics`), each
+    /// ` name=value`.
+    fn extra_stats(&self) -> String {
+        String::new()
+    }
     /// Retires the link's resources (connections, threads); returns the
     /// frames still waiting, to be counted as dropped.
     fn teardown(&self) -> usize {
@@ -174,6 +185,10 @@ pub struct TxQueue {
     pub batches_sent: u64,
     pub batched: u64,
     pub gso_messages: u64,
+    /// Room a link may build a datagram in before queueing it (a sealed
+    /// link: the plain packet, then the sealed one).
+    pub plain: Vec<u8>,
+    pub sealed: Vec<u8>,
 }
 
 impl TxQueue {
@@ -257,6 +272,40 @@ impl GsoState {
         let until = (now + GSO_RETRY).as_millis() as u64;
         self.off_until_ms.store(until.max(1), Relaxed);
     }
+}
+
+/// Reads a secret file (a key): a regular file, not a link, owned by
+/// vnetd's user and readable by nobody else, at most `max` bytes; its bytes
+/// less one trailing newline.
+pub fn read_secret(path: &std::path::Path, max: usize) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let shown = path.display();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot open key file {shown}: {e}"))?;
+    let meta = f.metadata().map_err(|e| format!("key file {shown}: {e}"))?;
+    if !meta.file_type().is_file() {
+        return Err(format!("key file {shown} is not a regular file"));
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() != me {
+        return Err(format!("key file {shown} is owned by uid {}, not vnetd's uid {me}", meta.uid()));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(format!("key file {shown} is mode {:o}: others may read it (chmod 600)", meta.mode() & 0o777));
+    }
+    let mut key = Vec::new();
+    f.take(max as u64 + 1).read_to_end(&mut key).map_err(|e| format!("cannot read key file {shown}: {e}"))?;
+    if key.len() > max {
+        return Err(format!("key file {shown} is longer than {max} bytes"));
+    }
+    if key.last() == Some(&b'\n') {
+        key.pop();
+    }
+    Ok(key)
 }
 
 /// The drop reason for a send error.

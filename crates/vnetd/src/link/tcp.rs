@@ -93,35 +93,10 @@ impl LinkKey {
     /// (not a link) owned by vnetd's user and readable by nobody else; its
     /// bytes, less one trailing newline, are the key (16 bytes at least).
     pub fn load(dir: &Path, name: &str) -> Result<LinkKey, String> {
-        use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
         let path = dir.join(name);
-        let shown = path.display();
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-            .open(&path)
-            .map_err(|e| format!("cannot open key file {shown}: {e} (see --link-key-dir)"))?;
-        let meta = f.metadata().map_err(|e| format!("key file {shown}: {e}"))?;
-        if !meta.file_type().is_file() {
-            return Err(format!("key file {shown} is not a regular file"));
-        }
-        let me = nix::unistd::geteuid().as_raw();
-        if meta.uid() != me {
-            return Err(format!("key file {shown} is owned by uid {}, not vnetd's uid {me}", meta.uid()));
-        }
-        if meta.mode() & 0o077 != 0 {
-            return Err(format!("key file {shown} is mode {:o}: others may read it (chmod 600)", meta.mode() & 0o777));
-        }
-        let mut key = Vec::new();
-        f.take(4097).read_to_end(&mut key).map_err(|e| format!("cannot read key file {shown}: {e}"))?;
-        if key.len() > 4096 {
-            return Err(format!("key file {shown} is longer than 4096 bytes"));
-        }
-        if key.last() == Some(&b'\n') {
-            key.pop();
-        }
+        let key = super::read_secret(&path, 4096).map_err(|e| if e.starts_with("cannot open") { format!("{e} (see --link-key-dir)") } else { e })?;
         if key.len() < linkauth::MIN_KEY_LEN {
-            return Err(format!("key file {shown} holds {} bytes; a key has {} at least", key.len(), linkauth::MIN_KEY_LEN));
+            return Err(format!("key file {} holds {} bytes; a key has {} at least", path.display(), key.len(), linkauth::MIN_KEY_LEN));
         }
         Ok(LinkKey(key.into()))
     }

@@ -8,6 +8,7 @@ use super::objects::LinkEnv;
 use crate::link::direct::DirectLink;
 use crate::link::tcp::{LinkKey, TcpLink, TcpTransport};
 use crate::link::udp::UdpLink;
+use crate::link::wireguard::{self, Inner};
 use crate::link::Transport;
 use crate::nic::{QemuNic, Tap, VethNic, VhostUserNic, VirtualNic};
 use crate::settings::Settings;
@@ -63,7 +64,7 @@ pub struct Made {
     pub name: String,
     pub mtu: u32,
     /// What the link's encapsulation takes from its MTU (IPv4 + UDP = 28,
-    /// + VXLAN 36, TCP 40, + 20 over IPv6); negative for a direct link,
+    /// + VXLAN 36, TCP 40, WireGuard 88, + 20 over IPv6); negative for a direct link,
     /// which carries frames without their 14-byte Ethernet header counted.
     pub overhead: i64,
 }
@@ -94,6 +95,7 @@ pub fn link(
             let family = if v4 { 0 } else { 20 };
             let default_port = match proto {
                 LinkProto::Vxlan { .. } => vnet_core::command::VXLAN_PORT,
+                LinkProto::WireGuard { .. } => vnet_core::command::WIREGUARD_PORT,
                 _ => settings.default_link_port,
             };
             let remote = SocketAddr::new(ip, port.unwrap_or(default_port));
@@ -109,6 +111,10 @@ pub fn link(
                     let key = LinkKey::load(&settings.link_key_dir, key)?;
                     env.ensure_tcp_acceptor()?;
                     (Arc::new(TcpTransport(TcpLink::new(remote, key)?)), 40 + family)
+                }
+                LinkProto::WireGuard { peer } => {
+                    let inner = Inner::toward(SocketAddr::new(ip, settings.default_link_port), settings.default_link_port)?;
+                    (env.wireguard()?.link(*peer, remote, inner)? as Arc<dyn Transport>, wireguard::OVERHEAD_V4)
                 }
                 LinkProto::Direct { .. } => unreachable!("matched above"),
             };

@@ -296,6 +296,11 @@ impl Topology {
                 return Err(format!("link {} already goes to {r} by {kind}", l.name));
             }
         }
+        if let LinkProto::WireGuard { .. } = proto {
+            if let Some(l) = self.links.values().find(|l| l.proto == *proto) {
+                return Err(format!("link {} already goes to the peer holding that key (a peer is told apart by its key)", l.name));
+            }
+        }
         if let (LinkProto::Tcp { .. }, Some(r)) = (proto, remote) {
             if self.links.values().any(|l| matches!(l.proto, LinkProto::Tcp { .. }) && l.remote.map(|x| x.ip()) == Some(r.ip())) {
                 return Err(format!("a TCP link to {} exists (the peer is told apart by its address)", r.ip()));

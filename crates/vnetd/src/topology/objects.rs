@@ -103,6 +103,10 @@ pub trait LinkEnv {
     fn udp(&self, v4: bool) -> Option<Arc<UdpEndpoint>>;
     /// The VXLAN socket of that family, made if needed.
     fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String>;
+    /// vnetd's WireGuard side, if it has a key.
+    fn wireguard(&self) -> Result<Arc<crate::link::wireguard::WgHub>, String> {
+        Err("vnetd has no WireGuard key: start it with --wireguard-key-file <file>".into())
+    }
     /// Makes sure TCP link connections are accepted.
     fn ensure_tcp_acceptor(&self) -> Result<(), String>;
     /// Describes a UDP link to the kernel fast path, if it is loaded and

@@ -1,6 +1,7 @@
 //! What the datapath reads: an immutable snapshot of the topology, swapped
 //! whole on every change (`Datapath::publish`), with the lookups a
-//! dispatcher needs (ports by id, links by sender address, VNI or stream).
+//! dispatcher needs (ports by id, links by sender address, VNI, stream or
+//! WireGuard index and key).
 //! Built by the topology when a request commits; read by dispatchers with
 //! no lock.
 
@@ -39,6 +40,9 @@ pub struct Snapshot {
     vxlan: HashMap<(IpAddr, u32), u32>,
     /// TCP links by remote IP.
     tcp: HashMap<IpAddr, Arc<TcpLink>>,
+    /// WireGuard links by our receiver index, and by the peer's public key.
+    wg_index: HashMap<u32, u32>,
+    wg_key: HashMap<[u8; 32], u32>,
     /// The kernel fast path is on: dispatchers install the answers it can
     /// carry.
     pub fast_on: bool,
@@ -75,6 +79,7 @@ impl Snapshot {
         let mut by_ip: HashMap<IpAddr, Option<u32>> = HashMap::new();
         let mut vxlan = HashMap::new();
         let mut tcp = HashMap::new();
+        let (mut wg_index, mut wg_key) = (HashMap::new(), HashMap::new());
         for (slot, l) in links.iter().enumerate() {
             let Some(remote) = l.remote else { continue };
             match l.transport.rx() {
@@ -87,6 +92,10 @@ impl Snapshot {
                 }
                 Rx::Stream(t) => {
                     tcp.insert(remote.ip().to_canonical(), t.clone());
+                }
+                Rx::Sealed(w) => {
+                    wg_index.insert(w.index(), slot as u32);
+                    wg_key.insert(*w.peer(), slot as u32);
                 }
                 Rx::Device(_) => {}
             }
@@ -104,6 +113,8 @@ impl Snapshot {
             by_ip,
             vxlan,
             tcp,
+            wg_index,
+            wg_key,
             dispatch,
             iface_dispatch,
             fast_on,
@@ -140,6 +151,17 @@ impl Snapshot {
     #[inline]
     pub fn vxlan_link_for(&self, from: IpAddr, vni: u32) -> Option<u32> {
         self.vxlan.get(&(from, vni)).copied()
+    }
+
+    /// The WireGuard link (slot) whose receiver index (24 bits) this is.
+    #[inline]
+    pub fn wireguard_by_index(&self, index: u32) -> Option<u32> {
+        self.wg_index.get(&index).copied()
+    }
+
+    /// The WireGuard link (slot) to the peer holding this public key.
+    pub fn wireguard_by_key(&self, key: &[u8; 32]) -> Option<u32> {
+        self.wg_key.get(key).copied()
     }
 
     /// The TCP link whose peer has this address.
