@@ -223,3 +223,54 @@ def test_wireguard_needs_a_private_key_file_and_a_real_key(lab):
     r = d.ctl("LINK", "ADD", underlay_ip(2), "wireguard", own, check=False)
     assert r.returncode != 0 and "own WireGuard key" in r.stdout + r.stderr
     assert "proto=" not in d.ctl("LINK", "LIST").stdout
+
+
+def test_an_unmodified_wireguard_go_peer_with_a_plain_vnetd_interoperates_both_ways(lab):
+    """Host 1: vnetd's built-in WireGuard link. Host 2: Debian's wireguard-go,
+    configured by `wg`, carrying everything to host 1's address inside the
+    tunnel, and a plain vnetd whose ordinary UDP link to host 1 goes through
+    it. Guests on both talk; then wireguard-go starts over (no sessions) and
+    its side makes the handshake."""
+    import wggo
+    hosts = {h: lab.add_host(h) for h in (1, 2)}
+    d1 = lab.start_vnetd(hosts[1], f"INTERFACE ADD g1 {guest_mac(1)} mtu {GUEST_MTU}\n",
+                         "--wireguard-key-file", lab.tmp / "h1.wgkey")
+    key_file, wg_pub = wggo.genkey(lab.tmp / "h2-wg.key")
+    peer = wggo.start(hosts[2], lab.prefix, underlay_ip(2), underlay_ip(1), public_key(d1), key_file=key_file, lab=lab)
+    # Host 2's vnetd knows nothing of WireGuard: a UDP link sized to the
+    # tunnel's MTU, on the user datapath (the kernel fast path would send
+    # on the underlay device, around the tunnel's policy routing).
+    d2 = lab.start_vnetd(hosts[2], f"INTERFACE ADD g2 {guest_mac(2)} mtu {GUEST_MTU}\n"
+                         f"LINK ADD {underlay_ip(1)} udp mtu {wggo.FULL_TUNNEL_MTU} name h1\n"
+                         f"ROUTE ADD any {guest_mac(2)} interface {guest_mac(2)} any\n"
+                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {guest_mac(2)} any\n"
+                         f"ROUTE ADD any {guest_mac(1)} edge h1 any\n"
+                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge h1 interface\n"
+                         "SET datapath user\n")
+    d1.ctl_file(wg_config(1, {2: wg_pub}, {1: [1], 2: [2]}))
+    g = {h: lab.attach_guest(hosts[h], f"g{h}", h) for h in (1, 2)}
+    pcap = lab.tmp / "interop.pcap"
+    cap = capture(lab, hosts[1], "eth0", pcap)
+    assert lab.reaches(g[1], g[2], tries=5)
+    transfer(lab, g[1], g[2], 20_000_000)
+    transfer(lab, g[2], g[1], 20_000_000, port=5002)
+    stop_capture(cap)
+    # Everything between the hosts was WireGuard: nothing to port 9000.
+    seen = datagrams(lab, pcap)
+    assert seen and all(p[0] in (1, 2, 3, 4) and p[1:4] == b"\0\0\0" for p in seen)
+    assert bytes.fromhex(guest_mac(1).replace(":", "")) not in Path(pcap).read_bytes()
+    s1 = link_stats(d1, "h2")
+    assert s1["wg_handshakes"] >= 1 and s1["in_frames"] > 10_000 and s1["out_frames"] > 10_000, s1
+    assert link_stats(d2, "h1")["in_frames"] > 10_000
+    # wireguard-go's own account: a handshake with host 1's key, bytes both ways.
+    p = peer.peers()[public_key(d1)]
+    assert p["latest_handshake"] > 0 and p["rx_bytes"] > 20_000_000 and p["tx_bytes"] > 20_000_000, p
+    # wireguard-go starts over with no session: host 2 speaks first, and
+    # wireguard-go's handshake is the one that opens the way.
+    peer.stop()
+    before = link_stats(d1, "h2")["wg_handshakes"]
+    peer = wggo.start(hosts[2], lab.prefix, underlay_ip(2), underlay_ip(1), public_key(d1), key_file=key_file, lab=lab)
+    assert lab.reaches(g[2], g[1], tries=10)
+    assert link_stats(d1, "h2")["wg_handshakes"] > before
+    transfer(lab, g[2], g[1], 20_000_000, port=5003)
+    peer.stop()
