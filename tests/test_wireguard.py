@@ -187,6 +187,36 @@ def test_forged_replayed_and_old_session_datagrams_are_dropped_counted_and_reach
     assert lab.reaches(g[1], g[2], tries=10), (d[1].ctl("STATS", "links").stdout, d[2].ctl("STATS", "links").stdout, d[2].ctl("LINK", "LIST").stdout)
 
 
+def test_a_third_host_replaying_a_handshake_moves_nothing(lab):
+    """Handshake initiations replayed in a burst from another address (over
+    the rate limit, so answered by cookie replies): the link keeps its
+    endpoint, counts no session and no roam, and carries on."""
+    hosts, d, g, keys = wg_mesh(lab, {1: [1], 2: [2]})
+    h3 = lab.add_host(3)
+    assert lab.reaches(g[1], g[2])
+    # Host 1 makes its link again: a fresh initiation, taken off the wire.
+    pcap = lab.tmp / "init.pcap"
+    cap = capture(lab, hosts[2], "eth0", pcap, ("udp", "and", "src", "host", underlay_ip(1)))
+    d[1].ctl_file(f"ROUTE DEL any {guest_mac(2)} edge h2 any\nROUTE DEL any ff:ff:ff:ff:ff:ff edge h2 interface\nLINK DEL h2\n"
+                  f"LINK ADD {underlay_ip(2)} wireguard {keys[2]} name h2\n"
+                  f"ROUTE ADD any {guest_mac(2)} edge h2 any\nROUTE ADD any ff:ff:ff:ff:ff:ff edge h2 interface\n")
+    assert lab.reaches(g[1], g[2], tries=5)
+    stop_capture(cap)
+    inits = [p for p in datagrams(lab, pcap) if p[0] == 1 and len(p) == 148]
+    assert inits, "no initiation captured"
+    before = link_stats(d[2], "h1")
+    lab.x(h3, "python3", SPOOF, underlay_ip(3), "51820", underlay_ip(2), "51820", inits[-1].hex(), "40")
+    time.sleep(0.5)
+    after = link_stats(d[2], "h1")
+    line = next(l for l in d[2].ctl("LINK", "LIST").stdout.splitlines() if "name=h1 " in l)
+    assert f"endpoint={underlay_ip(1)}:51820" in line, line
+    assert after["wg_roams"] == before["wg_roams"] and after["wg_handshakes"] == before["wg_handshakes"], (before, after)
+    # Refused as stale (boringtun's timestamp check) or asked for a cookie.
+    refused = (after["wg_unauthenticated"] - before["wg_unauthenticated"]) + (after["wg_cookies_sent"] - before["wg_cookies_sent"])
+    assert refused == 40, (before, after)
+    assert lab.reaches(g[2], g[1], tries=3)
+
+
 def test_a_peer_that_moves_to_a_new_address_is_followed(lab):
     hosts, d, g, keys = wg_mesh(lab, {1: [1], 2: [2]})
     assert lab.reaches(g[1], g[2])

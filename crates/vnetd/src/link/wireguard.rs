@@ -281,13 +281,20 @@ impl WgHub {
                 Opened::Dropped
             }
             TunnResult::WriteToNetwork(p) => {
-                // A handshake answered (our response), or completed (a
-                // keepalive to confirm it): the peer proved its key.
+                // Our handshake response to an initiation that opened (the
+                // peer proved its key), or the keepalive that completes our
+                // own handshake; or a cookie reply (the peer's rate limit is
+                // reached: nothing was proved, so no session, no roam).
+                let reply = p[0];
                 let _ = self.send(p, from);
-                if kind == 1 || kind == 2 {
-                    g.established(c);
+                if reply == 3 {
+                    c.cookies_sent.fetch_add(1, Relaxed);
+                    return Opened::Handled;
                 }
-                g.roam(from, c);
+                if (kind, reply) == (1, 2) || (kind, reply) == (2, 4) {
+                    g.established(c);
+                    g.roam(from, c);
+                }
                 // Frames that waited for the session leave now.
                 let (mut frames, mut bytes) = (0, 0);
                 let to = g.endpoint;
@@ -450,6 +457,8 @@ pub struct WgCounters {
     /// old key).
     pub no_session: AtomicU64,
     pub cookies_received: AtomicU64,
+    /// Cookie replies sent to initiations for this link (over its own rate).
+    pub cookies_sent: AtomicU64,
     /// The peer spoke from a new address, and is followed there.
     pub roams: AtomicU64,
 }
@@ -594,7 +603,7 @@ impl Transport for WgLink {
     fn extra_stats(&self) -> String {
         let c = &self.counters;
         format!(
-            " wg_handshakes={} wg_rekeys={} wg_initiations={} wg_unauthenticated={} wg_replays={} wg_no_session={} wg_cookies_received={} wg_roams={}",
+            " wg_handshakes={} wg_rekeys={} wg_initiations={} wg_unauthenticated={} wg_replays={} wg_no_session={} wg_cookies_received={} wg_cookies_sent={} wg_roams={}",
             c.handshakes.load(Relaxed),
             c.rekeys.load(Relaxed),
             c.initiations.load(Relaxed),
@@ -602,6 +611,7 @@ impl Transport for WgLink {
             c.replays.load(Relaxed),
             c.no_session.load(Relaxed),
             c.cookies_received.load(Relaxed),
+            c.cookies_sent.load(Relaxed),
             c.roams.load(Relaxed)
         )
     }
@@ -615,9 +625,13 @@ impl Transport for WgLink {
 /// is gone.
 fn timers(hub: Weak<WgHub>) {
     let mut out = vec![0u8; MAX_DATAGRAM];
-    loop {
+    for n in 1u64.. {
         std::thread::sleep(TICK);
         let Some(hub) = hub.upgrade() else { return };
+        // The shared limiter counts handshake messages per second.
+        if n % 10 == 0 {
+            hub.limiter.load().reset_count();
+        }
         for p in hub.live_peers() {
             p.tick(&mut out);
         }
