@@ -70,8 +70,9 @@ def make_certs(dir):
 
 
 class Overlay:
-    def __init__(self, lab: Lab, tls: bool = False):
+    def __init__(self, lab: Lab, tls: bool = False, encrypt: bool = False):
         self.lab = lab
+        self.encrypt = encrypt
         self.etcd_ns = lab.add_host(100)
         self.tls = lab.tmp / "pki" if tls else None
         if self.tls:
@@ -82,7 +83,8 @@ class Overlay:
         wait_until(lambda: self.etcdctl("endpoint", "health", check=False).returncode == 0, timeout=20)
         self.provision()
         self.hosts = {i: lab.add_host(i) for i in (1, 2, 3)}
-        self.d = {i: lab.start_vnetd(h) for i, h in self.hosts.items()}
+        wg = lambda i: ["--wireguard-key-file", lab.tmp / f"h{i}.wgkey"] if encrypt else []  # noqa: E731
+        self.d = {i: lab.start_vnetd(h, None, *wg(i)) for i, h in self.hosts.items()}
         self.agents: dict[int, subprocess.Popen] = {}
         self.guest_ns = {}
         for h, n, net in GUESTS:
@@ -148,7 +150,8 @@ class Overlay:
         log = open(self.lab.tmp / f"agent-h{i}.log", "a")
         p = self.lab.popen(self.hosts[i], AGENT, "run", "--etcd", self.etcd_url, "--host", f"h{i}",
                            "--underlay", underlay_ip(i), "--socket", self.d[i].sock, "--ttl", TTL,
-                           "--interval-ms", 100, "--traffic-s", 1, *self.tls_args(), *self.creds(f"vnet-host-h{i}"), *extra,
+                           "--interval-ms", 100, "--traffic-s", 1, *self.tls_args(), *self.creds(f"vnet-host-h{i}"),
+                           *(["--encrypt"] if self.encrypt else []), *extra,
                            stdout=log, stderr=subprocess.STDOUT)
         self.agents[i] = p
 
@@ -175,6 +178,17 @@ def show(o: Overlay) -> dict:
 def overlay(lab, request):
     o = Overlay(lab, tls=getattr(request, "param", False))
     yield o
+    stop(o)
+
+
+@pytest.fixture
+def encrypted(lab):
+    o = Overlay(lab, encrypt=True)
+    yield o
+    stop(o)
+
+
+def stop(o: Overlay):
     for i, p in o.agents.items():
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -614,3 +628,44 @@ def test_hostile_values_in_etcd_are_ignored_and_inject_nothing(overlay):
     o.add_guest(3, 14, "a")
     assert wait_until(lambda: o.routed(1, 14) and o.routed(2, 14), timeout=10)
     assert o.ping(11, 14, count=2)
+
+
+def test_an_encrypted_overlay_links_every_host_by_wireguard_and_nothing_crosses_in_clear(encrypted):
+    """`vnet-agent run --encrypt` on three hosts: each publishes its vnetd's
+    WireGuard public key in etcd, and the agents link the hosts by WireGuard
+    with those keys; the networks work as in clear, and the underlay carries
+    only WireGuard."""
+    o = encrypted
+    converged(o)
+    keys = {}
+    for i in o.hosts:
+        line = next(l for l in o.d[i].ctl("SHOW").stdout.splitlines() if l.startswith("wireguard "))
+        keys[i] = dict(w.split("=", 1) for w in line.split()[1:])["public_key"]
+    # etcd holds each host's key, as its agent published it.
+    hosts = show(o)["hosts"]
+    for i in o.hosts:
+        assert hosts[f"h{i}"]["wireguard"] == {"port": 51820, "public_key": keys[i]}, hosts
+    # Every agent link is WireGuard, to the key the peer published.
+    for i in o.hosts:
+        links = [l for l in o.d[i].ctl("LINK", "LIST").stdout.splitlines() if "name=agent." in l]
+        assert links and all("proto=wireguard" in l for l in links), links
+        for l in links:
+            peer = int(l.split("name=agent.h", 1)[1].split()[0])
+            assert f"peer_key={keys[peer]}" in l and f"remote={underlay_ip(peer)}:51820" in l, l
+    # Within a network across hosts, and not across networks.
+    pcap = o.lab.tmp / "h1.pcap"
+    cap = o.lab.popen(o.hosts[1], "tcpdump", "-i", "eth0", "-s", "0", "-U", "--immediate-mode", "-n", "-w", pcap,
+                      "udp", "and", "not", "port", "2379", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cap.stderr.readline()
+    assert o.ping(11, 12, count=3) and o.ping(11, 13, count=3) and o.ping(21, 23, count=3)
+    assert not o.ping(11, 23)
+    time.sleep(0.3)
+    cap.terminate()
+    cap.wait(timeout=10)
+    out = o.lab.x(o.hosts[1], "tcpdump", "-n", "-r", pcap).stdout
+    assert "51820" in out and ".9000" not in out, out
+    for i in o.hosts:
+        s = o.d[i].stats()
+        for name, v in s.items():
+            if name.startswith("link agent."):
+                assert v["wg_unauthenticated"] == 0 and v["drop_unauthenticated"] == 0, (name, v)

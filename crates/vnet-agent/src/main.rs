@@ -81,6 +81,12 @@ pub struct Args {
     /// container is never given a MAC another guest holds.
     #[arg(long)]
     pub macs_file: Option<PathBuf>,
+    /// Encrypt between hosts: publish this host's WireGuard public key (its
+    /// vnetd's, which needs --wireguard-key-file) and link to the other
+    /// encrypting hosts by WireGuard. A host that publishes no key gets no
+    /// link from this one (never a link in clear).
+    #[arg(long)]
+    pub encrypt: bool,
 }
 
 fn main() {
@@ -115,10 +121,29 @@ fn write_macs(file: &std::path::Path, guests: &BTreeMap<String, model::Guest>, l
     }
 }
 
+/// vnetd's WireGuard port and public key (`SHOW`), waiting for vnetd to
+/// answer; an error if it has no WireGuard key.
+async fn wireguard_of(vnetd: &mut vnetd::Vnetd, socket: &std::path::Path) -> Result<(u16, String)> {
+    loop {
+        match vnetd.request("SHOW") {
+            Ok(lines) => {
+                return vnetd::parse_wireguard(&lines).ok_or_else(|| {
+                    anyhow::anyhow!("--encrypt: vnetd at {} has no WireGuard key (start it with --wireguard-key-file)", socket.display())
+                })
+            }
+            Err(e) => {
+                tracing::warn!("vnetd at {}: {e:#}; waiting for it", socket.display());
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
 async fn run(args: Args) -> Result<()> {
     model::check_host_name(&args.host)?;
     let mut vnetd = vnetd::Vnetd::new(&args.socket);
-    let me = store::Registration { host: args.host.clone(), underlay: args.underlay, port: args.port, ttl: args.ttl };
+    let wireguard = if args.encrypt { Some(wireguard_of(&mut vnetd, &args.socket).await?) } else { None };
+    let me = store::Registration { host: args.host.clone(), underlay: args.underlay, port: args.port, wireguard, ttl: args.ttl };
     let mut store = store::Store::new(&args.etcd, me);
     let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -186,7 +211,7 @@ async fn run(args: Args) -> Result<()> {
             write_macs(f, view.guests, &mut last_macs);
         }
         let held = store.held(&state.ifaces);
-        let want = model::derive(&args.host, view.hosts, view.guests, &held);
+        let want = model::derive(&args.host, &model::hosts_for(view.hosts, args.encrypt), view.guests, &held);
         let changes = model::plan(&want, &state.links, &state.routes, &state.user_routes);
         last_ifaces = Some(ifaces);
         if changes.is_empty() {

@@ -35,6 +35,32 @@ pub const LINK_PREFIX: &str = "agent.";
 pub struct Host {
     pub underlay: IpAddr,
     pub port: u16,
+    /// Its vnetd's WireGuard port and public key, if it encrypts
+    /// (`vnet-agent run --encrypt`).
+    pub wireguard: Option<(u16, String)>,
+}
+
+/// The hosts this one links to, and how: encrypting (`--encrypt`), only
+/// hosts that publish a WireGuard key, by WireGuard (never in clear: a host
+/// without a key gets no link, so a mixed overlay fails closed); otherwise
+/// every host by plain UDP.
+pub fn hosts_for(hosts: &BTreeMap<String, Host>, encrypt: bool) -> BTreeMap<String, Host> {
+    hosts
+        .iter()
+        .filter(|(_, h)| !encrypt || h.wireguard.is_some())
+        .map(|(n, h)| (n.clone(), Host { wireguard: if encrypt { h.wireguard.clone() } else { None }, ..h.clone() }))
+        .collect()
+}
+
+/// A WireGuard public key as `wg pubkey` writes it (44 characters of
+/// base64, 32 bytes): what a host may publish.
+pub fn check_wireguard_key(key: &str) -> anyhow::Result<()> {
+    let ok = key.len() == 44
+        && key.ends_with('=')
+        && !key[..43].contains('=')
+        && key.chars().all(|c| c.is_ascii_alphanumeric() || "+/=".contains(c));
+    anyhow::ensure!(ok, "'{key}' is not a WireGuard public key");
+    Ok(())
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,11 +75,16 @@ pub struct LinkWant {
     pub name: String,
     pub underlay: IpAddr,
     pub port: u16,
+    /// The peer's WireGuard public key: a WireGuard link (else UDP).
+    pub key: Option<String>,
 }
 
 impl LinkWant {
     pub fn command(&self) -> String {
-        format!("LINK ADD {} {} udp name {}", self.underlay, self.port, self.name)
+        match &self.key {
+            Some(k) => format!("LINK ADD {} {} wireguard {k} name {}", self.underlay, self.port, self.name),
+            None => format!("LINK ADD {} {} udp name {}", self.underlay, self.port, self.name),
+        }
     }
 }
 
@@ -120,7 +151,11 @@ pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String
     for (local_members, remote) in nets.values() {
         for host in remote.keys() {
             let h = &hosts[*host];
-            d.links.insert(LinkWant { name: link_name(host), underlay: h.underlay, port: h.port });
+            let (port, key) = match &h.wireguard {
+                Some((p, k)) => (*p, Some(k.clone())),
+                None => (h.port, None),
+            };
+            d.links.insert(LinkWant { name: link_name(host), underlay: h.underlay, port, key });
         }
         for &s in local_members {
             d.routes.insert(format!("any {s} interface {s} edge"));
@@ -142,22 +177,25 @@ pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String
 }
 
 /// The request that takes vnetd from what it has (`links`: the agent's
-/// links by name → (index, remote ip, port); `routes`: the agent's routes,
+/// links by name → (index, remote ip, port, WireGuard key); `routes`: the agent's routes,
 /// rule → index; `user_routes`: rules a user added, which the agent must
 /// neither add again nor remove) to `want`. Empty when nothing differs.
 pub fn plan(
     want: &Desired,
-    links: &BTreeMap<String, (u32, IpAddr, u16)>,
+    links: &BTreeMap<String, (u32, IpAddr, u16, Option<String>)>,
     routes: &BTreeMap<String, u32>,
     user_routes: &BTreeSet<String>,
 ) -> Vec<String> {
     let mut req = Vec::new();
     let wanted_links: BTreeMap<&str, &LinkWant> = want.links.iter().map(|l| (l.name.as_str(), l)).collect();
-    // A link whose host moved to another address is replaced: its routes
-    // go first and come back after.
+    // A link whose host moved to another address, or changed its key (or
+    // began or stopped encrypting), is replaced: its routes go first and
+    // come back after.
     let moved: BTreeSet<&str> = links
         .iter()
-        .filter(|(n, (_, ip, port))| wanted_links.get(n.as_str()).is_some_and(|w| (w.underlay, w.port) != (*ip, *port)))
+        .filter(|(n, (_, ip, port, key))| {
+            wanted_links.get(n.as_str()).is_some_and(|w| (w.underlay, w.port, &w.key) != (*ip, *port, key))
+        })
         .map(|(n, _)| n.as_str())
         .collect();
     let uses = |rule: &str, link: &str| rule.split(' ').any(|w| w == link);
@@ -166,7 +204,7 @@ pub fn plan(
             req.push(format!("ROUTE DEL {idx}"));
         }
     }
-    for (name, (idx, _, _)) in links {
+    for (name, (idx, ..)) in links {
         if !wanted_links.contains_key(name.as_str()) || moved.contains(name.as_str()) {
             req.push(format!("LINK DEL {idx}"));
         }
@@ -190,7 +228,7 @@ mod tests {
     use super::*;
 
     fn hosts(n: usize) -> BTreeMap<String, Host> {
-        (1..=n).map(|i| (format!("h{i}"), Host { underlay: format!("198.18.0.{i}").parse().unwrap(), port: 9000 })).collect()
+        (1..=n).map(|i| (format!("h{i}"), Host { underlay: format!("198.18.0.{i}").parse().unwrap(), port: 9000, wireguard: None })).collect()
     }
 
     fn guest(host: &str, net: &str) -> Guest {
@@ -276,8 +314,8 @@ mod tests {
         assert_eq!(all.iter().filter(|l| l.starts_with("ROUTE ADD")).count(), d.routes.len());
         assert!(all.iter().position(|l| l.starts_with("ROUTE ADD")) > all.iter().position(|l| l.starts_with("LINK ADD")));
         // All there: nothing to do.
-        let links: BTreeMap<String, (u32, IpAddr, u16)> =
-            d.links.iter().enumerate().map(|(i, l)| (l.name.clone(), (i as u32, l.underlay, l.port))).collect();
+        let links: BTreeMap<String, (u32, IpAddr, u16, Option<String>)> =
+            d.links.iter().enumerate().map(|(i, l)| (l.name.clone(), (i as u32, l.underlay, l.port, None))).collect();
         let mut routes: BTreeMap<String, u32> = d.routes.iter().enumerate().map(|(i, r)| (r.clone(), i as u32)).collect();
         assert!(plan(&d, &links, &routes, &BTreeSet::new()).is_empty());
         // A stale route of ours goes; a user's identical rule is not added twice.
@@ -297,5 +335,37 @@ mod tests {
         assert_eq!(p.iter().filter(|l| l.starts_with("ROUTE ADD")).count(), h2_routes);
         assert!(p.contains(&"LINK DEL 0".to_string()));
         assert!(p.contains(&"LINK ADD 198.18.1.2 9000 udp name agent.h2".to_string()));
+    }
+
+    #[test]
+    fn encrypting_hosts_link_by_wireguard_to_hosts_with_keys_and_never_in_clear() {
+        let k2 = "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk=".to_string();
+        let k3 = "bOM+nlWQf25zDapmoDynjD1tTzJ5zEF8A3y7pWklvEQ=".to_string();
+        let mut hs = hosts(3);
+        hs.get_mut("h2").unwrap().wireguard = Some((51820, k2.clone()));
+        // h3 publishes no key: an encrypting h1 makes no link to it (and no
+        // route through one); a plain h1 links to both by UDP.
+        let d = derive("h1", &hosts_for(&hs, true), &overlay(), &local("h1"));
+        let links: Vec<String> = d.links.iter().map(LinkWant::command).collect();
+        assert_eq!(links, [format!("LINK ADD 198.18.0.2 51820 wireguard {k2} name agent.h2")]);
+        assert!(d.routes.iter().all(|r| !r.contains("agent.h3")));
+        let plain = derive("h1", &hosts_for(&hs, false), &overlay(), &local("h1"));
+        assert!(plain.links.iter().all(|l| l.key.is_none() && l.port == 9000) && plain.links.len() == 2);
+        // h2's key changes (a rotation): its link is replaced, with its routes
+        // deleted first and added back after it.
+        let have: BTreeMap<String, (u32, IpAddr, u16, Option<String>)> =
+            [("agent.h2".to_string(), (7, "198.18.0.2".parse().unwrap(), 51820, Some(k3.clone())))].into();
+        let routes: BTreeMap<String, u32> = d.routes.iter().enumerate().map(|(i, r)| (r.clone(), i as u32)).collect();
+        let req = plan(&d, &have, &routes, &BTreeSet::new());
+        let at = |p: &str| req.iter().position(|l| l.starts_with(p)).unwrap();
+        assert!(at("ROUTE DEL") < at("LINK DEL 7") && at("LINK DEL 7") < at("LINK ADD") && at("LINK ADD") < at("ROUTE ADD"), "{req:?}");
+        assert!(req.contains(&format!("LINK ADD 198.18.0.2 51820 wireguard {k2} name agent.h2")));
+        // The same key: nothing to do.
+        let same: BTreeMap<_, _> = [("agent.h2".to_string(), (7, "198.18.0.2".parse().unwrap(), 51820, Some(k2.clone())))].into();
+        assert!(plan(&d, &same, &routes, &BTreeSet::new()).is_empty());
+        assert!(check_wireguard_key(&k2).is_ok());
+        for bad in ["", "short=", "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBm=k", "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBm k="] {
+            assert!(check_wireguard_key(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -59,6 +59,16 @@ impl<'a> Record<'a> {
 pub struct HostValue {
     pub underlay: IpAddr,
     pub port: u16,
+    /// Its vnetd's WireGuard side, if the host encrypts (`--encrypt`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wireguard: Option<WireGuardValue>,
+}
+
+/// Where and how a host takes WireGuard links: its vnetd's port and public key.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct WireGuardValue {
+    pub port: u16,
+    pub public_key: String,
 }
 
 /// `<p>/host/<host>/guests/<mac>`: the network the host's guest is in.

@@ -61,6 +61,9 @@ pub struct Registration {
     /// Where other hosts' vnetds reach this one's links.
     pub underlay: IpAddr,
     pub port: u16,
+    /// Its vnetd's WireGuard port and public key, published when the agent
+    /// encrypts.
+    pub wireguard: Option<(u16, String)>,
     /// Seconds the registration lives without the agent.
     pub ttl: i64,
 }
@@ -157,7 +160,8 @@ impl Store {
         if self.lease.is_none() {
             let id = client.lease_grant(ttl, None).await?.id();
             let (keeper, stream) = client.lease_keep_alive(id).await?;
-            let v = serde_json::to_string(&HostValue { underlay: self.me.underlay, port: self.me.port })?;
+            let wireguard = self.me.wireguard.clone().map(|(port, public_key)| crate::records::WireGuardValue { port, public_key });
+            let v = serde_json::to_string(&HostValue { underlay: self.me.underlay, port: self.me.port, wireguard })?;
             client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
             // Our claims are written again under the new lease (where the
@@ -204,8 +208,12 @@ impl Store {
     fn put_cached(&mut self, key: &str, value: &[u8], create_revision: i64) -> bool {
         match Record::parse(&self.etcd.prefix, key) {
             Some(Record::Reg(name)) => match serde_json::from_slice::<HostValue>(value) {
-                Ok(h) if crate::model::check_host_name(name).is_ok() => {
-                    self.hosts.insert(name.to_string(), Host { underlay: h.underlay, port: h.port });
+                Ok(h)
+                    if crate::model::check_host_name(name).is_ok()
+                        && h.wireguard.as_ref().is_none_or(|w| crate::model::check_wireguard_key(&w.public_key).is_ok()) =>
+                {
+                    let wireguard = h.wireguard.map(|w| (w.port, w.public_key));
+                    self.hosts.insert(name.to_string(), Host { underlay: h.underlay, port: h.port, wireguard });
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a host entry"),
             },

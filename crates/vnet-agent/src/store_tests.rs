@@ -70,7 +70,7 @@ impl Drop for Etcd {
 /// A store for host `host` on the etcd at `url`.
 fn store(url: &str, host: &str) -> Store {
     let etcd = EtcdArgs { endpoints: vec![url.to_string()], prefix: "/vnet".into(), cacert: None, cert: None, key: None, user: None, password_file: None };
-    Store::new(&etcd, Registration { host: host.into(), underlay: "198.18.0.1".parse().expect("an address"), port: 9000, ttl: 5 })
+    Store::new(&etcd, Registration { host: host.into(), underlay: "198.18.0.1".parse().expect("an address"), port: 9000, wireguard: None, ttl: 5 })
 }
 
 /// This host's interfaces, as `publish` takes them: MAC -> (vnetd id, network).

@@ -30,8 +30,8 @@ pub struct Vnetd {
 pub struct State {
     /// Local guests: MAC (lower case) → (interface id, network).
     pub ifaces: BTreeMap<String, (u32, String)>,
-    /// The agent's links: name → (index, remote ip, port).
-    pub links: BTreeMap<String, (u32, IpAddr, u16)>,
+    /// The agent's links: name → (index, remote ip, port, WireGuard peer key).
+    pub links: BTreeMap<String, (u32, IpAddr, u16, Option<String>)>,
     /// The agent's routes: rule → index.
     pub routes: BTreeMap<String, u32>,
     /// Every other route's rule (a user's).
@@ -133,6 +133,14 @@ pub fn watch(path: &Path, wake: std::sync::Arc<tokio::sync::Notify>) {
     }
 }
 
+/// vnetd's WireGuard port and public key, from `SHOW`'s `wireguard` line;
+/// None if it has no WireGuard key.
+pub fn parse_wireguard(lines: &[String]) -> Option<(u16, String)> {
+    let line = lines.iter().find(|l| l.starts_with("wireguard "))?;
+    let port = field(line, "listen")?.parse::<SocketAddr>().ok()?.port();
+    Some((port, field(line, "public_key")?.to_string()))
+}
+
 /// The count in `WAIT`'s answer, `changes <n>`.
 fn parse_changes(lines: &[String]) -> Option<u64> {
     lines.first()?.strip_prefix("changes ")?.parse().ok()
@@ -167,7 +175,8 @@ pub fn parse_state(lines: &[String]) -> Result<State> {
                     .context("agent link without remote=")?
                     .parse()
                     .map_err(|_| anyhow!("bad remote= in '{line}'"))?;
-                st.links.insert(name.to_string(), (id, remote.ip(), remote.port()));
+                let key = field(line, "peer_key").map(str::to_string);
+                st.links.insert(name.to_string(), (id, remote.ip(), remote.port(), key));
             }
             Some("route") => {
                 let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("route line without an id")?;
@@ -218,10 +227,23 @@ mod tests {
         assert_eq!(parse_changes(&["changes 42".to_string()]), Some(42));
         assert_eq!(parse_changes(&["route 1".to_string()]), None);
         assert_eq!(st.links.len(), 1, "only the agent's links");
-        assert_eq!(st.links["agent.h2"], (0, "198.18.0.2".parse().unwrap(), 9000));
+        assert_eq!(st.links["agent.h2"], (0, "198.18.0.2".parse().unwrap(), 9000, None));
         assert_eq!(st.routes["02:00:00:00:00:01 02:00:00:00:00:a2 edge agent.h2 interface 02:00:00:00:00:01"], 4);
         assert_eq!(st.routes.len(), 1);
         assert!(st.user_routes.contains("any ff:ff:ff:ff:ff:ff edge mine interface"));
         assert!(st.user_routes.contains("any 02:00:00:00:00:09 edge mine any"));
+    }
+
+    #[test]
+    fn reads_a_wireguard_link_and_vnetds_key() {
+        let key = "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk=";
+        let lines = vec![format!(
+            "link 2 name=agent.h3 proto=wireguard remote=198.18.0.3:51820 mtu=1500 max_frame=1412 peer_key={key} endpoint=198.18.0.3:51820 handshake_age_s=4"
+        )];
+        let st = parse_state(&lines).unwrap();
+        assert_eq!(st.links["agent.h3"], (2, "198.18.0.3".parse().unwrap(), 51820, Some(key.to_string())));
+        let show = vec!["vnetd version=0.1.0".to_string(), format!("wireguard listen=0.0.0.0:51821 public_key={key} peers=2 cookies_sent=0")];
+        assert_eq!(parse_wireguard(&show), Some((51821, key.to_string())));
+        assert_eq!(parse_wireguard(&show[..1]), None);
     }
 }
