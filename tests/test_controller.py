@@ -669,3 +669,35 @@ def test_an_encrypted_overlay_links_every_host_by_wireguard_and_nothing_crosses_
         for name, v in s.items():
             if name.startswith("link agent."):
                 assert v["wg_unauthenticated"] == 0 and v["drop_unauthenticated"] == 0, (name, v)
+
+
+def test_a_hosts_wireguard_key_rotates_under_an_open_tcp_connection(encrypted):
+    """`WIREGUARD ROTATE` on host 2 while g11 (host 1) and g12 (host 2) hold a
+    TCP connection with bytes flowing both ways: host 2's agent publishes the
+    new key, the other hosts' agents replace their links to host 2 with it,
+    and the connection carries on, every echo in order."""
+    o = encrypted
+    converged(o)
+    def key_of(i):
+        line = next(l for l in o.d[i].ctl("SHOW").stdout.splitlines() if l.startswith("wireguard "))
+        return dict(w.split("=", 1) for w in line.split()[1:])["public_key"]
+    old = key_of(2)
+    srv = o.lab.popen(o.guest_ns[12], "python3", "-c", ECHO, overlay_ip(12), stdout=subprocess.PIPE, text=True)
+    assert srv.stdout.readline().strip() == "listening"
+    cli = o.lab.popen(o.guest_ns[11], "python3", "-c", CLIENT, overlay_ip(12), stdout=subprocess.PIPE, text=True)
+    assert cli.stdout.readline().strip() == "connected"
+    time.sleep(0.5)
+    rotated = o.d[2].ctl("WIREGUARD", "ROTATE").stdout
+    new = key_of(2)
+    assert new != old and f"public_key={new}" in rotated
+    # The key file holds the new key (mode 600), for vnetd's next start.
+    assert (o.lab.tmp / "h2.wgkey").stat().st_mode & 0o777 == 0o600
+    def peers_have(key):
+        return all(f"peer_key={key}" in next(l for l in o.d[i].ctl("LINK", "LIST").stdout.splitlines() if "name=agent.h2 " in l)
+                   for i in (1, 3))
+    assert wait_until(lambda: peers_have(new), timeout=10), [o.d[i].ctl("LINK", "LIST").stdout for i in (1, 3)]
+    assert show(o)["hosts"]["h2"]["wireguard"]["public_key"] == new
+    out = cli.communicate(timeout=30)[0]
+    srv.wait(timeout=10)
+    assert "ok" in out, out
+    assert o.ping(13, 12) and o.ping(12, 11)

@@ -173,6 +173,15 @@ async fn run(args: Args) -> Result<()> {
             // Only other hosts' traffic counters: nothing to derive.
             continue;
         }
+        if args.encrypt {
+            // vnetd's key may have changed (`WIREGUARD ROTATE`): the new
+            // public key is published at once, for the peers to take.
+            match vnetd.request("SHOW").map(|l| vnetd::parse_wireguard(&l)) {
+                Ok(Some(wg)) => store.set_wireguard(wg),
+                Ok(None) => tracing::warn!("vnetd has no WireGuard key any more: links stay as they are"),
+                Err(e) => tracing::warn!("vnetd at {}: {e:#}", args.socket.display()),
+            }
+        }
         store.maintain().await;
         // Each pass reads the local interfaces (one short listing) and
         // publishes what changed; the links and routes are read and derived

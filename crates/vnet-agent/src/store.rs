@@ -84,6 +84,8 @@ pub struct Store {
     routed: BTreeMap<String, Guest>,
     claims: BTreeMap<String, Claim>,
     retry_at: Instant,
+    /// The registration's value changed (a new WireGuard key): written again.
+    reregister: bool,
     /// A host or guest key changed since `take_dirty` was last asked.
     dirty: bool,
     /// Claims seen waiting behind another host's (MAC, host, create
@@ -106,6 +108,7 @@ impl Store {
             routed: BTreeMap::new(),
             claims: BTreeMap::new(),
             retry_at: Instant::now(),
+            reregister: false,
             dirty: true,
             seen_waiting: BTreeSet::new(),
             contested: 0,
@@ -127,6 +130,16 @@ impl Store {
             self.watch = None;
             self.client = None;
             self.lease = None;
+        }
+    }
+
+    /// This host's WireGuard port and key as its vnetd has them now: a
+    /// change is written to the registration at the next `maintain`.
+    pub fn set_wireguard(&mut self, wg: (u16, String)) {
+        if self.me.wireguard.as_ref() != Some(&wg) {
+            tracing::info!("WireGuard key now {} (port {}): publishing it", wg.1, wg.0);
+            self.me.wireguard = Some(wg);
+            self.reregister = true;
         }
     }
 
@@ -156,14 +169,14 @@ impl Store {
             tracing::warn!("etcd: our lease expired; registering again");
             self.lease = None;
         }
+        let v = self.reg_value()?;
         let client = self.client.as_mut().expect("connected above");
         if self.lease.is_none() {
             let id = client.lease_grant(ttl, None).await?.id();
             let (keeper, stream) = client.lease_keep_alive(id).await?;
-            let wireguard = self.me.wireguard.clone().map(|(port, public_key)| crate::records::WireGuardValue { port, public_key });
-            let v = serde_json::to_string(&HostValue { underlay: self.me.underlay, port: self.me.port, wireguard })?;
             client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
+            self.reregister = false;
             // Our claims are written again under the new lease (where the
             // key still exists, it keeps its create revision, and with it
             // its place among the MAC's claims).
@@ -172,10 +185,24 @@ impl Store {
             }
             tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.me.host);
         }
+        if self.reregister {
+            if let Some((id, ..)) = &self.lease {
+                let (id, v) = (*id, self.reg_value()?);
+                let client = self.client.as_mut().expect("connected above");
+                client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
+            }
+            self.reregister = false;
+        }
         if self.watch.is_none() {
             self.relist().await?;
         }
         Ok(())
+    }
+
+    /// This host's registration record.
+    fn reg_value(&self) -> anyhow::Result<String> {
+        let wireguard = self.me.wireguard.clone().map(|(port, public_key)| crate::records::WireGuardValue { port, public_key });
+        Ok(serde_json::to_string(&HostValue { underlay: self.me.underlay, port: self.me.port, wireguard })?)
     }
 
     /// Lists the prefix and watches from the revision after it.

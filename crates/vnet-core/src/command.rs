@@ -161,6 +161,9 @@ pub enum Command {
     /// `RELOAD`: apply vnetd's config file again (what changed in it since
     /// it was last applied).
     Reload,
+    /// `WIREGUARD ROTATE`: a new WireGuard key pair for vnetd, written to its
+    /// key file; every link handshakes again with it.
+    WireguardRotate,
 }
 
 impl Command {
@@ -224,6 +227,8 @@ LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | wiregu
                                                      guests may be offloaded (VTOE), shadow connections
                                                      authenticated by that key
 LINK ADD direct <device> [name <name>] [mtu <bytes>]  frames raw onto a host device's LAN
+WIREGUARD ROTATE                                     a new WireGuard key pair (written to --wireguard-key-file);
+                                                     every WireGuard link handshakes again with it
 LINK DEL <link-idx | name>
 LINK LIST
 ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>] [owner <tag>]
@@ -366,6 +371,8 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
         "show" if toks.len() == 1 => Ok(Some(Command::Show)),
         "help" if toks.len() == 1 => Ok(Some(Command::Help)),
         "reload" if toks.len() == 1 => Ok(Some(Command::Reload)),
+        "wireguard" if toks.len() == 2 && toks[1].eq_ignore_ascii_case("rotate") => Ok(Some(Command::WireguardRotate)),
+        "wireguard" => Err("WIREGUARD takes ROTATE".into()),
         "begin" | "commit" | "abort" => Err(format!("{first} is only allowed as a line of its own, outside a request")),
         _ => Err(format!("unknown command '{}' (try HELP)", toks.join(" "))),
     }
@@ -790,6 +797,8 @@ mod tests {
             }
         );
         assert_eq!(wireguard_key_text(&parse_wireguard_key(key).unwrap()), key);
+        assert_eq!(one("wireguard rotate"), Command::WireguardRotate);
+        assert!(parse_request("WIREGUARD").is_err() && parse_request("WIREGUARD ROTATE now").is_err());
         assert_eq!(
             parse_request("LINK ADD 198.18.0.2 wireguard").unwrap_err().to_string(),
             "line 1: wireguard needs a value: LINK ADD 198.18.0.2 wireguard"

@@ -226,7 +226,7 @@ pub fn run(args: Args) -> Result<()> {
                 Some(IpAddr::V4(ip)) => ip,
                 _ => Ipv4Addr::UNSPECIFIED,
             };
-            let hub = crate::link::wireguard::WgHub::start(SocketAddr::new(ip.into(), args.wireguard_port), n, keys)
+            let hub = crate::link::wireguard::WgHub::start(SocketAddr::new(ip.into(), args.wireguard_port), n, keys, path)
                 .map_err(|e| anyhow::anyhow!("WireGuard: {e:#} (choose --wireguard-port)"))?;
             tracing::info!("WireGuard on {} with public key {}", hub.local_addr(), hub.public_text());
             Some(hub)

@@ -184,6 +184,21 @@ impl Control {
             }
             return self.reload(caller);
         }
+        if let Some((line, _)) = cmds.iter().find(|(_, c)| *c == Command::WireguardRotate) {
+            if cmds.len() > 1 {
+                return Err(format!("line {line}: WIREGUARD ROTATE must be a request of its own"));
+            }
+            if caller.role != Role::Admin {
+                return Err(format!("line {line}: permission denied: {caller} may only read (SHOW, STATS, LIST, HELP): WIREGUARD ROTATE"));
+            }
+            let Some(hub) = &self.dp.wireguard else {
+                return Err(format!("line {line}: vnetd has no WireGuard key (start it with --wireguard-key-file)"));
+            };
+            hub.rotate().map_err(|e| format!("line {line}: {e}"))?;
+            tracing::info!("control: {caller} rotated the WireGuard key; public key now {}", hub.public_text());
+            self.settings.changes.bump();
+            return Ok(vec![hub.describe()]);
+        }
         if caller.role != Role::Admin {
             if let Some((line, _)) = cmds.iter().find(|(_, c)| c.mutates()) {
                 tracing::warn!("control: {caller}: refused a change: {}", line_text(*line));

@@ -83,22 +83,10 @@ impl WgKeys {
     /// is none, makes one (mode 600) with a new key. The file must be a
     /// regular file owned by vnetd's user and readable by nobody else.
     pub fn load_or_create(path: &Path) -> Result<WgKeys, String> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
         if std::fs::symlink_metadata(path).is_err() {
-            let mut key = [0u8; 32];
-            getrandom::getrandom(&mut key).map_err(|e| format!("no randomness for a WireGuard key: {e}"))?;
-            let text = vnet_core::command::wireguard_key_text(&key);
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(path)
-                .map_err(|e| format!("cannot make WireGuard key file {}: {e}", path.display()))?;
-            f.write_all(format!("{text}\n").as_bytes()).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            let keys = WgKeys::write_new(path)?;
             tracing::info!("made a new WireGuard key in {}", path.display());
-            return Ok(WgKeys::new(key));
+            return Ok(keys);
         }
         let bytes = super::read_secret(path, 4096)?;
         let text = std::str::from_utf8(&bytes).map_err(|_| format!("{} is not a WireGuard key file (not text)", path.display()))?;
@@ -108,6 +96,28 @@ impl WgKeys {
 
     pub fn public_text(&self) -> String {
         vnet_core::command::wireguard_key_text(self.public.as_bytes())
+    }
+
+    /// A new key pair, written to `path` (mode 600) in place of what it
+    /// held: a new file renamed over it, so the file always holds a whole key.
+    fn write_new(path: &Path) -> Result<WgKeys, String> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut key = [0u8; 32];
+        getrandom::getrandom(&mut key).map_err(|e| format!("no randomness for a WireGuard key: {e}"))?;
+        let text = vnet_core::command::wireguard_key_text(&key);
+        let tmp = path.with_extension("new");
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)
+            .map_err(|e| format!("cannot make WireGuard key file {}: {e}", tmp.display()))?;
+        f.write_all(format!("{text}\n").as_bytes()).and_then(|_| f.sync_all()).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, path).map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
+        Ok(WgKeys::new(key))
     }
 }
 
@@ -127,11 +137,13 @@ pub struct WgHub {
     pub cookies_sent: AtomicU64,
     /// Handshake initiations from keys no link has, or that did not open.
     pub unknown_initiations: AtomicU64,
+    /// Where the key pair is kept (`WIREGUARD ROTATE` writes the new one).
+    key_file: std::path::PathBuf,
 }
 
 impl WgHub {
     /// Binds the WireGuard sockets and starts the timer thread.
-    pub fn start(addr: SocketAddr, sockets: usize, keys: WgKeys) -> anyhow::Result<Arc<WgHub>> {
+    pub fn start(addr: SocketAddr, sockets: usize, keys: WgKeys, key_file: &Path) -> anyhow::Result<Arc<WgHub>> {
         let group = UdpEndpoint::bind_group(addr, sockets)?;
         let mut seed = [0u8; 4];
         let _ = getrandom::getrandom(&mut seed);
@@ -143,6 +155,7 @@ impl WgHub {
             next_index: AtomicU32::new(u32::from_ne_bytes(seed)),
             cookies_sent: AtomicU64::new(0),
             unknown_initiations: AtomicU64::new(0),
+            key_file: key_file.to_path_buf(),
         });
         let weak = Arc::downgrade(&hub);
         std::thread::Builder::new().name("wireguard-timers".into()).spawn(move || timers(weak))?;
@@ -167,6 +180,32 @@ impl WgHub {
             self.cookies_sent.load(Relaxed),
             self.unknown_initiations.load(Relaxed)
         )
+    }
+
+    /// `WIREGUARD ROTATE`: a new key pair, written to the key file, then
+    /// taken by every link, each of which handshakes again at once with it
+    /// (boringtun forgets a peer's sessions when its key changes; frames
+    /// meanwhile wait for the new session). Peers must know the new public
+    /// key (vnet-agent publishes it) for the handshakes to succeed.
+    pub fn rotate(&self) -> Result<(), String> {
+        let keys = WgKeys::write_new(&self.key_file)?;
+        self.limiter.store(Arc::new(RateLimiter::new(&keys.public, HANDSHAKE_RATE)));
+        let (secret, public) = (keys.secret.clone(), keys.public);
+        self.keys.store(Arc::new(keys));
+        let mut out = [0u8; MIN_OUT];
+        for p in self.live_peers() {
+            let mut g = p.lock();
+            if let Err(e) = g.tunn.set_static_private(secret.clone(), public, None) {
+                tracing::warn!("WireGuard peer {}: cannot take the new key: {e:?}", vnet_core::command::wireguard_key_text(&p.peer));
+                continue;
+            }
+            let to = g.endpoint;
+            if let TunnResult::WriteToNetwork(m) = g.tunn.format_handshake_initiation(&mut out, true) {
+                p.counters.initiations.fetch_add(1, Relaxed);
+                let _ = self.send(m, to);
+            }
+        }
+        Ok(())
     }
 
     fn live_peers(&self) -> Vec<Arc<WgLink>> {
