@@ -46,14 +46,14 @@ def wg_config(me: int, peers: dict[int, str], guests: dict[int, list[int]], port
     return "\n".join(lines) + "\n"
 
 
-def wg_mesh(lab, layout: dict[int, list[int]]):
-    """Hosts with one vnetd each (a key file it makes itself), a guest per
-    entry, WireGuard links between every pair."""
+def wg_mesh(lab, layout: dict[int, list[int]], *args):
+    """Hosts with one vnetd each (a key file it makes itself; `args` more
+    arguments), a guest per entry, WireGuard links between every pair."""
     hosts = {h: lab.add_host(h) for h in layout}
     d = {}
     for h in layout:
         ifaces = "".join(f"INTERFACE ADD g{n} {guest_mac(n)} mtu {GUEST_MTU}\n" for n in layout[h])
-        d[h] = lab.start_vnetd(hosts[h], ifaces, "--wireguard-key-file", lab.tmp / f"h{h}.wgkey")
+        d[h] = lab.start_vnetd(hosts[h], ifaces, "--wireguard-key-file", lab.tmp / f"h{h}.wgkey", *args)
     keys = {h: public_key(d[h]) for h in layout}
     for h in layout:
         assert (os.stat(lab.tmp / f"h{h}.wgkey").st_mode & 0o777) == 0o600
@@ -129,7 +129,7 @@ def test_a_wireguard_link_carries_ping_and_200_mb_each_way_and_the_underlay_sees
 
 
 def test_forged_replayed_and_old_session_datagrams_are_dropped_counted_and_reach_no_guest(lab):
-    hosts, d, g, keys = wg_mesh(lab, {1: [1], 2: [2]})
+    hosts, d, g, keys = wg_mesh(lab, {1: [1], 2: [2]}, "--metrics", "9190")
     assert lab.reaches(g[1], g[2])
     # A real data datagram from host 1 to host 2, taken off the wire.
     pcap = lab.tmp / "one.pcap"
@@ -168,6 +168,14 @@ def test_forged_replayed_and_old_session_datagrams_are_dropped_counted_and_reach
     assert to_guest_after == to_guest, "a refused datagram reached the guest"
     # Not a roam: the endpoint stays where the authentic datagrams came from.
     assert after["wg_roams"] == 0
+    # /metrics has the same numbers as STATS.
+    from test_ops import samples, scrape
+    body, status = scrape(lab, hosts[2])
+    m = samples(body)
+    link = frozenset({("link", "h1")})
+    assert m[("vnet_link_wg_replays_total", link)] == after["wg_replays"], status
+    assert m[("vnet_link_wg_unauthenticated_total", link)] == after["wg_unauthenticated"]
+    assert m[("vnet_link_drops_total", link | {("reason", "unauthenticated")})] == after["drop_unauthenticated"]
     # Under an old session: host 2 forgets its sessions with host 1 (the link
     # made again, under a new receiver index); the datagram's session and
     # index are gone with them: a datagram of no link, counted so.

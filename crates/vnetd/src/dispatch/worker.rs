@@ -34,7 +34,7 @@ use crate::sys::udp::{RxBatch, UdpEndpoint};
 use crate::settings::{IfaceDispatch, Sched};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
-use crate::link::wireguard::Opened;
+use crate::link::wireguard::{Addressed, Opened};
 use crate::link::Rx;
 use crate::nic::{GuestFrame, RxBuffers, RxFrame};
 use crate::topology::{Slot, Snapshot};
@@ -419,7 +419,18 @@ impl Worker {
                         self.fwd.end_run(snap, &self.buf);
                         at = 0;
                     }
-                    if let Opened::Frame(slot, f) = hub.open(snap, st, from, &dgrams[r], &mut self.buf[at..]) {
+                    let dgram = &dgrams[r];
+                    let slot = match hub.address(st, from, dgram) {
+                        Addressed::Index(i) => snap.wireguard_by_index(i).ok_or(false),
+                        Addressed::Key(k) => snap.wireguard_by_key(&k).ok_or(true),
+                        Addressed::Done => continue,
+                    };
+                    let link = slot.ok().map(|s| (s, &snap.links[s as usize]));
+                    let Some((slot, Rx::Sealed(wg), l)) = link.map(|(s, l)| (s, l.transport.rx(), l)) else {
+                        hub.unknown(st, dgram, slot.err().unwrap_or(false));
+                        continue;
+                    };
+                    if let Opened::Frame(f) = hub.open(wg, &l.stats, st, from, dgram, &mut self.buf[at..]) {
                         let f = at + f.start..at + f.end;
                         at = f.end;
                         self.fwd.from_link(snap, slot, &mut self.buf, f);

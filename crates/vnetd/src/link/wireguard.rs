@@ -29,7 +29,6 @@
 use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::stats::{Counters, DropReason, ThreadStats};
 use crate::sys::udp::UdpEndpoint;
-use crate::topology::Snapshot;
 use arc_swap::ArcSwap;
 use boringtun::noise::errors::WireGuardError;
 use boringtun::noise::handshake::parse_handshake_anon;
@@ -247,17 +246,18 @@ impl WgHub {
         self.group[0].send_iov(&[IoSlice::new(datagram)], to, None)
     }
 
-    /// Opens one datagram that came to the WireGuard port from `from`,
-    /// into `out`: a frame for the forwarder (its link's slot and where it
-    /// lies in `out`), or a handshake answered, or a drop counted.
-    pub fn open(&self, snap: &Snapshot, st: &ThreadStats, from: SocketAddr, dgram: &[u8], out: &mut [u8]) -> Opened {
-        let dropped = |port: Option<&Counters>, why| {
+    /// Which link a datagram that came to the WireGuard port from `from`
+    /// is for: the receiver index it names or, for a handshake initiation
+    /// (its MAC1 checked and, under load, a cookie asked for first), the
+    /// initiator's static key. What names no link is counted here.
+    pub fn address(&self, st: &ThreadStats, from: SocketAddr, dgram: &[u8]) -> Addressed {
+        let dropped = |why| {
             st.global.received(dgram.len());
-            st.drop_at(port, why);
-            Opened::Dropped
+            st.drop_at(None, why);
+            Addressed::Done
         };
-        let Ok(packet) = Tunn::parse_incoming_packet(dgram) else { return dropped(None, DropReason::Malformed) };
-        let index = match &packet {
+        let Ok(packet) = Tunn::parse_incoming_packet(dgram) else { return dropped(DropReason::Malformed) };
+        match &packet {
             Packet::HandshakeInit(h) => {
                 // MAC1 (the sender knows our public key) and, under load, a
                 // cookie (it owns its address) before the DH work.
@@ -267,34 +267,39 @@ impl WgHub {
                     Err(TunnResult::WriteToNetwork(c)) => {
                         self.cookies_sent.fetch_add(1, Relaxed);
                         let _ = self.send(c, from);
-                        return Opened::Handled;
+                        return Addressed::Done;
                     }
-                    Err(_) => return dropped(None, DropReason::Unauthenticated),
+                    Err(_) => return dropped(DropReason::Unauthenticated),
                 }
                 let keys = self.keys.load();
-                match parse_handshake_anon(&keys.secret, &keys.public, h).ok().and_then(|hh| snap.wireguard_by_key(&hh.peer_static_public)) {
-                    Some(slot) => return self.open_on(snap, st, slot, from, 1, dgram, out),
-                    None => {
+                match parse_handshake_anon(&keys.secret, &keys.public, h) {
+                    Ok(hh) => Addressed::Key(hh.peer_static_public),
+                    Err(_) => {
                         self.unknown_initiations.fetch_add(1, Relaxed);
-                        return dropped(None, DropReason::UnknownSender);
+                        dropped(DropReason::UnknownSender)
                     }
                 }
             }
-            Packet::HandshakeResponse(p) => p.receiver_idx,
-            Packet::PacketCookieReply(p) => p.receiver_idx,
-            Packet::PacketData(p) => p.receiver_idx,
-        };
-        let kind = dgram[0];
-        match snap.wireguard_by_index(index >> 8) {
-            Some(slot) => self.open_on(snap, st, slot, from, kind, dgram, out),
-            None => dropped(None, DropReason::UnknownSender),
+            Packet::HandshakeResponse(p) => Addressed::Index(p.receiver_idx >> 8),
+            Packet::PacketCookieReply(p) => Addressed::Index(p.receiver_idx >> 8),
+            Packet::PacketData(p) => Addressed::Index(p.receiver_idx >> 8),
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn open_on(&self, snap: &Snapshot, st: &ThreadStats, slot: u32, from: SocketAddr, kind: u8, dgram: &[u8], out: &mut [u8]) -> Opened {
-        let l = &snap.links[slot as usize];
-        let Rx::Sealed(link) = l.transport.rx() else { return Opened::Dropped };
+    /// A datagram for a key or index no link has.
+    pub fn unknown(&self, st: &ThreadStats, dgram: &[u8], by_key: bool) {
+        if by_key {
+            self.unknown_initiations.fetch_add(1, Relaxed);
+        }
+        st.global.received(dgram.len());
+        st.drop_at(None, DropReason::UnknownSender);
+    }
+
+    /// Opens a datagram of `link` (whose frame counters are `stats`) into
+    /// `out`: a frame for the forwarder, a handshake answered, or a drop
+    /// counted.
+    pub fn open(&self, link: &WgLink, stats: &Counters, st: &ThreadStats, from: SocketAddr, dgram: &[u8], out: &mut [u8]) -> Opened {
+        let kind = dgram[0];
         let c = &link.counters;
         let mut g = link.lock();
         let base = out.as_ptr() as usize;
@@ -305,10 +310,10 @@ impl WgHub {
                 g.roam(from, c);
                 drop(g);
                 match frame {
-                    Some(r) => Opened::Frame(slot, at + r.start..at + r.end),
+                    Some(r) => Opened::Frame(at + r.start..at + r.end),
                     None => {
                         st.global.received(dgram.len());
-                        st.drop_at(Some(&l.stats), DropReason::Malformed);
+                        st.drop_at(Some(stats), DropReason::Malformed);
                         Opened::Dropped
                     }
                 }
@@ -316,7 +321,7 @@ impl WgHub {
             TunnResult::WriteToTunnelV6(..) => {
                 g.roam(from, c);
                 st.global.received(dgram.len());
-                st.drop_at(Some(&l.stats), DropReason::Malformed);
+                st.drop_at(Some(stats), DropReason::Malformed);
                 Opened::Dropped
             }
             TunnResult::WriteToNetwork(p) => {
@@ -345,7 +350,7 @@ impl WgHub {
                 g.waiting = g.waiting.saturating_sub(frames as u32);
                 drop(g);
                 if frames > 0 {
-                    st.sent_at(&l.stats, frames, bytes);
+                    st.sent_at(stats, frames, bytes);
                 }
                 Opened::Handled
             }
@@ -368,19 +373,29 @@ impl WgHub {
                     _ => &c.unauthenticated,
                 };
                 counter.fetch_add(1, Relaxed);
-                tracing::debug!(link = %l.name, %from, "WireGuard datagram refused: {e:?}");
+                tracing::debug!(peer = %vnet_core::command::wireguard_key_text(&link.peer), %from, "WireGuard datagram refused: {e:?}");
                 st.global.received(dgram.len());
-                st.drop_at(Some(&l.stats), DropReason::Unauthenticated);
+                st.drop_at(Some(stats), DropReason::Unauthenticated);
                 Opened::Dropped
             }
         }
     }
 }
 
-/// What a datagram on the WireGuard port came to.
+/// Which link a datagram on the WireGuard port is for.
+pub enum Addressed {
+    /// The link with this receiver index (24 bits).
+    Index(u32),
+    /// The link to the peer with this static key (a handshake initiation).
+    Key([u8; 32]),
+    /// Handled or dropped (and counted) already.
+    Done,
+}
+
+/// What a link's datagram came to.
 pub enum Opened {
-    /// A frame of the link at this slot, at this range of the output.
-    Frame(u32, Range<usize>),
+    /// A frame, at this range of the output.
+    Frame(Range<usize>),
     /// A handshake or keepalive, handled.
     Handled,
     /// Dropped and counted.
