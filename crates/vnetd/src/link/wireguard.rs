@@ -446,7 +446,7 @@ impl Inner {
 }
 
 /// The VNET/P frame inside a decrypted packet: IPv4, not a fragment, UDP.
-fn inner_frame(p: &[u8]) -> Option<Range<usize>> {
+pub fn inner_frame(p: &[u8]) -> Option<Range<usize>> {
     if p.len() < INNER || p[0] >> 4 != 4 {
         return None;
     }
