@@ -327,17 +327,7 @@ impl Worker {
         let quota = snap.dispatch.quota as usize;
         let mut frames = 0;
         while frames < quota {
-            let n = match ep.recv_batch(&mut self.rx) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                // ICMP errors for earlier sends surface here; they concern
-                // those sends, not this receive.
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
-                Err(e) => {
-                    tracing::warn!("UDP receive failed: {e}");
-                    break;
-                }
-            };
+            let Some(n) = receive(ep, &mut self.rx) else { break };
             for m in 0..n {
                 let len = self.rx.lens[m];
                 let seg = self.rx.seg[m];
@@ -394,15 +384,7 @@ impl Worker {
         let quota = snap.dispatch.quota as usize;
         let mut frames = 0;
         while frames < quota {
-            let n = match ep.recv_batch(&mut self.rx) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
-                Err(e) => {
-                    tracing::warn!("WireGuard receive failed: {e}");
-                    break;
-                }
-            };
+            let Some(n) = receive(ep, &mut self.rx) else { break };
             for m in 0..n {
                 let (len, seg) = (self.rx.lens[m], self.rx.seg[m]);
                 frames += gro_segments(len, seg).count();
@@ -420,16 +402,17 @@ impl Worker {
                         at = 0;
                     }
                     let dgram = &dgrams[r];
-                    let slot = match hub.address(st, from, dgram) {
-                        Addressed::Index(i) => snap.wireguard_by_index(i).ok_or(false),
-                        Addressed::Key(k) => snap.wireguard_by_key(&k).ok_or(true),
+                    let (slot, by_key) = match hub.address(st, from, dgram) {
+                        Addressed::Index(i) => (snap.wireguard_by_index(i), false),
+                        Addressed::Key(k) => (snap.wireguard_by_key(&k), true),
                         Addressed::Done => continue,
                     };
-                    let link = slot.ok().map(|s| (s, &snap.links[s as usize]));
-                    let Some((slot, Rx::Sealed(wg), l)) = link.map(|(s, l)| (s, l.transport.rx(), l)) else {
-                        hub.unknown(st, dgram, slot.err().unwrap_or(false));
+                    let Some(slot) = slot else {
+                        hub.unknown(st, dgram, by_key);
                         continue;
                     };
+                    let l = &snap.links[slot as usize];
+                    let Rx::Sealed(wg) = l.transport.rx() else { continue };
                     if let Opened::Frame(f) = hub.open(wg, &l.stats, st, from, dgram, &mut self.buf[at..]) {
                         let f = at + f.start..at + f.end;
                         at = f.end;
@@ -717,6 +700,24 @@ impl Worker {
             iface.running_mode.store(if o.polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);
             iface.mode_switches.fetch_add(1, Relaxed);
             tracing::debug!(iface = %iface.name, rate, polled = o.polled, "adaptive mode switch");
+        }
+    }
+}
+
+/// One `recvmmsg` on `ep` into `rx`: how many datagrams, or None when
+/// there are none (or it failed, logged).
+fn receive(ep: &UdpEndpoint, rx: &mut RxBatch) -> Option<usize> {
+    loop {
+        match ep.recv_batch(rx) {
+            Ok(n) => return Some(n),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
+            // ICMP errors for earlier sends surface here; they concern
+            // those sends, not this receive.
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
+            Err(e) => {
+                tracing::warn!(local = %ep.local_addr(), "UDP receive failed: {e}");
+                return None;
+            }
         }
     }
 }
