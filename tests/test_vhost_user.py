@@ -136,8 +136,10 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     assert d2.stats()["offload"]["coalesced"] > 0
 
     # Optimistic: every interrupt for received frames is counted by reason
-    # (early, end of the pass, at the idle point; minus those held while the
-    # early one was unread). The guest gets fewer than vnetd sends: a write
+    # (early, end of the pass, at the idle point, inside a long burst where
+    # the guest's event index asked; minus those held while the early one
+    # was unread: CI once saw one more than the rest, before the mid-burst
+    # ones had their own counter). The guest gets fewer than vnetd sends: a write
     # to an interrupt eventfd QEMU has not read yet (an idle-point interrupt
     # right after an early one) adds nothing. But it got at least every
     # early interrupt (EVI): one is sent only to a guest waiting for one
@@ -146,7 +148,7 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     # guest has not counted; seen once: 275 EVIs, 274 interrupts).
     d2.ctl("SET", "interrupts", "optimistic")
     irqs, d = receive(5004, "IN2")
-    reasons = ("evi_sent", "eoc_masked", "eoc_cold", "eoc_density", "idle_interrupts")
+    reasons = ("evi_sent", "eoc_masked", "eoc_cold", "eoc_density", "idle_interrupts", "vhost_rx_mid_burst_interrupts")
     assert d["vhost_rx_interrupts"] == sum(d[k] for k in reasons) - d["eoc_pending"], d
     assert 0 < d["evi_sent"] <= irqs + 2 and irqs <= d["vhost_rx_interrupts"] + d["vhost_tx_interrupts"] + 2, (irqs, d)
     st = d2.stats()["interface vm9"]

@@ -43,6 +43,9 @@ vnet_core::counter_set! {
         /// Times a long burst was made visible to the guest before its end
         /// (every `PUBLISH_EVERY` frames).
         rx_mid_burst as "vhost_rx_mid_burst_publishes",
+        /// Interrupts sent at such a point because the guest asked for one
+        /// there (its event index fell inside the stretch).
+        rx_mid_burst_interrupts as "vhost_rx_mid_burst_interrupts",
         /// Optimistic interrupts: early virtual interrupts sent, and found the
         /// guest's interrupts off; end-of-coalescing decisions by reason.
         evi_sent,
