@@ -5,6 +5,7 @@ delivered to no guest, a peer that moves to a new address followed, and the
 protocol shown to be WireGuard by an unmodified wireguard-go peer."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -80,18 +81,67 @@ def stop_capture(p):
     p.wait(timeout=10)
 
 
-def datagrams(lab, path) -> list[bytes]:
-    """The UDP payloads in a capture (Ethernet + IPv4 + UDP)."""
+def packets(path) -> list[bytes]:
+    """The packets in a capture, without pcap's own headers."""
     data = Path(path).read_bytes()
     out, at = [], 24
     while at + 16 <= len(data):
         incl = int.from_bytes(data[at + 8:at + 12], "little")
-        pkt = data[at + 16:at + 16 + incl]
+        out.append(data[at + 16:at + 16 + incl])
         at += 16 + incl
-        if len(pkt) > 42 and pkt[12:14] == b"\x08\x00" and pkt[23] == 17:
-            ihl = (pkt[14] & 15) * 4
-            out.append(pkt[14 + ihl + 8:])
     return out
+
+
+def udp_payload(pkt: bytes) -> bytes | None:
+    """A packet's UDP payload (Ethernet + IPv4 + UDP), or None."""
+    if len(pkt) > 42 and pkt[12:14] == b"\x08\x00" and pkt[23] == 17:
+        return pkt[14 + (pkt[14] & 15) * 4 + 8:]
+    return None
+
+
+def datagrams(lab, path) -> list[bytes]:
+    """The UDP payloads in a capture."""
+    return [p for p in map(udp_payload, packets(path)) if p is not None]
+
+
+# WireGuard's fixed fields before a message's sealed or random part: type
+# and reserved, then indices (a data message's counter too); and the sizes
+# of the handshake messages (initiation, response, cookie reply).
+WG_FIELDS = {1: 8, 2: 12, 3: 8, 4: 16}
+WG_SIZES = {1: 148, 2: 92, 3: 64}
+
+
+def is_wireguard(p: bytes) -> bool:
+    """A UDP payload shaped as a WireGuard message (a GSO run of data
+    messages counts as one). A frame in clear to MAC 02:00:00:00:00:0N
+    starts as a message type would; it has none of these sizes."""
+    if len(p) < 32 or p[0] not in WG_FIELDS or p[1:4] != b"\0\0\0":
+        return False
+    return p[0] == 4 or len(p) == WG_SIZES[p[0]]
+
+
+def in_clear(path) -> list[bytes]:
+    """What of a capture could hold a guest's bytes in clear: of each
+    WireGuard datagram the part after its fixed fields (a GSO run shows as
+    one datagram, its data messages back to back, each starting with the
+    same type and receiver index); every other packet whole. Indices,
+    counters and pcap's own headers are left out: they are numbers that may
+    spell anything, a MAC among them."""
+    out = []
+    for pkt in packets(path):
+        p = udp_payload(pkt)
+        if p is None or not is_wireguard(p):
+            out.append(pkt)
+        elif p[0] != 4:
+            out.append(p[WG_FIELDS[p[0]]:])
+        else:
+            starts = [m.start() for m in re.finditer(re.escape(p[:8]), p)]
+            out += [p[a + 16:b] for a, b in zip(starts, starts[1:] + [len(p)])]
+    return out
+
+
+def leaked(path, needle: bytes) -> bool:
+    return any(needle in chunk for chunk in in_clear(path))
 
 
 def test_a_wireguard_link_carries_ping_and_200_mb_each_way_and_the_underlay_sees_none_of_it(lab):
@@ -105,16 +155,15 @@ def test_a_wireguard_link_carries_ping_and_200_mb_each_way_and_the_underlay_sees
     seen = datagrams(lab, pcap)
     # (GSO runs show as one packet each on the veth.)
     assert len(seen) > 20, len(seen)
-    raw = Path(pcap).read_bytes()
     # Nothing of the guests' frames is on the wire: not the pattern, not
     # their MACs, not their IP addresses; every datagram is WireGuard's
     # (message types 1-4, to or from port 51820).
-    assert bytes.fromhex(PATTERN)[:8] not in raw
+    assert not leaked(pcap, bytes.fromhex(PATTERN)[:8])
     for mac in (g[1].mac, g[2].mac):
-        assert bytes.fromhex(mac.replace(":", "")) not in raw, mac
+        assert not leaked(pcap, bytes.fromhex(mac.replace(":", ""))), mac
     for ip in (g[1].ip, g[2].ip):
-        assert bytes(int(x) for x in ip.split(".")) not in raw, ip
-    assert all(p[0] in (1, 2, 3, 4) and p[1:4] == b"\0\0\0" for p in seen)
+        assert not leaked(pcap, bytes(int(x) for x in ip.split("."))), ip
+    assert all(map(is_wireguard, seen))
     # 200 MB each way, SHA-256 checked by the receiver.
     transfer(lab, g[1], g[2], 200_000_000, port=5002)
     transfer(lab, g[2], g[1], 200_000_000, port=5003)
@@ -295,8 +344,11 @@ def test_an_unmodified_wireguard_go_peer_with_a_plain_vnetd_interoperates_both_w
     stop_capture(cap)
     # Everything between the hosts was WireGuard: nothing to port 9000.
     seen = datagrams(lab, pcap)
-    assert seen and all(p[0] in (1, 2, 3, 4) and p[1:4] == b"\0\0\0" for p in seen)
-    assert bytes.fromhex(guest_mac(1).replace(":", "")) not in Path(pcap).read_bytes()
+    assert seen and all(map(is_wireguard, seen))
+    # (Not the raw file: there CI once found host 1's guest MAC, spelt by a
+    # data message's receiver index, vnetd's first link in its second
+    # session, 02 00 00 00, and its counter 256, 00 01 ...)
+    assert not leaked(pcap, bytes.fromhex(guest_mac(1).replace(":", "")))
     s1 = link_stats(d1, "h2")
     assert s1["wg_handshakes"] >= 1 and s1["in_frames"] > 10_000 and s1["out_frames"] > 10_000, s1
     assert link_stats(d2, "h1")["in_frames"] > 10_000
