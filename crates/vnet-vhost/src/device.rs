@@ -543,8 +543,14 @@ mod tests {
             let mut buf = vec![0u8; 2048];
             while taken.load(Relaxed) < FRAMES {
                 if ep.wait(Some(Duration::from_secs(2))).unwrap() == 0 {
-                    let got = taken.swap(u64::MAX, Relaxed);
-                    panic!("no wakeup for 2 s with the guest waiting: {got} of {FRAMES} frames taken");
+                    // Quiet for 2 s: a fault only if frames wait (a guest
+                    // thread merely descheduled has queued none).
+                    let avail: u16 = mem.load(GuestAddress(AVAIL + 2), Ordering::Acquire).unwrap();
+                    if avail != taken.load(Relaxed) as u16 {
+                        let got = taken.swap(u64::MAX, Relaxed);
+                        panic!("no wakeup for 2 s with frames waiting: {got} of {FRAMES} frames taken");
+                    }
+                    continue;
                 }
                 let n = d.take_burst(&mut buf, None, 256, |_, _, _| {});
                 taken.fetch_add(n as u64, Relaxed);
