@@ -290,6 +290,33 @@ def test_a_peer_that_moves_to_a_new_address_is_followed(lab):
     assert lab.reaches(g[2], g[1], tries=5)
 
 
+def test_frames_waiting_for_a_session_are_bounded_at_250_and_the_rest_counted(lab):
+    """A WireGuard link to a host where nothing answers: the guest's frames
+    for it wait for a session that never comes. 250 wait (boringtun keeps
+    them for the handshake); each frame beyond is dropped at once, counted
+    `queue_full` on the link; none is sent, and the handshake was tried.
+    Catches: the bound gone (tried: MAX_WAITING raised to 100000, then
+    boringtun's own queue drops the rest uncounted: queue_full stayed 0),
+    frames beyond it sent or lost without a count."""
+    h1, _ = lab.add_host(1), lab.add_host(2)
+    d = lab.start_vnetd(h1, f"INTERFACE ADD g1 {guest_mac(1)} mtu {GUEST_MTU}\n", "--wireguard-key-file", lab.tmp / "h1.wgkey")
+    nobody = "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBmk="
+    d.ctl_file(wg_config(1, {2: nobody}, {1: [1], 2: [2]}))
+    g1 = lab.attach_guest(h1, "g1", 1)
+    # Unicast to guest 2's MAC (no ARP), paced so that none waits in the
+    # kernel's queue to vnetd.
+    lab.x(g1.ns, "ip", "neigh", "replace", overlay_ip(2), "lladdr", guest_mac(2), "dev", g1.tap, "nud", "permanent")
+    lab.x(g1.ns, "python3", "-c",
+          "import socket,time;s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+          f"for _ in range(400): s.sendto(b'w'*100,({overlay_ip(2)!r},9)); time.sleep(0.001)\n")
+    assert wait_until(lambda: link_stats(d, "h2")["drop_queue_full"] >= 150, 5), link_stats(d, "h2")
+    time.sleep(0.3)
+    s = link_stats(d, "h2")
+    assert s["drop_queue_full"] == 150 and s["out_frames"] == 0, s
+    assert s["wg_initiations"] >= 1 and s["wg_handshakes"] == 0, s
+    assert d.stats()["global"]["drop_queue_full"] == 150
+
+
 def test_wireguard_needs_a_private_key_file_and_a_real_key(lab):
     h = lab.add_host(1)
     d = lab.start_vnetd(h)
