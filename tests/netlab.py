@@ -96,7 +96,7 @@ class Vnetd:
             kind = words[0]
             kv = dict(w.split("=", 1) for w in words[1:] if "=" in w and not w.startswith("rule="))
             vals = {k: int(v) if v.isdigit() else v for k, v in kv.items()}
-            if kind in ("global", "offload", "dispatch", "fastpath", "paths", "vtoe"):
+            if kind in ("global", "offload", "dispatch", "fastpath", "paths", "vtoe", "wireguard"):
                 out[kind] = vals
             elif kind == "route":
                 vals["rule"] = line.split(" rule=", 1)[1].strip()

@@ -226,7 +226,7 @@ pub fn run(args: Args) -> Result<()> {
                 Some(IpAddr::V4(ip)) => ip,
                 _ => Ipv4Addr::UNSPECIFIED,
             };
-            let hub = crate::link::wireguard::WgHub::start(SocketAddr::new(ip.into(), args.wireguard_port), n, keys, path)
+            let hub = crate::link::wireguard::WgHub::new(SocketAddr::new(ip.into(), args.wireguard_port), n, keys, path)
                 .map_err(|e| anyhow::anyhow!("WireGuard: {e:#} (choose --wireguard-port)"))?;
             tracing::info!("WireGuard on {} with public key {}", hub.local_addr(), hub.public_text());
             Some(hub)
@@ -297,6 +297,12 @@ pub fn run(args: Args) -> Result<()> {
         }
     };
     let dp = Arc::new(dp);
+    if let Some(hub) = &dp.wireguard {
+        // Handshakes, timers and the frames that waited for a session, on a
+        // thread of their own; it reads the links from the datapath's snapshot.
+        let weak = Arc::downgrade(&dp);
+        hub.spawn(move || weak.upgrade().map(|dp| dp.snapshot())).context("cannot start WireGuard's handshake thread")?;
+    }
     // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
     let dispatchers = dispatch::spawn(&dp, || {
         let _ = signal_hook::low_level::raise(SIGTERM);

@@ -35,7 +35,7 @@ use std::sync::Arc;
 
 /// STATS fields that are levels, not counts, though whole numbers (every
 /// fraction, a mean or a ratio, is a level too).
-const GAUGES: &[&str] = &["entries", "cache_entries", "open", "listeners", "next_hops"];
+const GAUGES: &[&str] = &["entries", "cache_entries", "open", "listeners", "next_hops", "peers", "handshakes_waiting"];
 /// The request a scrape makes (routes are counted, not listed).
 const REQUEST: &str = "STATS global\nSTATS interfaces\nSTATS links\nSTATS vtoe";
 

@@ -62,10 +62,16 @@ pub enum DropReason {
     /// A sealed link's datagram that failed its authentication: forged,
     /// replayed, or of a session this end does not have.
     Unauthenticated,
+    /// A WireGuard handshake message over its source address's budget,
+    /// under load (before any public-key work).
+    RateLimited,
+    /// Frames that waited for a link's handshake, dropped when it was given
+    /// up (its peer never answered).
+    Unreachable,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 8] = [
+    pub const ALL: [DropReason; 10] = [
         DropReason::NoRoute,
         DropReason::UnknownSender,
         DropReason::Oversize,
@@ -74,6 +80,8 @@ impl DropReason {
         DropReason::Down,
         DropReason::TxError,
         DropReason::Unauthenticated,
+        DropReason::RateLimited,
+        DropReason::Unreachable,
     ];
 
     pub fn name(self) -> &'static str {
@@ -86,6 +94,8 @@ impl DropReason {
             DropReason::Down => "down",
             DropReason::TxError => "tx_error",
             DropReason::Unauthenticated => "unauthenticated",
+            DropReason::RateLimited => "rate_limited",
+            DropReason::Unreachable => "unreachable",
         }
     }
 }

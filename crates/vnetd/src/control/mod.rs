@@ -327,6 +327,9 @@ impl Control {
                 Some(f) => f.render(t.dispatch.datapath),
                 None => "fastpath loaded=no".to_string(),
             });
+            if let Some(w) = &self.dp.wireguard {
+                out.push(format!("wireguard{}", w.stats_line()));
+            }
         }
         if all || scope == StatsScope::Interfaces {
             for i in t.ifaces.values() {

@@ -191,20 +191,28 @@ impl Datapath {
     /// The `global`, `offload` and `dispatch` lines of `STATS`: sums over
     /// every thread.
     pub fn totals(&self) -> [String; 3] {
+        render_totals(&self.all_stats())
+    }
+
+    /// Every thread's counters: the dispatchers', the control threads' and
+    /// WireGuard's handshake thread's.
+    fn all_stats(&self) -> Vec<&ThreadStats> {
         let mut all: Vec<&ThreadStats> = self.workers.iter().map(|w| &*w.stats).collect();
         all.push(&self.control);
-        render_totals(&all)
+        if let Some(w) = &self.wireguard {
+            all.push(&w.stats);
+        }
+        all
     }
 
     /// Frames the user-level datapath received (every thread).
     pub fn user_frames(&self) -> u64 {
-        let n = |t: &ThreadStats| t.global.in_frames.load(Ordering::Relaxed);
-        n(&self.control) + self.workers.iter().map(|w| n(&w.stats)).sum::<u64>()
+        self.all_stats().iter().map(|t| t.global.in_frames.load(Ordering::Relaxed)).sum()
     }
 
     /// Drops of one reason over the whole daemon.
     pub fn total_drops(&self, why: DropReason) -> u64 {
-        self.control.global.drops(why) + self.workers.iter().map(|w| w.stats.global.drops(why)).sum::<u64>()
+        self.all_stats().iter().map(|t| t.global.drops(why)).sum()
     }
 
     /// Dispatcher `i`'s counters.

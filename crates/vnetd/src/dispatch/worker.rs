@@ -34,7 +34,7 @@ use crate::sys::udp::{RxBatch, UdpEndpoint};
 use crate::settings::{IfaceDispatch, Sched};
 use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
-use crate::link::wireguard::{Addressed, Opened};
+use crate::link::wireguard::RunSink;
 use crate::link::Rx;
 use crate::nic::{GuestFrame, RxBuffers, RxFrame};
 use crate::topology::{Slot, Snapshot};
@@ -375,8 +375,10 @@ impl Worker {
     }
 
     /// Takes up to `quota` datagrams from this thread's WireGuard socket:
-    /// each opened (decrypted and checked) into `buf`, a GRO run's frames
-    /// one after another, then routed as one run.
+    /// each data message opened (decrypted and checked) into `buf`, a GRO
+    /// run's frames one after another, then routed as one run; each
+    /// handshake message queued for the handshake thread (no public-key
+    /// work here).
     fn drain_wireguard(&mut self) -> usize {
         let Some(hub) = self.dp.wireguard.clone() else { return 0 };
         let Some(ep) = hub.group.get(self.index) else { return 0 };
@@ -394,32 +396,9 @@ impl Worker {
                     st.drop_at(None, DropReason::Oversize);
                     continue;
                 }
-                let dgrams = self.rx.buf_mut(m);
-                let mut at = 0;
-                for r in gro_segments(len, seg) {
-                    if at + r.len() > self.buf.len() {
-                        self.fwd.end_run(snap, &self.buf);
-                        at = 0;
-                    }
-                    let dgram = &dgrams[r];
-                    let (slot, by_key) = match hub.address(st, from, dgram) {
-                        Addressed::Index(i) => (snap.wireguard_by_index(i), false),
-                        Addressed::Key(k) => (snap.wireguard_by_key(&k), true),
-                        Addressed::Done => continue,
-                    };
-                    let Some(slot) = slot else {
-                        hub.unknown(st, dgram, by_key);
-                        continue;
-                    };
-                    let l = &snap.links[slot as usize];
-                    let Rx::Sealed(wg) = l.transport.rx() else { continue };
-                    if let Opened::Frame(f) = hub.open(wg, &l.stats, st, from, dgram, &mut self.buf[at..]) {
-                        let f = at + f.start..at + f.end;
-                        at = f.end;
-                        self.fwd.from_link(snap, slot, &mut self.buf, f);
-                    }
-                }
-                self.fwd.end_run(snap, &self.buf);
+                let run = &self.rx.buf_mut(m)[..len];
+                let mut sink = RunToForwarder { fwd: &mut self.fwd, snap };
+                hub.open_run(&**snap, st, from, run, seg, &mut self.buf, &mut sink);
             }
         }
         frames
@@ -737,4 +716,20 @@ fn socket(dp: &Datapath, i: usize, t: usize) -> Option<&UdpEndpoint> {
         _ => dp.wireguard.as_ref().map_or(&[], |w| &w.group[..]),
     };
     group.get(t).map(|e| &**e)
+}
+
+/// A WireGuard run's frames, routed by the forwarder as one run.
+struct RunToForwarder<'a> {
+    fwd: &'a mut Forwarder,
+    snap: &'a Snapshot,
+}
+
+impl RunSink for RunToForwarder<'_> {
+    fn frame(&mut self, slot: u32, buf: &mut [u8], frame: std::ops::Range<usize>) {
+        self.fwd.from_link(self.snap, slot, buf, frame);
+    }
+
+    fn end(&mut self, buf: &[u8]) {
+        self.fwd.end_run(self.snap, buf);
+    }
 }

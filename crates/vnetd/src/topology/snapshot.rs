@@ -7,7 +7,7 @@
 
 use super::objects::{Interface, Link, Route};
 use crate::link::tcp::TcpLink;
-use crate::link::Rx;
+use crate::link::{wireguard, Rx};
 use crate::settings::{DispatchSettings, IfaceDispatch};
 use imbl::OrdMap;
 use std::collections::HashMap;
@@ -153,19 +153,24 @@ impl Snapshot {
         self.vxlan.get(&(from, vni)).copied()
     }
 
-    /// The WireGuard link (slot) whose receiver index (24 bits) this is.
-    #[inline]
-    pub fn wireguard_by_index(&self, index: u32) -> Option<u32> {
-        self.wg_index.get(&index).copied()
-    }
-
-    /// The WireGuard link (slot) to the peer holding this public key.
-    pub fn wireguard_by_key(&self, key: &[u8; 32]) -> Option<u32> {
-        self.wg_key.get(key).copied()
-    }
-
     /// The TCP link whose peer has this address.
     pub fn tcp_link_for(&self, from: IpAddr) -> Option<&Arc<TcpLink>> {
         self.tcp.get(&from.to_canonical())
+    }
+}
+
+impl wireguard::Links for Snapshot {
+    /// The WireGuard link with this receiver index (24 bits), or to the
+    /// peer holding this public key.
+    #[inline]
+    fn wireguard(&self, by: wireguard::By) -> Option<wireguard::Found<'_>> {
+        let slot = match by {
+            wireguard::By::Index(i) => self.wg_index.get(&i),
+            wireguard::By::Key(k) => self.wg_key.get(k),
+        }
+        .copied()?;
+        let l = &self.links[slot as usize];
+        let Rx::Sealed(link) = l.transport.rx() else { return None };
+        Some(wireguard::Found { slot, link, stats: &l.stats })
     }
 }

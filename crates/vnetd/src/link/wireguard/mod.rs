@@ -10,38 +10,57 @@
 //! any WireGuard (wireguard-go, the kernel's) with a plain vnetd UDP link over
 //! the tunnel is a peer too.
 //!
-//! - `WgHub`: vnetd's side of WireGuard, made with the first link: its key
-//!   pair, its UDP sockets (one per dispatcher on `--wireguard-port`), the
-//!   rate limiter that answers handshakes with cookies under load, and a
-//!   timer thread that runs every link's `update_timers` (handshake retries,
-//!   rekeys, keepalives) every 100 ms.
-//! - `WgLink`: one peer: its `Tunn` and the address it last spoke from
-//!   (roaming: the last authenticated datagram's source, as WireGuard does).
-//!   Received datagrams are told apart by receiver index (data, responses,
-//!   cookies: our index) or, for a handshake initiation, by the initiator's
-//!   static key, never by address.
+//! - `WgHub`: vnetd's side of WireGuard, made with the daemon: its key pair,
+//!   its UDP sockets (one per dispatcher on `--wireguard-port`) and its
+//!   handshake thread (`handshake.rs`).
+//! - `WgLink`: one peer: its `Tunn` and the address it last sent
+//!   authenticated data from.
+//!
+//! **Two paths.** A dispatcher opens data messages (type 4) itself, by the
+//! receiver index they name: one AEAD and no public-key work per datagram.
+//! Every handshake message (initiation, response, cookie reply) is copied
+//! into a bounded queue and handled by the handshake thread, at normal
+//! priority, which does all the public-key work (`handshake.rs`: MAC1,
+//! cookies under load, a budget per source address, then the Diffie-Hellman);
+//! it also runs every link's timers and sends the frames that waited for a
+//! session, each into a buffer of its own. So no datagram makes a
+//! real-time dispatcher do an X25519, and no flood of handshakes takes more
+//! from the data path than a copy into the queue.
+//!
+//! **Roaming follows data.** A link sends to the address its last
+//! authenticated *data* message (or keepalive) came from, as the WireGuard
+//! paper has it; a handshake message moves nothing, so a recorded initiation
+//! replayed from elsewhere cannot steer a link. Each peer key's newest
+//! accepted initiation outlives its link (`WgHub::accepted`): a link made
+//! again refuses every initiation not newer than it (boringtun's TAI64N
+//! check), as the old one did.
 //!
 //! Everything that is not an authentic, fresh datagram of a link's session
 //! is dropped and counted: per link (`wg_unauthenticated`, `wg_replays`,
 //! `wg_no_session`; the frame drop reason `unauthenticated`) or, when no
-//! link can be named, as `unknown_sender` / `malformed`.
+//! link can be named, as `unknown_sender` / `malformed` / `rate_limited` /
+//! `queue_full`.
+
+mod handshake;
+
+pub use handshake::{By, Found, Handshaker, Links};
 
 use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
-use crate::stats::{Counters, DropReason, ThreadStats};
+use crate::stats::{counter_set, Counters, DropReason, ThreadStats};
 use crate::sys::udp::UdpEndpoint;
 use arc_swap::ArcSwap;
 use boringtun::noise::errors::WireGuardError;
-use boringtun::noise::handshake::parse_handshake_anon;
 use boringtun::noise::rate_limiter::RateLimiter;
-use boringtun::noise::{Packet, Tunn, TunnResult};
+use boringtun::noise::{Tunn, TunnResult};
 use boringtun::x25519::{PublicKey, StaticSecret};
+use std::collections::HashMap;
 use std::io::IoSlice;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::time::Instant;
 use vnet_core::offload::{csum_add, csum_fold, Pieces, VnetHdr};
 
 /// Outer IPv4 + UDP, WireGuard's data header and tag, inner IPv4 + UDP:
@@ -53,17 +72,20 @@ const INNER: usize = 28;
 const SEAL: usize = 32;
 /// Room boringtun wants for a handshake message.
 const MIN_OUT: usize = 148;
-/// Handshake messages per second, over all peers, before cookies are asked
-/// for (boringtun's own per-peer default is 10).
-const HANDSHAKE_RATE: u64 = 100;
-/// How often every link's timers run (WireGuard's timers are in seconds;
-/// boringtun asks for "about every 100 ms").
-const TICK: Duration = Duration::from_millis(100);
 /// Frames that may wait in one link for its handshake; more are dropped
 /// (`queue_full`) rather than lost in boringtun's own queue of 256.
 const MAX_WAITING: u32 = 250;
 /// Bytes one datagram can open to (a GRO segment is at most this).
 pub const MAX_DATAGRAM: usize = 65536;
+/// The sizes of WireGuard's messages: initiation, response, cookie reply;
+/// a data message is at least its header and tag.
+pub const INIT_LEN: usize = 148;
+const RESPONSE_LEN: usize = 92;
+const COOKIE_REPLY_LEN: usize = 64;
+const DATA_MIN: usize = 32;
+/// Peer keys whose newest initiation is remembered across their links
+/// being made again (beyond it, those of keys no link has are forgotten).
+const ACCEPTED_KEYS: usize = 16384;
 
 /// vnetd's WireGuard key pair.
 pub struct WgKeys {
@@ -120,45 +142,75 @@ impl WgKeys {
     }
 }
 
+counter_set! {
+    /// vnetd's WireGuard side as a whole (`SHOW`'s `wireguard` line and
+    /// `STATS wireguard`).
+    pub struct HubCounters {
+        /// Cookie replies sent: handshake messages taken only with a MAC2
+        /// (under load) that had none valid.
+        cookies_sent,
+        /// Handshake initiations from keys no link has, or that did not open.
+        unknown_initiations,
+        /// Handshake messages that found the handshake queue full (dropped).
+        handshake_queue_full,
+        /// Handshake messages over their source address's budget, under
+        /// load (dropped before any public-key work).
+        rate_limited,
+        /// Handshake messages that reached the Diffie-Hellman.
+        handshakes_worked,
+        /// Seconds the handshake thread has asked for cookies (under load).
+        under_load_seconds,
+    }
+}
+
 /// vnetd's WireGuard side, shared by every WireGuard link.
 pub struct WgHub {
     /// One socket per dispatcher on the WireGuard port (`SO_REUSEPORT`);
     /// the first also sends.
     pub group: Vec<Arc<UdpEndpoint>>,
     keys: ArcSwap<WgKeys>,
-    /// Checks handshake messages' MAC1 and, under load, asks for cookies,
-    /// before any public-key work (keyed by our public key).
-    limiter: ArcSwap<RateLimiter>,
-    /// The links, for the timer thread.
+    /// Checks handshake messages' MAC1 (keyed by our public key) and never
+    /// asks for a cookie: what every link's `Tunn` checks with, so that the
+    /// only cookie secret is `cookies`'s.
+    mac1: ArcSwap<RateLimiter>,
+    /// Checks MAC1 and demands a valid MAC2 (answering a cookie reply when
+    /// there is none): what the handshake thread checks with under load.
+    cookies: ArcSwap<RateLimiter>,
+    /// Handshake messages (and flushes) for the handshake thread.
+    jobs: handshake::Queue,
+    /// The links, for the timers.
     peers: Mutex<Vec<Weak<WgLink>>>,
+    /// The newest initiation accepted from each peer key, given to the next
+    /// link made to that key so it refuses every initiation not newer.
+    accepted: Mutex<HashMap<[u8; 32], [u8; INIT_LEN]>>,
     next_index: AtomicU32,
-    /// Cookie replies sent (handshakes asked to prove their address).
-    pub cookies_sent: AtomicU64,
-    /// Handshake initiations from keys no link has, or that did not open.
-    pub unknown_initiations: AtomicU64,
+    pub counters: HubCounters,
+    /// The handshake thread's frame counts (frames it sent that waited for
+    /// a session, drops of handshake messages), summed into `STATS global`.
+    pub stats: ThreadStats,
     /// Where the key pair is kept (`WIREGUARD ROTATE` writes the new one).
     key_file: std::path::PathBuf,
 }
 
 impl WgHub {
-    /// Binds the WireGuard sockets and starts the timer thread.
-    pub fn start(addr: SocketAddr, sockets: usize, keys: WgKeys, key_file: &Path) -> anyhow::Result<Arc<WgHub>> {
+    /// Binds the WireGuard sockets. The handshake thread starts with `spawn`.
+    pub fn new(addr: SocketAddr, sockets: usize, keys: WgKeys, key_file: &Path) -> anyhow::Result<Arc<WgHub>> {
         let group = UdpEndpoint::bind_group(addr, sockets)?;
         let mut seed = [0u8; 4];
         let _ = getrandom::getrandom(&mut seed);
-        let hub = Arc::new(WgHub {
+        Ok(Arc::new(WgHub {
             group,
-            limiter: ArcSwap::from_pointee(RateLimiter::new(&keys.public, HANDSHAKE_RATE)),
+            mac1: ArcSwap::from_pointee(RateLimiter::new(&keys.public, u64::MAX)),
+            cookies: ArcSwap::from_pointee(RateLimiter::new(&keys.public, 0)),
             keys: ArcSwap::from_pointee(keys),
+            jobs: handshake::Queue::default(),
             peers: Mutex::new(Vec::new()),
+            accepted: Mutex::new(HashMap::new()),
             next_index: AtomicU32::new(u32::from_ne_bytes(seed)),
-            cookies_sent: AtomicU64::new(0),
-            unknown_initiations: AtomicU64::new(0),
+            counters: HubCounters::default(),
+            stats: ThreadStats::default(),
             key_file: key_file.to_path_buf(),
-        });
-        let weak = Arc::downgrade(&hub);
-        std::thread::Builder::new().name("wireguard-timers".into()).spawn(move || timers(weak))?;
-        Ok(hub)
+        }))
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -171,14 +223,16 @@ impl WgHub {
 
     /// `SHOW`'s line.
     pub fn describe(&self) -> String {
-        format!(
-            "wireguard listen={} public_key={} peers={} cookies_sent={} unknown_initiations={}",
-            self.local_addr(),
-            self.public_text(),
-            self.live_peers().len(),
-            self.cookies_sent.load(Relaxed),
-            self.unknown_initiations.load(Relaxed)
-        )
+        let mut s = format!("wireguard listen={} public_key={} peers={}", self.local_addr(), self.public_text(), self.live_peers().len());
+        self.counters.render_into(&mut s);
+        s
+    }
+
+    /// `STATS wireguard`'s counters (` name=value` each).
+    pub fn stats_line(&self) -> String {
+        let mut s = format!(" peers={} handshakes_waiting={}", self.live_peers().len(), self.jobs.len());
+        self.counters.render_into(&mut s);
+        s
     }
 
     /// `WIREGUARD ROTATE`: a new key pair, written to the key file, then
@@ -188,13 +242,17 @@ impl WgHub {
     /// key (vnet-agent publishes it) for the handshakes to succeed.
     pub fn rotate(&self) -> Result<(), String> {
         let keys = WgKeys::write_new(&self.key_file)?;
-        self.limiter.store(Arc::new(RateLimiter::new(&keys.public, HANDSHAKE_RATE)));
+        let mac1 = Arc::new(RateLimiter::new(&keys.public, u64::MAX));
+        self.mac1.store(mac1.clone());
+        self.cookies.store(Arc::new(RateLimiter::new(&keys.public, 0)));
         let (secret, public) = (keys.secret.clone(), keys.public);
         self.keys.store(Arc::new(keys));
+        // Initiations made to the old key fail MAC1 now: none to remember.
+        self.accepted.lock().unwrap_or_else(|p| p.into_inner()).clear();
         let mut out = [0u8; MIN_OUT];
         for p in self.live_peers() {
             let mut g = p.lock();
-            if let Err(e) = g.tunn.set_static_private(secret.clone(), public, None) {
+            if let Err(e) = g.tunn.set_static_private(secret.clone(), public, Some(mac1.clone())) {
                 tracing::warn!("WireGuard peer {}: cannot take the new key: {e:?}", vnet_core::command::wireguard_key_text(&p.peer));
                 continue;
             }
@@ -226,80 +284,107 @@ impl WgHub {
         // A 24-bit index of our own (boringtun shifts it left by 8 and
         // counts sessions in the low byte): what the peer's datagrams name.
         let index = self.next_index.fetch_add(1, Relaxed) & 0x00ff_ffff;
-        let tunn = Tunn::new(keys.secret.clone(), PublicKey::from(peer), None, None, index, None)
+        let mut tunn = Tunn::new(keys.secret.clone(), PublicKey::from(peer), None, None, index, Some(self.mac1.load_full()))
             .map_err(|e| format!("cannot make the WireGuard peer: {e}"))?;
+        self.restore_newest_initiation(&mut tunn, &peer);
         let link = Arc::new(WgLink {
             hub: self.clone(),
             peer,
             index,
             inner,
-            state: Mutex::new(Peer { tunn, endpoint, waiting: 0, sessions: 0, fresh: true }),
+            state: Mutex::new(Peer {
+                tunn,
+                endpoint,
+                waiting: 0,
+                sessions: 0,
+                fresh: true,
+                flush_asked: false,
+                cookie_retry: None,
+            }),
             counters: WgCounters::default(),
         });
-        // The timer thread makes the first handshake at its next tick, by
-        // when the link is in the datapath's snapshot to take the answer.
+        // The handshake thread makes the first handshake at its next tick,
+        // by when the link is in the datapath's snapshot to take the answer.
         self.peers.lock().unwrap_or_else(|p| p.into_inner()).push(Arc::downgrade(&link));
         Ok(link)
+    }
+
+    /// A link made again to a key must refuse what its predecessor refused:
+    /// every initiation no newer than the newest it accepted. boringtun keeps
+    /// that timestamp in its handshake state with no way to set it, so the
+    /// new `Tunn` is shown that initiation once (as its first): it takes its
+    /// timestamp and answers with a response that is never sent (the session
+    /// that response would open is one nobody holds the keys of).
+    fn restore_newest_initiation(&self, tunn: &mut Tunn, peer: &[u8; 32]) {
+        let Some(init) = self.accepted.lock().unwrap_or_else(|p| p.into_inner()).get(peer).copied() else { return };
+        let mut out = [0u8; MIN_OUT];
+        if !matches!(tunn.decapsulate(None, &init, &mut out), TunnResult::WriteToNetwork(_)) {
+            tracing::warn!(
+                "WireGuard peer {}: its newest initiation did not restore: an older one may be accepted once",
+                vnet_core::command::wireguard_key_text(peer)
+            );
+        }
+    }
+
+    /// Remembers `init` as the newest initiation accepted from `peer`.
+    fn accepted_from(&self, peer: &[u8; 32], init: &[u8]) {
+        let Ok(init) = <[u8; INIT_LEN]>::try_from(init) else { return };
+        let mut a = self.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        if a.len() >= ACCEPTED_KEYS && !a.contains_key(peer) {
+            // Keep the keys that have links; forget the others.
+            let live: std::collections::HashSet<[u8; 32]> = self.live_peers().iter().map(|p| p.peer).collect();
+            a.retain(|k, _| live.contains(k));
+        }
+        a.insert(*peer, init);
     }
 
     fn send(&self, datagram: &[u8], to: SocketAddr) -> std::io::Result<usize> {
         self.group[0].send_iov(&[IoSlice::new(datagram)], to, None)
     }
 
-    /// Which link a datagram that came to the WireGuard port from `from`
-    /// is for: the receiver index it names or, for a handshake initiation
-    /// (its MAC1 checked and, under load, a cookie asked for first), the
-    /// initiator's static key. What names no link is counted here.
-    pub fn address(&self, st: &ThreadStats, from: SocketAddr, dgram: &[u8]) -> Addressed {
-        let dropped = |why| {
+    /// A datagram a dispatcher received on the WireGuard port that is not a
+    /// data message: queued whole for the handshake thread if it has the
+    /// size of a handshake message (dropped, counted, if the queue is
+    /// full), else dropped as malformed.
+    pub fn enqueue(&self, st: &ThreadStats, from: SocketAddr, dgram: &[u8]) {
+        let size_ok = matches!((dgram[0], dgram.len()), (1, INIT_LEN) | (2, RESPONSE_LEN) | (3, COOKIE_REPLY_LEN));
+        if !size_ok || dgram[1..4] != [0, 0, 0] {
             st.global.received(dgram.len());
-            st.drop_at(None, why);
-            Addressed::Done
-        };
-        let Ok(packet) = Tunn::parse_incoming_packet(dgram) else { return dropped(DropReason::Malformed) };
-        match &packet {
-            Packet::HandshakeInit(h) => {
-                // MAC1 (the sender knows our public key) and, under load, a
-                // cookie (it owns its address) before the DH work.
-                let mut cookie = [0u8; 64];
-                match self.limiter.load().verify_packet(Some(from.ip()), dgram, &mut cookie) {
-                    Ok(_) => {}
-                    Err(TunnResult::WriteToNetwork(c)) => {
-                        self.cookies_sent.fetch_add(1, Relaxed);
-                        let _ = self.send(c, from);
-                        return Addressed::Done;
-                    }
-                    Err(_) => return dropped(DropReason::Unauthenticated),
-                }
-                let keys = self.keys.load();
-                match parse_handshake_anon(&keys.secret, &keys.public, h) {
-                    Ok(hh) => Addressed::Key(hh.peer_static_public),
-                    Err(_) => {
-                        self.unknown_initiations.fetch_add(1, Relaxed);
-                        dropped(DropReason::UnknownSender)
-                    }
-                }
-            }
-            Packet::HandshakeResponse(p) => Addressed::Index(p.receiver_idx >> 8),
-            Packet::PacketCookieReply(p) => Addressed::Index(p.receiver_idx >> 8),
-            Packet::PacketData(p) => Addressed::Index(p.receiver_idx >> 8),
+            st.drop_at(None, DropReason::Malformed);
+            return;
+        }
+        if !self.jobs.push_message(from, dgram) {
+            self.counters.handshake_queue_full.fetch_add(1, Relaxed);
+            st.global.received(dgram.len());
+            st.drop_at(None, DropReason::QueueFull);
+        }
+    }
+
+    /// Whether a datagram on the WireGuard port is a data message (which a
+    /// dispatcher opens itself), and the receiver index (24 bits) it names.
+    #[inline]
+    pub fn data_index(dgram: &[u8]) -> Option<u32> {
+        if dgram.len() >= DATA_MIN && dgram[0] == 4 && dgram[1..4] == [0, 0, 0] {
+            Some(u32::from_le_bytes([dgram[4], dgram[5], dgram[6], dgram[7]]) >> 8)
+        } else {
+            None
         }
     }
 
     /// A datagram for a key or index no link has.
     pub fn unknown(&self, st: &ThreadStats, dgram: &[u8], by_key: bool) {
         if by_key {
-            self.unknown_initiations.fetch_add(1, Relaxed);
+            self.counters.unknown_initiations.fetch_add(1, Relaxed);
         }
         st.global.received(dgram.len());
         st.drop_at(None, DropReason::UnknownSender);
     }
 
-    /// Opens a datagram of `link` (whose frame counters are `stats`) into
-    /// `out`: a frame for the forwarder, a handshake answered, or a drop
-    /// counted.
-    pub fn open(&self, link: &WgLink, stats: &Counters, st: &ThreadStats, from: SocketAddr, dgram: &[u8], out: &mut [u8]) -> Opened {
-        let kind = dgram[0];
+    /// Opens a data message (or keepalive) of `link` (whose frame counters
+    /// are `stats`) into `out`, which holds at least the datagram's length:
+    /// a frame for the forwarder, or a drop counted. An authentic datagram
+    /// from a new address moves the link's endpoint there (roaming).
+    pub fn open_data(&self, link: &WgLink, stats: &Counters, st: &ThreadStats, from: SocketAddr, dgram: &[u8], out: &mut [u8]) -> Opened {
         let c = &link.counters;
         let mut g = link.lock();
         let base = out.as_ptr() as usize;
@@ -308,6 +393,7 @@ impl WgHub {
                 let at = pkt.as_ptr() as usize - base;
                 let frame = inner_frame(pkt);
                 g.roam(from, c);
+                self.ask_flush(link, &mut g);
                 drop(g);
                 match frame {
                     Some(r) => Opened::Frame(at + r.start..at + r.end),
@@ -324,80 +410,93 @@ impl WgHub {
                 st.drop_at(Some(stats), DropReason::Malformed);
                 Opened::Dropped
             }
-            TunnResult::WriteToNetwork(p) => {
-                // Our handshake response to an initiation that opened (the
-                // peer proved its key), or the keepalive that completes our
-                // own handshake; or a cookie reply (the peer's rate limit is
-                // reached: nothing was proved, so no session, no roam).
-                let reply = p[0];
-                let _ = self.send(p, from);
-                if reply == 3 {
-                    c.cookies_sent.fetch_add(1, Relaxed);
-                    return Opened::Handled;
-                }
-                if (kind, reply) == (1, 2) || (kind, reply) == (2, 4) {
-                    g.established(c);
-                    g.roam(from, c);
-                }
-                // Frames that waited for the session leave now.
-                let (mut frames, mut bytes) = (0, 0);
-                let to = g.endpoint;
-                while let TunnResult::WriteToNetwork(p) = g.tunn.decapsulate(None, &[], out) {
-                    // (A handshake of ours may come out among them: not a frame.)
-                    if self.send(p, to).is_ok() && p[0] == 4 {
-                        (frames, bytes) = (frames + 1, bytes + p.len());
-                    }
-                }
-                g.waiting = g.waiting.saturating_sub(frames as u32);
-                drop(g);
-                if frames > 0 {
-                    st.sent_at(stats, frames, bytes);
-                }
-                Opened::Handled
-            }
             TunnResult::Done => {
-                match kind {
-                    // An authentic keepalive.
-                    4 => g.roam(from, c),
-                    3 => {
-                        c.cookies_received.fetch_add(1, Relaxed);
-                    }
-                    _ => {}
-                }
+                // An authentic keepalive: the initiator's confirmation of a
+                // session we answered, or a peer's sign of life.
+                g.roam(from, c);
+                self.ask_flush(link, &mut g);
                 Opened::Handled
             }
+            // boringtun answers nothing to data; nothing is sent.
+            TunnResult::WriteToNetwork(_) => Opened::Handled,
             TunnResult::Err(e) => {
                 drop(g);
-                let counter = match e {
-                    WireGuardError::DuplicateCounter | WireGuardError::InvalidCounter => &c.replays,
-                    WireGuardError::NoCurrentSession | WireGuardError::WrongIndex | WireGuardError::ConnectionExpired => &c.no_session,
-                    _ => &c.unauthenticated,
-                };
-                counter.fetch_add(1, Relaxed);
-                tracing::debug!(peer = %vnet_core::command::wireguard_key_text(&link.peer), %from, "WireGuard datagram refused: {e:?}");
-                st.global.received(dgram.len());
-                st.drop_at(Some(stats), DropReason::Unauthenticated);
+                refused(link, stats, st, from, dgram, e);
                 Opened::Dropped
             }
         }
     }
+
+    /// One buffer a dispatcher received from `from` on the WireGuard port:
+    /// a datagram, or a GRO run of them `seg` bytes apart. Each data message
+    /// is opened into `buf` after the frames before it (the run given to
+    /// `sink` and `buf` started again when the next might not fit) and its
+    /// frame handed to `sink`; each other message is queued for the
+    /// handshake thread. The run ends with the buffer.
+    pub fn open_run<L: Links, S: RunSink>(&self, links: &L, st: &ThreadStats, from: SocketAddr, run: &[u8], seg: usize, buf: &mut [u8], sink: &mut S) {
+        let mut at = 0;
+        for r in vnet_core::wire::gro_segments(run.len(), seg) {
+            let dgram = &run[r];
+            let Some(index) = WgHub::data_index(dgram) else {
+                self.enqueue(st, from, dgram);
+                continue;
+            };
+            // A data message opens to fewer bytes than it has.
+            if at + dgram.len() > buf.len() {
+                sink.end(buf);
+                at = 0;
+            }
+            let Some(f) = links.wireguard(By::Index(index)) else {
+                self.unknown(st, dgram, false);
+                continue;
+            };
+            if let Opened::Frame(r) = self.open_data(f.link, f.stats, st, from, dgram, &mut buf[at..]) {
+                let r = at + r.start..at + r.end;
+                at = r.end;
+                sink.frame(f.slot, buf, r);
+            }
+        }
+        sink.end(buf);
+    }
+
+    /// Frames wait in `link` and its data just came in (a session made by
+    /// the peer's handshake is current from its first data): the handshake
+    /// thread sends them.
+    fn ask_flush(&self, link: &WgLink, g: &mut Peer) {
+        if g.waiting > 0 && !g.flush_asked && self.jobs.push_flush(link.index) {
+            g.flush_asked = true;
+        }
+    }
 }
 
-/// Which link a datagram on the WireGuard port is for.
-pub enum Addressed {
-    /// The link with this receiver index (24 bits).
-    Index(u32),
-    /// The link to the peer with this static key (a handshake initiation).
-    Key([u8; 32]),
-    /// Handled or dropped (and counted) already.
-    Done,
+/// Where the frames of a received run go: the forwarder, routing them as
+/// one run.
+pub trait RunSink {
+    /// A frame of the link at `slot`: `buf[frame]`.
+    fn frame(&mut self, slot: u32, buf: &mut [u8], frame: Range<usize>);
+    /// The run (so far) ends: the frames handed over are done with `buf`.
+    fn end(&mut self, buf: &[u8]);
+}
+
+/// Counts a datagram of `link` that boringtun refused, by why.
+fn refused(link: &WgLink, stats: &Counters, st: &ThreadStats, from: SocketAddr, dgram: &[u8], e: WireGuardError) {
+    let c = &link.counters;
+    let counter = match e {
+        WireGuardError::DuplicateCounter | WireGuardError::InvalidCounter | WireGuardError::WrongTai64nTimestamp => &c.replays,
+        WireGuardError::NoCurrentSession | WireGuardError::WrongIndex | WireGuardError::ConnectionExpired => &c.no_session,
+        _ => &c.unauthenticated,
+    };
+    counter.fetch_add(1, Relaxed);
+    tracing::debug!(peer = %vnet_core::command::wireguard_key_text(&link.peer), %from, "WireGuard datagram refused: {e:?}");
+    st.global.received(dgram.len());
+    st.drop_at(Some(stats), DropReason::Unauthenticated);
 }
 
 /// What a link's datagram came to.
 pub enum Opened {
     /// A frame, at this range of the output.
     Frame(Range<usize>),
-    /// A handshake or keepalive, handled.
+    /// A keepalive, taken.
     Handled,
     /// Dropped and counted.
     Dropped,
@@ -467,14 +566,20 @@ pub fn inner_frame(p: &[u8]) -> Option<Range<usize>> {
 /// One peer's protocol state.
 struct Peer {
     tunn: Tunn,
-    /// Where its datagrams go: configured, then the last authentic source.
+    /// Where its datagrams go: configured, then the last source of its
+    /// authentic data.
     endpoint: SocketAddr,
     /// Frames boringtun holds until a session exists.
     waiting: u32,
     /// Sessions made (the first handshake, then rekeys).
     sessions: u64,
-    /// No handshake tried yet.
+    /// No handshake tried or made yet: the timers make one at their next tick.
     fresh: bool,
+    /// A flush of the waiting frames is queued for the handshake thread.
+    flush_asked: bool,
+    /// When a cookie reply may next make us initiate again at once (rather
+    /// than at the 5-s retry): at most once a second.
+    cookie_retry: Option<Instant>,
 }
 
 impl Peer {
@@ -487,6 +592,7 @@ impl Peer {
     }
 
     fn established(&mut self, c: &WgCounters) {
+        self.fresh = false;
         self.sessions += 1;
         c.handshakes.fetch_add(1, Relaxed);
         if self.sessions > 1 {
@@ -495,27 +601,31 @@ impl Peer {
     }
 }
 
-/// A WireGuard link's own counters (STATS and /metrics, `wg_*`).
-#[derive(Default)]
-pub struct WgCounters {
-    /// Sessions made, by either side's handshake.
-    pub handshakes: AtomicU64,
-    /// Of those, after the first (rekeys, and new sessions after expiry).
-    pub rekeys: AtomicU64,
-    /// Handshake initiations sent.
-    pub initiations: AtomicU64,
-    /// Datagrams whose authentication failed (forged, or under another key).
-    pub unauthenticated: AtomicU64,
-    /// Datagrams whose counter was seen or is too old: replays.
-    pub replays: AtomicU64,
-    /// Data for a session this end does not have (expired, or made with an
-    /// old key).
-    pub no_session: AtomicU64,
-    pub cookies_received: AtomicU64,
-    /// Cookie replies sent to initiations for this link (over its own rate).
-    pub cookies_sent: AtomicU64,
-    /// The peer spoke from a new address, and is followed there.
-    pub roams: AtomicU64,
+counter_set! {
+    /// A WireGuard link's own counters (STATS and /metrics, `wg_*`).
+    pub struct WgCounters {
+        /// Sessions made, by either side's handshake.
+        handshakes as "wg_handshakes",
+        /// Of those, after the first (rekeys, and new sessions after expiry).
+        rekeys as "wg_rekeys",
+        /// Handshake initiations sent.
+        initiations as "wg_initiations",
+        /// Datagrams whose authentication failed (forged, or under another key).
+        unauthenticated as "wg_unauthenticated",
+        /// Datagrams whose counter was seen or is too old, and initiations
+        /// no newer than the last one taken: replays.
+        replays as "wg_replays",
+        /// Data for a session this end does not have (expired, or made with an
+        /// old key).
+        no_session as "wg_no_session",
+        /// Cookie replies the peer sent us (it was under load).
+        cookies_received as "wg_cookies_received",
+        /// The peer sent authentic data from a new address, and is followed there.
+        roams as "wg_roams",
+        /// Handshakes given up after 90 s of retries: the frames that
+        /// waited for them were dropped (`unreachable`).
+        gave_up as "wg_handshakes_given_up",
+    }
 }
 
 /// A WireGuard link: one peer.
@@ -540,6 +650,11 @@ impl WgLink {
 
     fn lock(&self) -> MutexGuard<'_, Peer> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where the link sends now.
+    pub fn endpoint(&self) -> SocketAddr {
+        self.lock().endpoint
     }
 
     /// Seals one frame (as `parts`) and queues it; `gso`: it may share a GSO
@@ -578,6 +693,9 @@ impl WgLink {
             // No session yet: boringtun keeps the frame for the handshake it
             // started (`out` bytes of initiation), or one in progress.
             g.waiting += 1;
+            if out > 0 {
+                g.fresh = false;
+            }
             drop(g);
             if out > 0 {
                 self.counters.initiations.fetch_add(1, Relaxed);
@@ -588,26 +706,6 @@ impl WgLink {
         drop(g);
         q.push(&self.hub.group[0], &[&sealed[..out]], to, slot, gso);
         Sent::later()
-    }
-
-    /// Runs the link's timers (from the timer thread).
-    fn tick(&self, out: &mut [u8]) {
-        let mut g = self.lock();
-        let to = g.endpoint;
-        let r = if std::mem::take(&mut g.fresh) { g.tunn.format_handshake_initiation(out, false) } else { g.tunn.update_timers(out) };
-        match r {
-            TunnResult::WriteToNetwork(p) => {
-                if p[0] == 1 {
-                    self.counters.initiations.fetch_add(1, Relaxed);
-                }
-                let _ = self.hub.send(p, to);
-            }
-            TunnResult::Err(WireGuardError::ConnectionExpired) => {
-                // boringtun gave up the handshake and the frames it held.
-                g.waiting = 0;
-            }
-            _ => {}
-        }
     }
 }
 
@@ -656,40 +754,13 @@ impl Transport for WgLink {
     }
 
     fn extra_stats(&self) -> String {
-        let c = &self.counters;
-        format!(
-            " wg_handshakes={} wg_rekeys={} wg_initiations={} wg_unauthenticated={} wg_replays={} wg_no_session={} wg_cookies_received={} wg_cookies_sent={} wg_roams={}",
-            c.handshakes.load(Relaxed),
-            c.rekeys.load(Relaxed),
-            c.initiations.load(Relaxed),
-            c.unauthenticated.load(Relaxed),
-            c.replays.load(Relaxed),
-            c.no_session.load(Relaxed),
-            c.cookies_received.load(Relaxed),
-            c.cookies_sent.load(Relaxed),
-            c.roams.load(Relaxed)
-        )
+        let mut s = String::new();
+        self.counters.render_into(&mut s);
+        s
     }
 
     fn teardown(&self) -> usize {
         std::mem::take(&mut self.lock().waiting) as usize
-    }
-}
-
-/// The timer thread: every link's `update_timers` each `TICK`, until the hub
-/// is gone.
-fn timers(hub: Weak<WgHub>) {
-    let mut out = vec![0u8; MAX_DATAGRAM];
-    for n in 1u64.. {
-        std::thread::sleep(TICK);
-        let Some(hub) = hub.upgrade() else { return };
-        // The shared limiter counts handshake messages per second.
-        if n % 10 == 0 {
-            hub.limiter.load().reset_count();
-        }
-        for p in hub.live_peers() {
-            p.tick(&mut out);
-        }
     }
 }
 
