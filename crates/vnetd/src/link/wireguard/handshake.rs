@@ -9,9 +9,9 @@
 //! 1. **MAC1** (keyed by our public key; a few hundred nanoseconds), and
 //!    **under load** also **MAC2**: a message without a valid one is answered
 //!    by a cookie reply and goes no further. Under load means the queue holds
-//!    an eighth of its room or more, or `DH_PER_SECOND` messages reached the
-//!    Diffie-Hellman in the current second, and lasts a second after either
-//!    (the kernel's WireGuard decides by its queue the same way). One cookie
+//!    an eighth of its room or more (the kernel's WireGuard decides by its
+//!    queue the same way), or `LOAD_RATE` initiations and responses came in
+//!    the current second; it lasts a second after either. One cookie
 //!    secret for all links (`WgHub::cookies`): each link's `Tunn` checks
 //!    MAC1 only, so a peer never has two cookies to satisfy.
 //! 2. **A budget per source address** (under load: `PER_SOURCE` a second,
@@ -49,10 +49,11 @@ use std::time::{Duration, Instant};
 const QUEUE_LEN: usize = 4096;
 /// Messages taken per lock of the queue.
 const BATCH: usize = 64;
-/// Handshake messages a second that reach the Diffie-Hellman before
-/// cookies are asked for (each costs two to four X25519s, about 50 µs
-/// each here: this is some 5% of a core).
-const DH_PER_SECOND: u32 = 250;
+/// Initiations and responses a second before cookies are asked for (each
+/// that reaches the Diffie-Hellman costs two to four X25519s, some 50 µs
+/// each here: this many are some 5% of a core; a host's real handshakes are
+/// a few a minute per link).
+const LOAD_RATE: u32 = 250;
 /// How long load lasts after its last sign.
 const LOAD_HOLD: Duration = Duration::from_secs(1);
 /// Handshake messages a second per source address, under load, and the
@@ -159,8 +160,8 @@ pub struct Handshaker {
     batch: Vec<Work>,
     /// Under load until then.
     load_until: Option<Instant>,
-    /// Messages that reached the Diffie-Hellman this second.
-    worked: u32,
+    /// Initiations and responses taken this second.
+    arrivals: u32,
     second: Instant,
     sources: HashMap<IpAddr, (f64, Instant)>,
     next_tick: Instant,
@@ -173,7 +174,7 @@ impl Default for Handshaker {
             out: vec![0u8; MAX_DATAGRAM + 64],
             batch: Vec::with_capacity(BATCH),
             load_until: None,
-            worked: 0,
+            arrivals: 0,
             second: now,
             sources: HashMap::new(),
             next_tick: now + TICK,
@@ -260,9 +261,10 @@ impl Handshaker {
 
     /// Whether the thread is under load now, given the queue's depth.
     fn under_load(&mut self, depth: usize, now: Instant) -> bool {
-        if depth >= QUEUE_LEN / 8 || self.worked >= DH_PER_SECOND {
+        self.arrivals += 1;
+        if depth >= QUEUE_LEN / 8 || self.arrivals >= LOAD_RATE {
             if !self.load_until.is_some_and(|t| now < t) {
-                tracing::info!(depth, worked = self.worked, "WireGuard handshakes under load: asking for cookies");
+                tracing::info!(depth, arrivals = self.arrivals, "WireGuard handshakes under load: asking for cookies");
             }
             self.load_until = Some(now + LOAD_HOLD);
         }
@@ -328,7 +330,6 @@ impl Handshaker {
             hub.counters.rate_limited.fetch_add(1, Relaxed);
             return drop(DropReason::RateLimited);
         }
-        self.worked += 1;
         hub.counters.handshakes_worked.fetch_add(1, Relaxed);
         let found = match packet {
             Packet::HandshakeInit(h) => {
@@ -426,7 +427,7 @@ impl Handshaker {
         self.next_tick = now + TICK;
         if now.duration_since(self.second) >= Duration::from_secs(1) {
             self.second = now;
-            self.worked = 0;
+            self.arrivals = 0;
             if self.load_until.is_some() {
                 hub.counters.under_load_seconds.fetch_add(1, Relaxed);
             }

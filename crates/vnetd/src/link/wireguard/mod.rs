@@ -745,8 +745,9 @@ impl Transport for WgLink {
         let g = self.lock();
         let (since, tx, rx, _, rtt) = g.tunn.stats();
         format!(
-            " peer_key={} endpoint={} handshake_age_s={} tunnel_tx_bytes={tx} tunnel_rx_bytes={rx}{}",
+            " peer_key={} index={} endpoint={} handshake_age_s={} tunnel_tx_bytes={tx} tunnel_rx_bytes={rx}{}",
             vnet_core::command::wireguard_key_text(&self.peer),
+            self.index,
             g.endpoint,
             since.map_or("never".to_string(), |d| d.as_secs().to_string()),
             rtt.map_or(String::new(), |r| format!(" handshake_rtt_ms={r}"))
