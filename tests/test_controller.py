@@ -671,11 +671,34 @@ def test_an_encrypted_overlay_links_every_host_by_wireguard_and_nothing_crosses_
                 assert v["wg_unauthenticated"] == 0 and v["drop_unauthenticated"] == 0, (name, v)
 
 
+# Sends numbered lines until its stdin closes, checks each echo, and says
+# how many and the longest wait for one.
+CLIENT_UNTIL_TOLD = r"""
+import socket, sys, threading, time
+s = socket.create_connection((sys.argv[1], 5201), timeout=20); print("connected", flush=True)
+f = s.makefile("rwb")
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+i, longest = 0, 0.0
+while not done.is_set():
+    t = time.monotonic()
+    f.write(b"%d\n" % i); f.flush()
+    assert f.readline() == b"%d\n" % i, i
+    longest = max(longest, time.monotonic() - t)
+    i += 1
+    time.sleep(0.01)
+s.shutdown(socket.SHUT_WR)
+print("ok", i, int(longest * 1000), flush=True)
+"""
+
+
 def test_a_hosts_wireguard_key_rotates_under_an_open_tcp_connection(encrypted):
     """`WIREGUARD ROTATE` on host 2 while g11 (host 1) and g12 (host 2) hold a
     TCP connection with bytes flowing both ways: host 2's agent publishes the
     new key, the other hosts' agents replace their links to host 2 with it,
-    and the connection carries on, every echo in order."""
+    and the connection carries on, every echo in order, through and past the
+    replacement, with no echo waiting a second or more. The key file holds
+    the new key (what vnetd reads at its next start)."""
     o = encrypted
     converged(o)
     def key_of(i):
@@ -684,20 +707,31 @@ def test_a_hosts_wireguard_key_rotates_under_an_open_tcp_connection(encrypted):
     old = key_of(2)
     srv = o.lab.popen(o.guest_ns[12], "python3", "-c", ECHO, overlay_ip(12), stdout=subprocess.PIPE, text=True)
     assert srv.stdout.readline().strip() == "listening"
-    cli = o.lab.popen(o.guest_ns[11], "python3", "-c", CLIENT, overlay_ip(12), stdout=subprocess.PIPE, text=True)
+    cli = o.lab.popen(o.guest_ns[11], "python3", "-c", CLIENT_UNTIL_TOLD, overlay_ip(12), stdin=subprocess.PIPE,
+                      stdout=subprocess.PIPE, text=True)
     assert cli.stdout.readline().strip() == "connected"
     time.sleep(0.5)
     rotated = o.d[2].ctl("WIREGUARD", "ROTATE").stdout
     new = key_of(2)
     assert new != old and f"public_key={new}" in rotated
     # The key file holds the new key (mode 600), for vnetd's next start.
-    assert (o.lab.tmp / "h2.wgkey").stat().st_mode & 0o777 == 0o600
+    key_file = o.lab.tmp / "h2.wgkey"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    on_file = subprocess.run(["wg", "pubkey"], input=key_file.read_text(), capture_output=True, text=True, check=True).stdout.strip()
+    assert on_file == new, (on_file, new)
     def peers_have(key):
         return all(f"peer_key={key}" in next(l for l in o.d[i].ctl("LINK", "LIST").stdout.splitlines() if "name=agent.h2 " in l)
                    for i in (1, 3))
+    t = time.monotonic()
     assert wait_until(lambda: peers_have(new), timeout=10), [o.d[i].ctl("LINK", "LIST").stdout for i in (1, 3)]
+    print(f"peers took the new key {time.monotonic() - t:.2f} s after the rotation")
     assert show(o)["hosts"]["h2"]["wireguard"]["public_key"] == new
-    out = cli.communicate(timeout=30)[0]
+    # The stream goes on past the replacement, then stops.
+    time.sleep(1.0)
+    out = cli.communicate(input="", timeout=30)[0]
     srv.wait(timeout=10)
-    assert "ok" in out, out
+    assert out.startswith("ok "), out
+    count, longest_ms = (int(x) for x in out.split()[1:3])
+    print(f"{count} echoes across the rotation, longest wait {longest_ms} ms")
+    assert longest_ms < 1000, out
     assert o.ping(13, 12) and o.ping(12, 11)

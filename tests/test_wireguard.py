@@ -395,3 +395,37 @@ def test_an_unmodified_wireguard_go_peer_with_a_plain_vnetd_interoperates_both_w
     assert link_stats(d1, "h2")["wg_handshakes"] > before
     transfer(lab, g[2], g[1], 20_000_000, port=5003)
     peer.stop()
+
+
+def test_wireguard_rotate_is_an_admin_request_of_its_own_and_writes_the_new_key_to_the_file(lab):
+    """W20, W22: `WIREGUARD ROTATE` is refused to a read-only caller and
+    beside any other command (nothing changes either way); an admin's
+    writes the new key pair over the key file, which `wg pubkey` then reads
+    as the public key `SHOW` gives (not beside it: the review's MUT-1 wrote
+    `<file>.rotated` and kept the old key, so the next start would have used
+    a key every peer had replaced); after a restart vnetd keeps the new key."""
+    from netlab import write_token
+    h = lab.add_host(1)
+    key = lab.tmp / "h1.wgkey"
+    admin = write_token(lab, "admin.token", "admin-token-0123456789abcdef")
+    read = write_token(lab, "read.token", "read-token-0123456789abcdef")
+    d = lab.start_vnetd(h, None, "--wireguard-key-file", key, "--control-tcp", "127.0.0.1:9101",
+                        "--control-token-file", admin, "--control-read-token-file", read)
+    from netlab import VNETCTL
+    old = public_key(d)
+    r = lab.x(h, VNETCTL, "--tcp", "127.0.0.1:9101", "--token-file", read, "WIREGUARD", "ROTATE", check=False)
+    assert r.returncode == 1 and "permission denied" in r.stderr and "role read" in r.stderr, r
+    r = d.ctl_file("WIREGUARD ROTATE\nLINK ADD 198.18.0.9\n", check=False)
+    assert r.returncode != 0 and "WIREGUARD ROTATE must be a request of its own" in r.stdout + r.stderr, r
+    assert public_key(d) == old and "198.18.0.9" not in d.ctl("LINK", "LIST").stdout
+
+    def file_key() -> str:
+        return subprocess.run(["wg", "pubkey"], input=key.read_text(), capture_output=True, text=True, check=True).stdout.strip()
+
+    assert file_key() == old
+    d.ctl("WIREGUARD", "ROTATE")
+    new = public_key(d)
+    assert new != old and file_key() == new, (old, new, file_key())
+    assert (key.stat().st_mode & 0o777) == 0o600 and not key.with_suffix(".new").exists()
+    d.stop()
+    assert public_key(lab.start_vnetd(h, None, "--wireguard-key-file", key)) == new
