@@ -18,6 +18,15 @@ def pytest_sessionstart(session):
         subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=netlab.REPO, check=True)
 
 
+def pytest_collection_finish(session):
+    # WireGuard's timers take 200 s to watch: their lab starts now and runs
+    # beside the other tests (tests/wg_timers.py).
+    if any(item.nodeid.startswith("tests/test_wireguard_timers.py") or "test_wireguard_timers.py::" in item.nodeid
+           for item in session.items):
+        import wg_timers
+        wg_timers.start()
+
+
 @pytest.fixture
 def lab(request):
     """A fresh namespace lab, torn down (namespaces, devices, processes) even

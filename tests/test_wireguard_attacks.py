@@ -239,3 +239,34 @@ def test_a_keyless_flood_with_cookies_neither_starves_neighbours_nor_denies_a_re
         worked = w["handshakes_worked"] - worked0[h]
         assert worked <= 250 + 25 * seconds + 20, (h, worked, r, w)
         print(f"host {h}: flood {r['sent']}, {worked} handshake messages worked, {w}")
+
+
+def test_cookies_are_asked_for_only_while_handshakes_come_fast_and_a_peer_answers_one_at_once(lab):
+    """W13: over 250 initiations a second (here 2000, from a keyless third
+    host) the handshake thread asks every initiator for a cookie; a vnetd
+    that gets a cookie reply initiates again with it at once, so a real
+    handshake under that load takes a round trip more, not the 5-s retry.
+    Load ends a second after the flood: the next real handshake is taken
+    without a cookie."""
+    hosts, d, g, keys = wg_mesh(lab, {1: [1], 2: [2]})
+    h3 = lab.add_host(3)
+    assert lab.reaches(g[1], g[2])
+    w0 = d[2].stats()["wireguard"]
+    flood = start_flood(lab, h3, 2, 2000, 4, keys[2], [keys[1]], [])
+    time.sleep(1)
+    remake_link(d[1], 2, keys[2])
+    t = time.monotonic()
+    assert lab.reaches(g[1], g[2], tries=5)
+    took = time.monotonic() - t
+    s = link_stats(d[1], "h2")
+    assert s["wg_cookies_received"] >= 1 and s["wg_handshakes"] >= 1, s
+    assert took < 2, f"the handshake waited for the 5-s retry ({took:.2f} s)"
+    json.loads(flood.communicate(timeout=20)[0])
+    w = d[2].stats()["wireguard"]
+    assert w["cookies_sent"] > w0["cookies_sent"] and w["under_load_seconds"] >= 1, w
+    # A second of quiet ends the load: a new handshake, no cookie asked.
+    time.sleep(2.5)
+    remake_link(d[1], 2, keys[2])
+    assert lab.reaches(g[1], g[2], tries=5)
+    s = link_stats(d[1], "h2")
+    assert s["wg_cookies_received"] == 0 and s["wg_handshakes"] >= 1, s
