@@ -49,9 +49,25 @@ def reg(h: int) -> str:
     return f"/vnet/host/h{h}/reg"
 
 
+# The agents' hand-over window: a claim older than this that waited behind
+# a holder never takes the MAC (the default is 10 s; shorter here so a test
+# need not wait it out).
+HANDOVER_MS = 1500
+
+
 def gkey(h: int, n: int) -> str:
-    """Host h's claim of guest n's MAC."""
-    return f"/vnet/host/h{h}/guests/{mac(n)}"
+    """Where host h's claims of guest n's MAC are (each `<this><epoch>`)."""
+    return f"/vnet/host/h{h}/guests/{mac(n)}/"
+
+
+# An epoch for a claim written by hand (16 hex digits, as the agent's).
+EPOCH = "0000000000000001"
+
+
+def claimed_by(o, h: int, n: int) -> list[str]:
+    """Host h's claims of guest n's MAC in etcd, as JSON texts."""
+    out = o.etcdctl("get", "--prefix", gkey(h, n)).stdout.splitlines()
+    return out[1::2]
 
 
 def make_certs(dir):
@@ -150,7 +166,8 @@ class Overlay:
         log = open(self.lab.tmp / f"agent-h{i}.log", "a")
         p = self.lab.popen(self.hosts[i], AGENT, "run", "--etcd", self.etcd_url, "--host", f"h{i}",
                            "--underlay", underlay_ip(i), "--socket", self.d[i].sock, "--ttl", TTL,
-                           "--interval-ms", 100, "--traffic-s", 1, *self.tls_args(), *self.creds(f"vnet-host-h{i}"),
+                           "--interval-ms", 100, "--traffic-s", 1, "--handover-ms", HANDOVER_MS,
+                           *self.tls_args(), *self.creds(f"vnet-host-h{i}"),
                            *(["--encrypt"] if self.encrypt else []), *extra,
                            stdout=log, stderr=subprocess.STDOUT)
         self.agents[i] = p
@@ -234,7 +251,8 @@ def test_networks_declared_once_reach_their_members_across_hosts_and_no_one_else
     # etcd holds the hosts and the guests as docs/controller.md says.
     keys = o.etcdctl("get", "--prefix", "/vnet/", "--keys-only").stdout.split()
     want = [reg(i) for i in (1, 2, 3)] + [gkey(h, n) for h, n, _ in GUESTS]
-    assert sorted(k for k in keys if not k.endswith("/traffic")) == sorted(want)
+    # (A claim's key ends in its epoch.)
+    assert sorted(k.rsplit("/", 1)[0] + "/" if "/guests/" in k else k for k in keys if not k.endswith("/traffic")) == sorted(want)
 
 
 def test_a_users_routes_stay_and_the_agent_fills_in_around_them(overlay):
@@ -325,8 +343,9 @@ def test_a_guest_migrated_under_an_open_tcp_connection_is_rerouted_everywhere(ov
     srv.wait(timeout=10)
     assert "ok" in out, out
     # Host 3 claims the guest now, and host 2 no longer.
-    keys = o.etcdctl("get", "--prefix", "/vnet/", "--keys-only").stdout.split()
-    assert gkey(3, 12) in keys and gkey(2, 12) not in keys, keys
+    # (host 2's released claim is forgotten once nothing waited behind it).
+    assert wait_until(lambda: claimed_by(o, 3, 12) == ['{"network":"a"}'] and claimed_by(o, 2, 12) == [], timeout=5), \
+        o.etcdctl("get", "--prefix", "/vnet/host/", "--keys-only").stdout
     # A measured figure (docs/controller.md), not a pass/fail bound: the
     # agents' 100 ms pass and the polling above are in it.
     print(f"re-routed on every host {reroute * 1000:.0f} ms after the INTERFACE ADD")
@@ -395,17 +414,28 @@ def test_the_overlay_and_its_traffic_matrix_are_shown_from_etcd(overlay):
 
 
 def leases(o: Overlay) -> dict[str, int]:
-    """Every host and guest key in etcd, with the lease it is on."""
+    """Every host and guest key in etcd, with the lease it is on (a guest
+    claim: under its MAC's prefix, `gkey`)."""
     kvs = json.loads(o.etcdctl("get", "--prefix", "/vnet/", "-w", "json").stdout).get("kvs", [])
     keys = {base64.b64decode(kv["key"]).decode(): kv.get("lease", 0) for kv in kvs}
-    return {k: v for k, v in keys.items() if k.endswith("/reg") or "/guests/" in k}
+    return {(k.rsplit("/", 1)[0] + "/" if "/guests/" in k else k): v for k, v in keys.items() if k.endswith("/reg") or "/guests/" in k}
+
+
+def claims_with_revisions(o: Overlay) -> dict[str, int]:
+    """Every guest claim's key and the revision etcd created it at."""
+    kvs = json.loads(o.etcdctl("get", "--prefix", "/vnet/", "-w", "json").stdout).get("kvs", [])
+    return {base64.b64decode(kv["key"]).decode(): kv["create_revision"] for kv in kvs if "/guests/" in base64.b64decode(kv["key"]).decode()}
 
 
 def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(overlay):
     o = overlay
     converged(o)
     before = leases(o)
-    assert all(before.get(gkey(h, n)) == before[reg(h)] != 0 for h, n, _ in GUESTS), before
+    # Registrations live on their hosts' leases; claims on none (a claim
+    # counts while its host is registered, and keeps its place).
+    assert all(before.get(gkey(h, n)) == 0 and before[reg(h)] != 0 for h, n, _ in GUESTS), before
+    claims_before = claims_with_revisions(o)
+    assert len(claims_before) == len(GUESTS), claims_before
     o.etcd.terminate()
     o.etcd.wait(timeout=10)
     # etcd gone: forwarding goes on, within networks only, for longer than the leases.
@@ -423,18 +453,20 @@ def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(o
     assert wait_until(lambda: o.routed(1, 22) and o.routed(3, 22), timeout=15), o.log(1)
 
     # Each agent's lease was lost meanwhile: it was granted a new one and
-    # wrote every claim again under it, the old ones too (not only g22's).
-    # Catches claims not written again (mutated so in store.rs: the old
-    # guests' keys stayed on the old leases, and went with them).
-    def republished():
+    # registered again under it; every claim is still there, made at the
+    # same revision as before (its place among a MAC's claims kept), and
+    # g22's is new.
+    def registered_again():
         now = leases(o)
-        return all(now.get(gkey(h, n)) == now.get(reg(h)) not in (None, before[reg(h)])
-                   for h, n, _ in GUESTS + [(2, 22, "b")])
-    assert wait_until(republished, timeout=15), (before, leases(o))
+        return all(now.get(reg(h)) not in (None, 0, before[reg(h)]) for h in (1, 2, 3))
+    assert wait_until(registered_again, timeout=15), (before, leases(o))
     # Past the old leases' TTL (etcd restored them, and expires them), every
-    # claim is still there.
+    # claim is still there, unchanged.
     time.sleep(TTL + 1)
-    assert republished(), (before, leases(o))
+    assert registered_again(), (before, leases(o))
+    now = claims_with_revisions(o)
+    assert {k: v for k, v in now.items() if k in claims_before} == claims_before, (claims_before, now)
+    assert [k for k in now if k not in claims_before] == [k for k in now if k.startswith(gkey(2, 22))], now
     assert o.ping(22, 21, count=2) and o.ping(23, 22)
     assert not o.ping(22, 11)
     # A compaction of everything so far, under the agents' watches; then a
@@ -444,7 +476,7 @@ def test_etcd_down_stops_changes_never_forwarding_and_a_compaction_is_followed(o
     o.agents[1].send_signal(signal.SIGSTOP)
     try:
         o.add_guest(3, 14, "a")
-        assert wait_until(lambda: o.etcdctl("get", gkey(3, 14), "--print-value-only").stdout.strip(), timeout=10)
+        assert wait_until(lambda: o.etcdctl("get", "--prefix", gkey(3, 14), "--print-value-only").stdout.strip(), timeout=10)
         rev = json.loads(o.etcdctl("endpoint", "status", "-w", "json").stdout)[0]["Status"]["header"]["revision"]
         o.etcdctl("compact", str(rev))
     finally:
@@ -484,17 +516,27 @@ def test_a_mac_published_by_two_hosts_stays_with_the_first_claim(overlay):
     # records, the later claim won: host 2 took g13's traffic.)
     dup = o.lab.guest_ns("dup")
     o.d[2].ctl("INTERFACE", "ADD", "dup13", mac(13), "netns", dup, "network", "a")
-    assert wait_until(lambda: "host h2 claims it" in o.log(1) and "claimed it before us" in o.log(2), timeout=10), o.log(2)
+    assert wait_until(lambda: "host h2 claims it" in o.log(1) and "held by h3, not by our claim" in o.log(2), timeout=10), o.log(2)
     assert any(f"{mac(11)} {mac(13)} edge agent.h3" in r for r in o.routes(1))
     assert not any(f"{mac(11)} {mac(13)} edge agent.h2" in r for r in o.routes(1))
     assert not any(f"any {mac(13)} interface {mac(13)}" in r for r in o.routes(2)), "host 2 routes the waiting interface"
     assert o.ping(11, 13, count=2)
     assert show(o)["contested"] == {mac(13): ["h2"]}
-    # The first claim goes (g13 leaves host 3): host 2's claim holds the MAC
-    # now, and the overlay routes it there.
+    # The first claim goes (g13 leaves host 3) well after host 2's was made:
+    # host 2's claim waited, and a claim that waited never takes the MAC
+    # (the security review's F4: a claim made ahead of time took a guest at
+    # its migration). Nobody holds it; g13's routes go.
+    time.sleep(HANDOVER_MS / 1000 + 0.5)
     o.d[3].ctl("INTERFACE", "DEL", "g13")
+    assert wait_until(lambda: not any(o.routed(i, 13) for i in o.hosts), timeout=10), {i: o.routes(i) for i in o.hosts}
+    time.sleep(0.5)
+    assert mac(13) not in show(o)["guests"] and not any(f"any {mac(13)} interface" in r for r in o.routes(2))
+    # Host 2's guest made again (a re-plug) claims anew, after the release:
+    # it holds the MAC, and the overlay routes it there.
+    o.d[2].ctl("INTERFACE", "DEL", "dup13")
+    o.d[2].ctl("INTERFACE", "ADD", "dup13", mac(13), "netns", dup, "network", "a")
     assert wait_until(lambda: any(f"{mac(11)} {mac(13)} edge agent.h2" in r for r in o.routes(1)), timeout=10), o.log(1)
-    assert "ours holds it now" in o.log(2)
+    assert "our claim holds it now" in o.log(2) or show(o)["guests"][mac(13)]["host"] == "h2"
     assert show(o)["guests"][mac(13)] == {"host": "h2", "network": "a"}
 
 
@@ -517,12 +559,12 @@ def test_a_rogue_host_cannot_rewrite_delete_or_revoke_another_hosts_records(over
         # host 1's address moved to host 3's: host 1's traffic to host 3
         ("put", reg(1), f'{{"underlay":"{underlay_ip(3)}","port":9000}}'),
         # host 1's guest dropped, host 1's records dropped, all at once
-        ("del", gkey(1, 11)),
+        ("del", "--prefix", gkey(1, 11)),
         ("del", "--prefix", "/vnet/host/h1/"),
         ("del", "--prefix", "/vnet/"),
         # a guest made up under host 1's name; host 1's lease revoked (its
         # keys would go with it)
-        ("put", gkey(1, 77), '{"network":"a"}'),
+        ("put", gkey(1, 77) + EPOCH, '{"network":"a"}'),
         ("lease", "revoke", lease1),
     ]
     for a in attacks:
@@ -537,16 +579,18 @@ def test_a_rogue_host_cannot_rewrite_delete_or_revoke_another_hosts_records(over
     assert o.ping(12, 11, count=2) and o.ping(13, 11, count=2)
 
 
-def test_a_rogue_hosts_claim_of_a_mac_another_host_holds_is_ignored_and_counted(overlay):
+def test_a_rogue_hosts_claim_of_a_mac_another_host_holds_is_ignored_at_the_guests_migration_too(overlay):
     # Host 3's credentials claim g12's MAC (g12 is on host 2, in network a,
     # which host 3 has a member of too): a claim host 3 may write, in its
     # own records, but later than host 2's. Every agent ignores it, says so
     # and counts it; g12's traffic keeps going to host 2. (Before, the later
-    # claim won: hosts 1 and 3 sent g12's frames to host 3.)
+    # claim won: hosts 1 and 3 sent g12's frames to host 3.) Then g12
+    # migrates to host 1: its new host's claim takes the MAC, not host 3's,
+    # which waited (the security review's F4: host 3 took g12 there).
     o = overlay
     converged(o)
     assert o.ping(11, 12) and o.ping(13, 12)
-    assert rogue(o, "put", gkey(3, 12), '{"network":"a"}').returncode == 0
+    assert rogue(o, "put", gkey(3, 12) + EPOCH, '{"network":"a"}').returncode == 0
     for i in o.hosts:
         assert wait_until(lambda: f"guest {mac(12)}: host h3 claims it" in o.log(i), timeout=10), o.log(i)
     # Each agent's count, as it publishes it (`show`).
@@ -556,6 +600,36 @@ def test_a_rogue_hosts_claim_of_a_mac_another_host_holds_is_ignored_and_counted(
     assert any(f"{mac(11)} {mac(12)} edge agent.h2" in r for r in o.routes(1))
     assert not any(r.split()[3] == mac(12) and "edge agent.h3" in r for r in o.routes(1))
     assert o.ping(11, 12, count=2) and o.ping(13, 12, count=2)
+    # g12 migrates from host 2 to host 1, as test_migration's VM does: it
+    # leaves host 2, then starts on host 1.
+    o.d[2].ctl("INTERFACE", "DEL", "g12", "detach")
+    o.d[1].ctl("INTERFACE", "ADD", "g12", mac(12), "netns", o.guest_ns[12], "network", "a")
+    want = f"{mac(13)} {mac(12)} edge agent.h1"
+    assert wait_until(lambda: any(want in r for r in o.routes(3)), timeout=10), (o.routes(3), o.log(3))
+    assert wait_until(lambda: show(o)["guests"].get(mac(12)) == {"host": "h1", "network": "a"}, timeout=5), show(o)
+    for i in o.hosts:
+        assert not any(r.split()[3] == mac(12) and "edge agent.h3" in r for r in o.routes(i)), (i, o.routes(i))
+    assert o.ping(13, 12, count=2) and o.ping(11, 12, count=2)
+    # Host 3's claim still waits, ignored; host 2's released one stays while
+    # it does (it keeps host 3's claim off the chain for every reader).
+    assert show(o)["contested"] == {mac(12): ["h3"]}
+    assert claimed_by(o, 2, 12) == ['{"network":"a","released":true}']
+
+
+def test_a_claim_counts_only_while_its_hosts_agent_is_registered(overlay):
+    # Host 3's credentials claim a MAC nobody holds, by hand (no lease):
+    # the overlay routes it to host 3 while host 3 is registered. Once host
+    # 3's agent is gone and its lease ran out, the claim counts for nothing:
+    # nothing is routed to it anywhere (before, a claim written without a
+    # lease outlived its host's agent).
+    o = overlay
+    converged(o)
+    assert rogue(o, "put", gkey(3, 77) + EPOCH, '{"network":"a"}').returncode == 0
+    assert wait_until(lambda: any(f"{mac(11)} {mac(77)} edge agent.h3" in r for r in o.routes(1)), timeout=10), o.routes(1)
+    o.agents[3].terminate()
+    o.agents[3].wait(timeout=10)
+    assert wait_until(lambda: not o.routed(1, 77), timeout=TTL + 10), o.routes(1)
+    assert mac(77) not in show(o)["guests"] and show(o)["stranded"].get(mac(77)) == "h3", show(o)
 
 
 def routes_and_links(o):
@@ -594,7 +668,7 @@ def test_hostile_values_in_etcd_are_ignored_and_inject_nothing(overlay):
     # Each value is one a guest of network a would be routed by, so each
     # would reach a control line if the agent did not check it.
     evil_host = "h9\nLINK DEL agent.h2"
-    g = lambda host, m: f"/vnet/host/{host}/guests/{m}"
+    g = lambda host, m: f"/vnet/host/{host}/guests/{m}/{EPOCH}"
     net_a = '{"network":"a"}'
     hostile = {
         # a host name carrying a second command, with a guest in network a

@@ -46,6 +46,9 @@ enum Cmd {
     /// Provision etcd's users and roles, so each host's agent writes only
     /// its own records.
     Auth(auth::AuthArgs),
+    /// Release a host's claims of guests' MACs (for a host gone for good:
+    /// its guests' MACs are held by nobody until then).
+    Release(show::ReleaseArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -87,6 +90,13 @@ pub struct Args {
     /// link from this one (never a link in clear).
     #[arg(long)]
     pub encrypt: bool,
+    /// A migration's hand-over window (milliseconds): a claim made this
+    /// soon after its guest started here, that missed its holder's release
+    /// by a moment (the new host claimed before the old one let go), is
+    /// made again. A claim older than this that waited behind a holder
+    /// never takes the MAC.
+    #[arg(long, default_value_t = 10_000)]
+    pub handover_ms: u64,
 }
 
 fn main() {
@@ -100,6 +110,7 @@ fn main() {
         Cmd::Run(args) => rt.block_on(run(args)),
         Cmd::Show(args) => rt.block_on(show::show(args)),
         Cmd::Auth(args) => rt.block_on(auth::auth(args)),
+        Cmd::Release(args) => rt.block_on(show::release(args)),
     };
     if let Err(e) = done {
         eprintln!("vnet-agent: {e:#}");
@@ -145,6 +156,7 @@ async fn run(args: Args) -> Result<()> {
     let wireguard = if args.encrypt { Some(wireguard_of(&mut vnetd, &args.socket).await?) } else { None };
     let me = store::Registration { host: args.host.clone(), underlay: args.underlay, port: args.port, wireguard, ttl: args.ttl };
     let mut store = store::Store::new(&args.etcd, me);
+    store.handover = Duration::from_millis(args.handover_ms);
     let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let changed = std::sync::Arc::new(tokio::sync::Notify::new());

@@ -22,9 +22,24 @@ pub fn reg_key(prefix: &str, host: &str) -> String {
     format!("{prefix}/host/{host}/reg")
 }
 
-/// `<p>/host/<host>/guests/<mac>`: the host claims the guest with `mac`.
-pub fn guest_key(prefix: &str, host: &str, mac: &str) -> String {
-    format!("{prefix}/host/{host}/guests/{mac}")
+/// `<p>/host/<host>/guests/<mac>/<epoch>`: the host's claim of the guest
+/// with `mac`, made at one time (`epoch`, 16 hex digits of its own): a host
+/// claims anew, under a new epoch, each time a guest with that MAC starts
+/// on it.
+pub fn guest_key(prefix: &str, host: &str, mac: &str, epoch: &str) -> String {
+    format!("{prefix}/host/{host}/guests/{mac}/{epoch}")
+}
+
+/// A new epoch for a claim: microseconds of the wall clock, in 16 hex
+/// digits (unique per host and MAC; its order means nothing to readers).
+pub fn new_epoch() -> String {
+    let us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+    format!("{us:016x}")
+}
+
+/// Whether `e` is an epoch as `new_epoch` spells them.
+pub fn check_epoch(e: &str) -> bool {
+    e.len() == 16 && e.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// `<p>/host/<host>/traffic`: the host's published counters.
@@ -37,7 +52,8 @@ pub fn traffic_key(prefix: &str, host: &str) -> String {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Record<'a> {
     Reg(&'a str),
-    Guest(&'a str, &'a str),
+    /// Host, MAC, epoch.
+    Guest(&'a str, &'a str, &'a str),
     Traffic(&'a str),
 }
 
@@ -49,7 +65,10 @@ impl<'a> Record<'a> {
         match what {
             "reg" => Some(Record::Reg(host)),
             "traffic" => Some(Record::Traffic(host)),
-            _ => Some(Record::Guest(host, what.strip_prefix("guests/")?)),
+            _ => {
+                let (mac, epoch) = what.strip_prefix("guests/")?.split_once('/')?;
+                Some(Record::Guest(host, mac, epoch))
+            }
         }
     }
 }
@@ -71,27 +90,70 @@ pub struct WireGuardValue {
     pub public_key: String,
 }
 
-/// `<p>/host/<host>/guests/<mac>`: the network the host's guest is in.
+/// `<p>/host/<host>/guests/<mac>/<epoch>`: the network the host's guest is
+/// in, and whether the host let the MAC go since (the guest left it).
 #[derive(Serialize, Deserialize, Clone, Debug)]
 pub struct GuestValue {
     pub network: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub released: bool,
 }
 
-/// One host's claim of a MAC as a reader saw it: its network and the
-/// revision etcd created the key at.
+/// One claim of a MAC as a reader saw it: whose, its network, the
+/// revisions etcd created and last changed its key at (for a released
+/// claim, the change is its release), and whether it is released.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClaimSeen {
     pub network: String,
     pub create_revision: i64,
+    pub mod_revision: i64,
+    pub released: bool,
 }
 
-/// Which of the hosts claiming one MAC holds it: the claim etcd created
-/// first (the lowest create revision; two keys are never created at the
-/// same revision, as each revision is one write, and a transaction writes
-/// one key of a host's only). A later claim waits, whoever makes it: no
-/// host can take a MAC another holds; it gets it when that claim goes.
-pub fn holder(claims: &BTreeMap<String, ClaimSeen>) -> Option<(&str, &ClaimSeen)> {
-    claims.iter().min_by_key(|(h, c)| (c.create_revision, h.as_str())).map(|(h, c)| (h.as_str(), c))
+/// Every claim of one MAC, by (host, epoch).
+pub type Claims = BTreeMap<(String, String), ClaimSeen>;
+
+/// Who holds a MAC.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Holding<'a> {
+    /// This claim of this host's.
+    Held(&'a str, &'a ClaimSeen),
+    /// Nobody: the last holder let it go and no claim has been made since.
+    Free,
+    /// The holder's host is gone (its registration's lease ran out) without
+    /// letting the MAC go: nobody may take it until that host comes back
+    /// (and lets it go, or holds it again) or an administrator releases it
+    /// (`vnet-agent release`). Fail closed: a host gone is not a hand-over.
+    Stranded(&'a str),
+}
+
+/// Who holds a MAC, from its claims alone (every reader, whenever it reads,
+/// gets the same answer). A MAC's holders form a chain: the first is the
+/// claim etcd created first; each next one is the first claim created after
+/// the one before was released (released: the key rewritten so, which only
+/// its own host can do). A claim made while another held the MAC is never
+/// on the chain: it does not take the MAC when the holder lets it go, as it
+/// did when the oldest claim simply won (a host could claim any MAC ahead
+/// of time and take it at the guest's next migration). A claim counts while
+/// its host is registered (`alive`).
+pub fn holder<'a>(claims: &'a Claims, alive: impl Fn(&str) -> bool) -> Holding<'a> {
+    let first = |after: i64| claims.iter().filter(|(_, c)| c.create_revision > after).min_by_key(|(_, c)| c.create_revision);
+    let mut cur = first(i64::MIN);
+    while let Some(((host, _), c)) = cur {
+        if !c.released {
+            return if alive(host) { Holding::Held(host, c) } else { Holding::Stranded(host) };
+        }
+        cur = first(c.mod_revision);
+    }
+    Holding::Free
+}
+
+/// Whether the released claim `key` can go without changing any reader's
+/// answer: no other claim was made while it held the MAC (one that was,
+/// would then come first). The host that made it deletes it then.
+pub fn can_forget(claims: &Claims, key: &(String, String)) -> bool {
+    let Some(c) = claims.get(key).filter(|c| c.released) else { return false };
+    !claims.iter().any(|(k, o)| k != key && o.create_revision > c.create_revision && o.create_revision < c.mod_revision)
 }
 
 /// Frames and bytes, one cell of the traffic matrix.
@@ -131,23 +193,66 @@ mod tests {
     fn keys_say_whose_they_are() {
         let p = "/vnet";
         assert_eq!(Record::parse(p, &reg_key(p, "h1")), Some(Record::Reg("h1")));
-        assert_eq!(Record::parse(p, &guest_key(p, "h1", "02:00:00:00:00:0b")), Some(Record::Guest("h1", "02:00:00:00:00:0b")));
+        assert_eq!(
+            Record::parse(p, &guest_key(p, "h1", "02:00:00:00:00:0b", "0000018c2f3a4b5c")),
+            Some(Record::Guest("h1", "02:00:00:00:00:0b", "0000018c2f3a4b5c"))
+        );
         assert_eq!(Record::parse(p, &traffic_key(p, "h1")), Some(Record::Traffic("h1")));
         assert!(host_prefix(p, "h1").starts_with(p) && reg_key(p, "h10").starts_with(&host_prefix(p, "h10")));
         assert!(!reg_key(p, "h10").starts_with(&host_prefix(p, "h1")), "h1's prefix is not h10's");
-        for k in ["/vnet/hosts/h1", "/vnet/host/h1", "/vnet/host/h1/other", "/vnetx/host/h1/reg", "/vnet/host/h1/guestsx"] {
+        for k in ["/vnet/hosts/h1", "/vnet/host/h1", "/vnet/host/h1/other", "/vnetx/host/h1/reg", "/vnet/host/h1/guestsx", "/vnet/host/h1/guests/02:00:00:00:00:0b"] {
             assert_eq!(Record::parse(p, k), None, "{k}");
+        }
+    }
+
+    fn claim(created: i64, released_at: Option<i64>) -> ClaimSeen {
+        ClaimSeen { network: "a".into(), create_revision: created, mod_revision: released_at.unwrap_or(created), released: released_at.is_some() }
+    }
+
+    fn claims(list: &[(&str, ClaimSeen)]) -> Claims {
+        list.iter().map(|(h, c)| ((h.to_string(), format!("{:016x}", c.create_revision)), c.clone())).collect()
+    }
+
+    fn held(c: &Claims) -> Option<&str> {
+        match holder(c, |_| true) {
+            Holding::Held(h, _) => Some(h),
+            _ => None,
         }
     }
 
     #[test]
     fn the_first_claim_holds_a_mac_whoever_claims_it_later() {
-        let c = |r| ClaimSeen { network: "a".into(), create_revision: r };
-        let mut claims: BTreeMap<String, ClaimSeen> = [("h3".to_string(), c(9)), ("h1".to_string(), c(4))].into_iter().collect();
-        assert_eq!(holder(&claims).map(|(h, _)| h), Some("h1"));
-        claims.remove("h1");
-        assert_eq!(holder(&claims).map(|(h, _)| h), Some("h3"), "the next claim once the first goes");
-        claims.clear();
-        assert_eq!(holder(&claims), None);
+        let c = claims(&[("h3", claim(9, None)), ("h1", claim(4, None))]);
+        assert_eq!(held(&c), Some("h1"));
+        assert_eq!(holder(&Claims::new(), |_| true), Holding::Free);
+    }
+
+    #[test]
+    fn a_claim_made_while_another_held_the_mac_never_takes_it() {
+        // h2 held it from 4; h3 claimed at 9 while it did (a rogue, a clone);
+        // h2 let it go at 12 (its guest migrated); h1 claimed at 14.
+        let c = claims(&[("h2", claim(4, Some(12))), ("h3", claim(9, None)), ("h1", claim(14, None))]);
+        assert_eq!(held(&c), Some("h1"), "the waiting claim took the MAC at the hand-over");
+        // Before h1's claim the MAC is free, not h3's.
+        let c = claims(&[("h2", claim(4, Some(12))), ("h3", claim(9, None))]);
+        assert_eq!(holder(&c, |_| true), Holding::Free);
+        // And later: h1 lets it go at 20, h2 claims again at 22 (migrated back).
+        let c = claims(&[("h2", claim(4, Some(12))), ("h3", claim(9, None)), ("h1", claim(14, Some(20))), ("h2", claim(22, None))]);
+        assert_eq!(held(&c), Some("h2"));
+    }
+
+    #[test]
+    fn a_holder_whose_host_is_gone_strands_the_mac_and_a_released_claim_is_forgotten_only_when_nothing_waited() {
+        let c = claims(&[("h2", claim(4, None)), ("h3", claim(9, None))]);
+        assert_eq!(holder(&c, |h| h != "h2"), Holding::Stranded("h2"), "a host gone handed the MAC over");
+        let c = claims(&[("h2", claim(4, Some(12))), ("h3", claim(9, None)), ("h1", claim(14, None))]);
+        let k = |h: &str, r: i64| (h.to_string(), format!("{r:016x}"));
+        assert!(!can_forget(&c, &k("h2", 4)), "forgetting it would hand the MAC to h3");
+        assert!(!can_forget(&c, &k("h1", 14)), "not released");
+        let c = claims(&[("h2", claim(4, Some(12))), ("h1", claim(14, None))]);
+        assert!(can_forget(&c, &k("h2", 4)));
+        let mut c = c;
+        c.remove(&k("h2", 4));
+        assert_eq!(held(&c), Some("h1"));
     }
 }

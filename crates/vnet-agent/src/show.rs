@@ -12,7 +12,7 @@
 
 use crate::model::{check_host_name, check_mac, LINK_PREFIX};
 use crate::etcd::EtcdArgs;
-use crate::records::{holder, ClaimSeen, GuestValue, HostValue, Record, Traffic};
+use crate::records::{check_epoch, guest_key, holder, ClaimSeen, Claims, GuestValue, HostValue, Holding, Record, Traffic};
 use crate::vnetd::State;
 use anyhow::Result;
 use etcd_client::GetOptions;
@@ -71,7 +71,7 @@ pub async fn show(args: ShowArgs) -> Result<()> {
     let prefix = format!("{}/", args.etcd.prefix);
     let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
     let mut hosts: BTreeMap<String, HostValue> = BTreeMap::new();
-    let mut claimed: BTreeMap<String, BTreeMap<String, ClaimSeen>> = BTreeMap::new();
+    let mut claimed: BTreeMap<String, Claims> = BTreeMap::new();
     let mut traffic: BTreeMap<String, Traffic> = BTreeMap::new();
     for kv in resp.kvs() {
         let key = String::from_utf8_lossy(kv.key());
@@ -81,10 +81,10 @@ pub async fn show(args: ShowArgs) -> Result<()> {
                     hosts.insert(h.to_string(), v);
                 }
             }
-            Some(Record::Guest(h, m)) => {
-                if let (Ok(v), Ok(m), Ok(())) = (serde_json::from_slice::<GuestValue>(kv.value()), check_mac(m), check_host_name(h)) {
-                    let c = ClaimSeen { network: v.network, create_revision: kv.create_revision() };
-                    claimed.entry(m).or_default().insert(h.to_string(), c);
+            Some(Record::Guest(h, m, e)) => {
+                if let (Ok(v), Ok(m), Ok(()), true) = (serde_json::from_slice::<GuestValue>(kv.value()), check_mac(m), check_host_name(h), check_epoch(e)) {
+                    let c = ClaimSeen { network: v.network, create_revision: kv.create_revision(), mod_revision: kv.mod_revision(), released: v.released };
+                    claimed.entry(m).or_default().insert((h.to_string(), e.to_string()), c);
                 }
             }
             Some(Record::Traffic(h)) => {
@@ -99,17 +99,25 @@ pub async fn show(args: ShowArgs) -> Result<()> {
     // wait behind another host's.
     let mut guests: BTreeMap<String, Shown> = BTreeMap::new();
     let mut contested: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut stranded: BTreeMap<String, String> = BTreeMap::new();
     for (m, claims) in &claimed {
-        let Some((h, c)) = holder(claims) else { continue };
+        let (h, c) = match holder(claims, |h| hosts.contains_key(h)) {
+            Holding::Held(h, c) => (h, c),
+            Holding::Stranded(h) => {
+                stranded.insert(m.clone(), h.to_string());
+                continue;
+            }
+            Holding::Free => continue,
+        };
         guests.insert(m.clone(), Shown { host: h.to_string(), network: c.network.clone() });
-        let waiting: Vec<String> = claims.keys().filter(|x| x.as_str() != h).cloned().collect();
+        let waiting: Vec<String> = claims.iter().filter(|(_, x)| !x.released && *x != c).map(|((h, _), _)| h.clone()).collect();
         if !waiting.is_empty() {
             contested.insert(m.clone(), waiting);
         }
     }
     let revision = resp.header().map_or(0, |h| h.revision());
     if args.json {
-        let v = serde_json::json!({ "revision": revision, "hosts": hosts, "guests": guests, "contested": contested, "traffic": traffic });
+        let v = serde_json::json!({ "revision": revision, "hosts": hosts, "guests": guests, "contested": contested, "stranded": stranded, "traffic": traffic });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
@@ -120,6 +128,9 @@ pub async fn show(args: ShowArgs) -> Result<()> {
     }
     for (m, waiting) in &contested {
         println!("contested {m} held by {}, also claimed by {} (ignored)", guests[m].host, waiting.join(" "));
+    }
+    for (m, h) in &stranded {
+        println!("stranded {m} held by {h}, which is gone (vnet-agent release {h} {m} lets it go)");
     }
     let mut nets: BTreeMap<&str, Vec<(&String, &Shown)>> = BTreeMap::new();
     for (m, g) in &guests {
@@ -190,4 +201,50 @@ mod tests {
         assert_eq!(t.guests["02:00:00:00:00:0b>02:00:00:00:00:0d"], Counts { frames: 5, bytes: 500 });
         assert_eq!(t.guests.len(), 2, "delivery from links is the receiver's side: not counted twice");
     }
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ReleaseArgs {
+    #[command(flatten)]
+    etcd: EtcdArgs,
+    /// The host whose claims to release (etcd's RBAC lets its own agent or
+    /// an administrator write them).
+    host: String,
+    /// The MACs to release; every one the host claims if none.
+    macs: Vec<String>,
+}
+
+#[cfg(test)]
+impl ReleaseArgs {
+    pub fn for_test(url: &str, host: &str, macs: &[&str]) -> ReleaseArgs {
+        let etcd = EtcdArgs { endpoints: vec![url.to_string()], prefix: "/vnet".into(), cacert: None, cert: None, key: None, user: None, password_file: None };
+        ReleaseArgs { etcd, host: host.to_string(), macs: macs.iter().map(|m| m.to_string()).collect() }
+    }
+}
+
+/// `vnet-agent release <host> [<mac>...]`: the host's claims rewritten as
+/// released, as its agent does when a guest leaves: for a host gone for good
+/// (its guests' MACs are stranded until then), or to move a guest by hand.
+pub async fn release(args: ReleaseArgs) -> Result<()> {
+    check_host_name(&args.host)?;
+    let macs = args.macs.iter().map(|m| check_mac(m)).collect::<Result<Vec<_>>>()?;
+    let mut client = args.etcd.connect().await?;
+    let prefix = format!("{}/host/{}/guests/", args.etcd.prefix, args.host);
+    let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
+    let mut done = 0;
+    for kv in resp.kvs() {
+        let key = String::from_utf8_lossy(kv.key()).into_owned();
+        let Some(Record::Guest(_, m, e)) = Record::parse(&args.etcd.prefix, &key) else { continue };
+        let Ok(mut v) = serde_json::from_slice::<GuestValue>(kv.value()) else { continue };
+        let Ok(m) = check_mac(m) else { continue };
+        if v.released || !check_epoch(e) || (!macs.is_empty() && !macs.contains(&m)) {
+            continue;
+        }
+        v.released = true;
+        client.put(guest_key(&args.etcd.prefix, &args.host, &m, e), serde_json::to_string(&v)?, None).await?;
+        println!("released {m} of host {}", args.host);
+        done += 1;
+    }
+    anyhow::ensure!(done > 0 || macs.is_empty(), "host {} holds no claim of {}", args.host, macs.join(" "));
+    Ok(())
 }

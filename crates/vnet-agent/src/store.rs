@@ -6,34 +6,43 @@
 //! `<p>/host/<host>/`, which etcd's RBAC enforces: `auth.rs`), values JSON:
 //!
 //! ```text
-//! <p>/host/<host>/reg             {"underlay": "198.18.0.1", "port": 9000}   on the host's lease
-//! <p>/host/<host>/guests/<mac>    {"network": "blue"}                        on the host's lease
-//! <p>/host/<host>/traffic         counters (show.rs)                         on the host's lease
+//! <p>/host/<host>/reg                     {"underlay": "198.18.0.1", "port": 9000}   on the host's lease
+//! <p>/host/<host>/guests/<mac>/<epoch>    {"network": "blue"}                        (released: "released": true)
+//! <p>/host/<host>/traffic                 counters (show.rs)                         on the host's lease
 //! ```
 //!
-//! A host claims a MAC when its vnetd gets an interface with it, and
-//! withdraws the claim when the interface goes. Two hosts may claim one MAC
-//! (a migration's new host before the old one let go, a clone, a rogue
-//! host): every reader gives it to the claim etcd created first
-//! (`records::holder`). So a later claim never takes a MAC another host
-//! holds; it waits, and holds the MAC once the earlier claim is withdrawn
-//! or its host's lease runs out. A host whose claim waits does not route
-//! its interface (logged); every agent counts the claims it saw waiting
-//! behind another host's (`contested`, in its traffic record and the log).
+//! A host claims a MAC when a guest with it starts there (its vnetd gets the
+//! interface; a VM's rings start), under a new epoch each time, and
+//! releases the claim (rewrites it `released`) when the guest leaves. Who
+//! holds a MAC follows from the claims alone (`records::holder`): the first
+//! claim, then after each release the first claim made after it. So a claim
+//! made while another host held the MAC never takes it: it is counted
+//! (`contested`) and ignored for good, and a migration hands the MAC to the
+//! claim its new host makes when the guest starts there. A claim counts
+//! only while its host is registered: when a host's agent dies, its lease
+//! and registration go, and its guests' MACs are held by nobody ("stranded")
+//! until it comes back or an administrator releases them (`vnet-agent
+//! release`); a host gone does not hand its guests over. Claims are not on
+//! the lease, so that a stranded claim stays to say so.
 //!
-//! When a host's agent dies, its lease expires and etcd deletes its keys:
-//! the other agents see the deletes and withdraw its guests. When etcd is
-//! unreachable, the cache is kept and nothing is changed; when the watch
-//! cannot go on (etcd compacted past it, or restarted), the agent lists the
-//! prefix again and watches from there.
+//! When etcd is unreachable, the cache is kept and nothing is changed; when
+//! the watch cannot go on (etcd compacted past it, or restarted), the agent
+//! lists the prefix again and watches from there.
 
 use crate::etcd::{EtcdArgs, OP_TIMEOUT};
 use crate::model::{Guest, Host};
-use crate::records::{guest_key, holder, reg_key, traffic_key, ClaimSeen, GuestValue, HostValue, Record, Traffic};
+use crate::records::{can_forget, check_epoch, guest_key, holder, new_epoch, reg_key, traffic_key, ClaimSeen, Claims, GuestValue, HostValue, Holding, Record, Traffic};
 use etcd_client::{Client, EventType, GetOptions, LeaseKeeper, LeaseKeepAliveStream, PutOptions, WatchOptions, WatchStream};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
+
+/// How long after its guest started a host's claim may be made again when
+/// the MAC's holder let it go after the claim was made (a migration whose
+/// new host claimed before the old one released): longer, and the claim is
+/// one that waited behind a holder, which never takes a MAC
+/// (`--handover-ms`).
+pub const HANDOVER: Duration = Duration::from_secs(10);
 
 /// This host's claim on a local interface's MAC.
 #[derive(Clone, Debug)]
@@ -41,9 +50,11 @@ struct Claim {
     /// The vnetd interface id it is for.
     iface: u32,
     network: String,
-    /// Written under the current lease.
-    written: bool,
-    /// Another host's earlier claim holds the MAC (logged once).
+    /// The epoch of its record in etcd, once written.
+    epoch: Option<String>,
+    /// When the guest started here (the interface was first seen).
+    since: Instant,
+    /// Another claim holds the MAC (logged once).
     waiting: bool,
 }
 
@@ -78,8 +89,8 @@ pub struct Store {
     /// followed by the watch); None until the first listing.
     revision: Option<i64>,
     hosts: BTreeMap<String, Host>,
-    /// Every host's claims, by MAC then host.
-    claimed: BTreeMap<String, BTreeMap<String, ClaimSeen>>,
+    /// Every host's claims, by MAC.
+    claimed: BTreeMap<String, Claims>,
     /// Each MAC's holder, as the model wants them.
     routed: BTreeMap<String, Guest>,
     claims: BTreeMap<String, Claim>,
@@ -92,6 +103,10 @@ pub struct Store {
     /// revision), each counted once in `contested`.
     seen_waiting: BTreeSet<(String, String, i64)>,
     pub contested: u64,
+    /// MACs whose holder's host is gone (logged once).
+    stranded: BTreeSet<String>,
+    /// The hand-over window (`HANDOVER` unless set).
+    pub handover: Duration,
 }
 
 impl Store {
@@ -112,6 +127,8 @@ impl Store {
             dirty: true,
             seen_waiting: BTreeSet::new(),
             contested: 0,
+            stranded: BTreeSet::new(),
+            handover: HANDOVER,
         }
     }
 
@@ -177,12 +194,6 @@ impl Store {
             client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
             self.reregister = false;
-            // Our claims are written again under the new lease (where the
-            // key still exists, it keeps its create revision, and with it
-            // its place among the MAC's claims).
-            for c in self.claims.values_mut() {
-                c.written = false;
-            }
             tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.me.host);
         }
         if self.reregister {
@@ -213,17 +224,18 @@ impl Store {
         let rev = resp.header().map_or(0, |h| h.revision());
         self.hosts.clear();
         self.claimed.clear();
-        let kvs: Vec<(String, Vec<u8>, i64)> = resp
+        let kvs: Vec<(String, Vec<u8>, i64, i64)> = resp
             .kvs()
             .iter()
-            .map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec(), kv.create_revision()))
+            .map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec(), kv.create_revision(), kv.mod_revision()))
             .collect();
         let stream = client.watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
-        for (k, v, c) in kvs {
-            self.put_cached(&k, &v, c);
+        for (k, v, c, m) in kvs {
+            self.put_cached(&k, &v, c, m);
         }
         self.watch = Some(stream);
         self.revision = Some(rev);
+        self.adopt_own_claims();
         self.rebuild();
         tracing::info!("etcd: listed {} hosts and {} guests at revision {rev}", self.hosts.len(), self.claimed.len());
         Ok(())
@@ -232,7 +244,7 @@ impl Store {
     /// Takes a key into the cache; true if it is a host's registration or
     /// a guest claim. A value that does not parse is ignored (and logged):
     /// one bad writer cannot stop the overlay.
-    fn put_cached(&mut self, key: &str, value: &[u8], create_revision: i64) -> bool {
+    fn put_cached(&mut self, key: &str, value: &[u8], create_revision: i64, mod_revision: i64) -> bool {
         match Record::parse(&self.etcd.prefix, key) {
             Some(Record::Reg(name)) => match serde_json::from_slice::<HostValue>(value) {
                 Ok(h)
@@ -244,10 +256,12 @@ impl Store {
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a host entry"),
             },
-            Some(Record::Guest(host, mac)) => match (serde_json::from_slice::<GuestValue>(value), crate::model::check_mac(mac)) {
-                (Ok(g), Ok(mac)) if crate::model::check_host_name(host).is_ok() && crate::model::check_network(&g.network).is_ok() => {
-                    let c = ClaimSeen { network: g.network, create_revision };
-                    self.claimed.entry(mac).or_default().insert(host.to_string(), c);
+            Some(Record::Guest(host, mac, epoch)) => match (serde_json::from_slice::<GuestValue>(value), crate::model::check_mac(mac)) {
+                (Ok(g), Ok(mac))
+                    if crate::model::check_host_name(host).is_ok() && crate::model::check_network(&g.network).is_ok() && check_epoch(epoch) =>
+                {
+                    let c = ClaimSeen { network: g.network, create_revision, mod_revision, released: g.released };
+                    self.claimed.entry(mac).or_default().insert((host.to_string(), epoch.to_string()), c);
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a guest entry"),
             },
@@ -261,10 +275,10 @@ impl Store {
             Some(Record::Reg(name)) => {
                 self.hosts.remove(name);
             }
-            Some(Record::Guest(host, mac)) => {
+            Some(Record::Guest(host, mac, epoch)) => {
                 let mac = mac.to_ascii_lowercase();
                 if let Some(c) = self.claimed.get_mut(&mac) {
-                    c.remove(host);
+                    c.remove(&(host.to_string(), epoch.to_string()));
                     if c.is_empty() {
                         self.claimed.remove(&mac);
                     }
@@ -273,6 +287,24 @@ impl Store {
             Some(Record::Traffic(_)) | None => return false,
         }
         true
+    }
+
+    /// At a listing: this host's own claims in etcd (an agent restarted)
+    /// are taken back as they are, the newest of each MAC; the interfaces
+    /// they were for are matched at the next `publish`, which releases the
+    /// claims of guests no longer here.
+    fn adopt_own_claims(&mut self) {
+        let me = self.me.host.clone();
+        for (mac, claims) in &self.claimed {
+            if self.claims.contains_key(mac) {
+                continue;
+            }
+            let newest = claims.iter().filter(|((h, _), c)| *h == me && !c.released).max_by_key(|(_, c)| c.create_revision);
+            if let Some(((_, epoch), c)) = newest {
+                let since = Instant::now().checked_sub(self.handover).unwrap_or_else(Instant::now);
+                self.claims.insert(mac.clone(), Claim { iface: u32::MAX, network: c.network.clone(), epoch: Some(epoch.clone()), since, waiting: false });
+            }
+        }
     }
 
     /// Whether the overlay changed (a host or guest key, or a claim of ours)
@@ -290,16 +322,28 @@ impl Store {
         self.dirty = true;
         self.routed.clear();
         let mut waiting = BTreeSet::new();
+        let mut stranded = BTreeSet::new();
+        let hosts = &self.hosts;
         for (mac, claims) in &self.claimed {
-            let Some((holder, first)) = holder(claims) else { continue };
-            self.routed.insert(mac.clone(), Guest { host: holder.to_string(), network: first.network.clone() });
-            for (host, c) in claims.iter().filter(|(h, _)| h.as_str() != holder) {
+            let (holder_host, first) = match holder(claims, |h| hosts.contains_key(h)) {
+                Holding::Held(h, c) => (h, c),
+                Holding::Stranded(h) => {
+                    if !self.stranded.contains(mac) {
+                        tracing::warn!("guest {mac}: host {h} holds it and is gone (its lease ran out): nobody else takes it until h comes back or `vnet-agent release` lets it go");
+                    }
+                    stranded.insert(mac.clone());
+                    continue;
+                }
+                Holding::Free => continue,
+            };
+            self.routed.insert(mac.clone(), Guest { host: holder_host.to_string(), network: first.network.clone() });
+            for ((host, _), c) in claims.iter().filter(|(_, c)| !c.released && *c != first) {
                 let w = (mac.clone(), host.clone(), c.create_revision);
                 if !self.seen_waiting.contains(&w) {
                     self.contested += 1;
                     tracing::warn!(
-                        "guest {mac}: host {host} claims it (revision {}), but host {holder} holds it (revision {}): \
-                         ignored while that claim stands ({} contested claims seen)",
+                        "guest {mac}: host {host} claims it (revision {}), but host {holder_host} holds it (revision {}): \
+                         ignored for good ({} contested claims seen)",
                         c.create_revision,
                         first.create_revision,
                         self.contested
@@ -309,15 +353,16 @@ impl Store {
             }
         }
         self.seen_waiting = waiting;
+        self.stranded = stranded;
         for (mac, c) in self.claims.iter_mut() {
             let ours = self.routed.get(mac).is_some_and(|g| g.host == self.me.host);
-            if c.written && !ours && !c.waiting {
+            if c.epoch.is_some() && !ours && !c.waiting {
                 c.waiting = true;
                 let by = self.routed.get(mac).map_or("no one", |g| g.host.as_str());
-                tracing::warn!("guest {mac}: host {by} claimed it before us: our interface is not routed until that claim goes");
+                tracing::warn!("guest {mac}: held by {by}, not by our claim: our interface is not routed");
             } else if ours && c.waiting {
                 c.waiting = false;
-                tracing::info!("guest {mac}: the earlier claim is gone; ours holds it now");
+                tracing::info!("guest {mac}: our claim holds it now");
             }
         }
     }
@@ -360,7 +405,7 @@ impl Store {
                     let Some(kv) = ev.kv() else { continue };
                     let key = String::from_utf8_lossy(kv.key()).into_owned();
                     changed |= match ev.event_type() {
-                        EventType::Put => self.put_cached(&key, kv.value(), kv.create_revision()),
+                        EventType::Put => self.put_cached(&key, kv.value(), kv.create_revision(), kv.mod_revision()),
                         EventType::Delete => self.delete_cached(&key),
                     };
                     self.revision = Some(kv.mod_revision().max(self.revision.unwrap_or(0)));
@@ -379,56 +424,116 @@ impl Store {
         }
     }
 
-    /// Claims the MACs of new local interfaces and gives up those of
-    /// interfaces gone. Only while etcd answers; otherwise next time.
+    /// Claims the MACs of new local interfaces, releases those of
+    /// interfaces gone, makes again a claim that missed a hand-over by a
+    /// moment, and forgets released claims no reader needs. Only while etcd
+    /// answers; otherwise next time.
     pub async fn publish(&mut self, local: &BTreeMap<String, (u32, String)>) {
         if self.lease.is_none() || self.revision.is_none() {
             return;
         }
         let (prefix, host) = (self.etcd.prefix.clone(), self.me.host.clone());
-        // Interfaces gone: their keys are ours alone, deleted as they are.
+        // Guests gone: their claims released (a key of ours, rewritten).
         let gone: Vec<String> = self.claims.keys().filter(|m| !local.contains_key(*m)).cloned().collect();
         for mac in gone {
             let c = self.claims.remove(&mac).expect("listed above");
-            match self.client.as_mut().expect("connected").delete(guest_key(&prefix, &host, &mac), None).await {
-                Ok(_) => tracing::info!("guest {mac}: withdrawn (its interface is gone)"),
-                Err(e) => {
-                    tracing::warn!("etcd: cannot withdraw guest {mac}: {e}");
+            if let Some(epoch) = &c.epoch {
+                if let Err(e) = self.release(&mac, epoch, &c.network).await {
+                    tracing::warn!("etcd: cannot release guest {mac}: {e}");
                     self.claims.insert(mac, c);
+                    continue;
                 }
+                tracing::info!("guest {mac}: released (its interface is gone)");
             }
         }
-        let lease = self.lease.as_ref().expect("checked").0;
+        let now = Instant::now();
         for (mac, (id, network)) in local {
-            let c = self.claims.entry(mac.clone()).or_insert_with(|| Claim { iface: *id, network: network.clone(), written: false, waiting: false });
+            let c = self
+                .claims
+                .entry(mac.clone())
+                .or_insert_with(|| Claim { iface: *id, network: network.clone(), epoch: None, since: now, waiting: false });
             // An interface added again (or renumbered by a restarted vnetd)
             // keeps its claim, and with it its place.
             c.iface = *id;
+            let mut stale = None;
             if &c.network != network {
-                // Moved to another network: written again.
+                // Moved to another network: claimed again.
+                stale = c.epoch.take().map(|e| (e, c.network.clone(), true));
                 c.network = network.clone();
-                c.written = false;
+            } else if c.epoch.is_some()
+                && now.duration_since(c.since) < self.handover
+                && matches!(self.claimed.get(mac).map(|cl| holder(cl, |h| self.hosts.contains_key(h))), Some(Holding::Free))
+            {
+                // The holder let the MAC go just after our guest started
+                // here and claimed it (a migration): our claim, made before
+                // the release, is off the chain; made again, it is the
+                // first after it.
+                tracing::info!("guest {mac}: its holder let it go just after we claimed it: claiming it again");
+                stale = c.epoch.take().map(|e| (e, c.network.clone(), false));
             }
-            if c.written {
+            if let Some((epoch, net, released)) = stale {
+                let r = if released { self.release(mac, &epoch, &net).await } else { self.forget(mac, &epoch).await };
+                if let Err(e) = r {
+                    tracing::warn!("etcd: cannot give up guest {mac}'s old claim: {e}");
+                }
+            }
+            let c = self.claims.get_mut(mac).expect("inserted above");
+            if c.epoch.is_some() {
                 continue;
             }
-            let v = serde_json::to_string(&GuestValue { network: c.network.clone() }).expect("plain struct");
-            let key = guest_key(&prefix, &host, mac);
-            match self.client.as_mut().expect("connected").put(key, v, Some(PutOptions::new().with_lease(lease))).await {
+            let epoch = new_epoch();
+            let v = serde_json::to_string(&GuestValue { network: c.network.clone(), released: false }).expect("plain struct");
+            let key = guest_key(&prefix, &host, mac, &epoch);
+            match self.client.as_mut().expect("connected").put(key, v, None).await {
                 Ok(r) => {
-                    c.written = true;
-                    tracing::info!("guest {mac}: published in network {}", c.network);
-                    // Our own write comes back through the watch too; note
-                    // it now (a key written before keeps its create revision).
+                    tracing::info!("guest {mac}: claimed in network {}", c.network);
+                    // Our own write comes back through the watch too; note it now.
                     let rev = r.header().map_or(0, |h| h.revision());
-                    let claims = self.claimed.entry(mac.clone()).or_default();
-                    let create_revision = claims.get(&host).map_or(rev, |s| s.create_revision);
-                    claims.insert(host.clone(), ClaimSeen { network: c.network.clone(), create_revision });
+                    let seen = ClaimSeen { network: c.network.clone(), create_revision: rev, mod_revision: rev, released: false };
+                    self.claimed.entry(mac.clone()).or_default().insert((host.clone(), epoch.clone()), seen);
+                    c.epoch = Some(epoch);
                 }
                 Err(e) => tracing::warn!("etcd: cannot publish guest {mac}: {e}"),
             }
         }
+        // Released claims of ours that no reader needs any more.
+        let done: Vec<(String, String)> = self
+            .claimed
+            .iter()
+            .flat_map(|(mac, cl)| cl.keys().filter(|k| k.0 == host && can_forget(cl, k)).map(move |k| (mac.clone(), k.1.clone())))
+            .collect();
+        for (mac, epoch) in done {
+            if let Err(e) = self.forget(&mac, &epoch).await {
+                tracing::warn!("etcd: cannot forget guest {mac}'s released claim: {e}");
+            }
+        }
         self.rebuild();
+    }
+
+    /// Rewrites our claim `epoch` of `mac` as released.
+    async fn release(&mut self, mac: &str, epoch: &str, network: &str) -> Result<(), etcd_client::Error> {
+        let v = serde_json::to_string(&GuestValue { network: network.to_string(), released: true }).expect("plain struct");
+        let key = guest_key(&self.etcd.prefix, &self.me.host, mac, epoch);
+        let r = self.client.as_mut().expect("connected").put(key, v, None).await?;
+        let rev = r.header().map_or(0, |h| h.revision());
+        if let Some(c) = self.claimed.get_mut(mac).and_then(|cl| cl.get_mut(&(self.me.host.clone(), epoch.to_string()))) {
+            c.released = true;
+            c.mod_revision = rev;
+        }
+        Ok(())
+    }
+
+    /// Deletes our claim `epoch` of `mac`.
+    async fn forget(&mut self, mac: &str, epoch: &str) -> Result<(), etcd_client::Error> {
+        let key = guest_key(&self.etcd.prefix, &self.me.host, mac, epoch);
+        self.client.as_mut().expect("connected").delete(key, None).await?;
+        if let Some(cl) = self.claimed.get_mut(mac) {
+            cl.remove(&(self.me.host.clone(), epoch.to_string()));
+            if cl.is_empty() {
+                self.claimed.remove(mac);
+            }
+        }
+        Ok(())
     }
 
     /// Publishes this host's traffic counters (on its lease, so they go
@@ -453,7 +558,7 @@ impl Store {
         local
             .iter()
             .filter(|(m, (id, _))| {
-                self.claims.get(*m).is_some_and(|c| c.iface == *id && c.written)
+                self.claims.get(*m).is_some_and(|c| c.iface == *id && c.epoch.is_some())
                     && self.routed.get(*m).is_some_and(|g| g.host == self.me.host)
             })
             .map(|(m, (_, n))| (m.clone(), n.clone()))
