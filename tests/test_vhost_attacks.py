@@ -589,6 +589,21 @@ def test_s7_vhost_user_sockets_are_confined_to_the_vhost_user_dir(lab):
     r = d2.ctl("INTERFACE", "ADD", "vm2", "52:54:00:00:07:f1", "vhost-user", str(home / "vm2b.sock"), check=False)
     assert r.returncode != 0 and str(made) in r.stderr + r.stdout, r
 
+    # A directory others may write (V13), or that another user owns (who
+    # could swap a socket for a link whatever its mode: the 2026-11-28
+    # review's L4), is refused, and nothing is made in it.
+    d2.stop()
+    for mode, owner, says in ((0o777, 0, "may be written by others"), (0o755, 65534, "belongs to uid 65534")):
+        bad = lab.tmp / f"bad-{mode:o}-{owner}"
+        bad.mkdir()
+        os.chmod(bad, mode)
+        os.chown(bad, owner, owner)
+        d3 = lab.start_vnetd(h2, "", "--vhost-user-dir", bad)
+        r = d3.ctl("INTERFACE", "ADD", "vm1", "52:54:00:00:07:f2", "vhost-user", "vm1.sock", check=False)
+        assert r.returncode != 0 and says in r.stderr + r.stdout, r
+        assert os.listdir(bad) == [] and "vm1" not in d3.ctl("INTERFACE", "LIST").stdout
+        d3.stop()
+
 
 # ---- one guest can never hurt another ----
 

@@ -627,3 +627,33 @@ def test_dirty_page_logs_are_checked_and_a_good_one_gets_every_page_vnetd_writes
     assert f.logged_pages() == set(), "logging went on without LOG_ALL"
     assert "dirty-page logging off" in t.d2.log_text()
     t.alive()
+
+
+def test_a_frontend_flipping_its_rings_wakes_waiters_at_a_bounded_pace_and_its_last_state_is_reported(lab):
+    """The security review's L3: each start or stop of a frontend's rings
+    was a change, which wakes vnet-agent's `WAIT` (a pass of the agent:
+    vnetd read, etcd maybe written). A frontend that starts and stops its
+    rings 400 times in 2 s is reported in a burst of 4 then once every
+    100 ms (about 24 changes, not 400), and the state it ends in is the
+    one reported within the next 100 ms."""
+    t = Lab2(lab)
+    f = t.connect(reply_ack=True)
+    t.exchange(f)
+    from netlab import UnixSession
+    s = UnixSession(t.d2.sock)
+    before = int(s.request("WAIT\n")[1][0].split()[1])
+    start = time.monotonic()
+    for k in range(400):
+        assert f.vring_enable(0, k % 2 == 1) == 0
+        time.sleep(0.005)
+    took = time.monotonic() - start
+    time.sleep(0.3)
+    after = int(s.request("WAIT\n")[1][0].split()[1])
+    s.close()
+    assert after - before <= 4 + took / 0.1 + 3, (after - before, took)
+    assert after - before >= 4, "the flips were not reported at all"
+    # It ended enabled: running, as reported.
+    line = next(l for l in t.d2.ctl("INTERFACE", "LIST").stdout.splitlines() if " fe " in l or "name=fe" in l)
+    assert "running=yes" in line, line
+    t.exchange(f)
+    t.alive()

@@ -32,10 +32,16 @@ pub const LOG_PAGE: u64 = 0x1000;
 /// 2 TiB of guest memory.
 pub const MAX_LOG: u64 = 64 << 20;
 
-/// The frontend's log, mapped into vnetd (`SET_LOG_BASE`).
+/// The frontend's log, mapped into vnetd (`SET_LOG_BASE`), and guarded as
+/// guest memory is (`fault::Guard`): a log that faults all the same (a
+/// hugetlbfs file can lose a page under a seal when the pool runs dry: the
+/// security review's L1) is replaced by zero pages, and its marks are lost
+/// rather than vnetd ended by SIGBUS.
 pub struct LogMap {
     at: *mut AtomicU8,
     len: usize,
+    /// Dropped after the mapping is unmapped (`Drop` runs first).
+    guard: crate::fault::Guard,
 }
 
 // SAFETY: the mapping is shared memory, touched only through atomics.
@@ -58,15 +64,30 @@ impl LogMap {
         if !crate::fault::sealed_against_shrinking(file) {
             return Err("a log file not sealed against shrinking (F_SEAL_SHRINK)".into());
         }
-        // SAFETY: a shared mapping of a range the file holds and cannot
-        // lose; the result is checked.
+        LogMap::map_guarded(file, size, offset)
+    }
+
+    /// Maps the range and guards it.
+    fn map_guarded(file: &File, size: u64, offset: u64) -> Result<LogMap, String> {
+        // SAFETY: a shared mapping of a range the file holds; the result is
+        // checked, and a fault in it is caught (`fault::Guard`).
         let p = unsafe {
             libc::mmap(std::ptr::null_mut(), size as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), offset as libc::off_t)
         };
         if p == libc::MAP_FAILED {
             return Err(format!("cannot map the log: {}", std::io::Error::last_os_error()));
         }
-        Ok(LogMap { at: p.cast(), len: size as usize })
+        let Some(guard) = crate::fault::Guard::new(&[(p as usize, size as usize)]) else {
+            // SAFETY: the mapping just made.
+            unsafe { libc::munmap(p, size as usize) };
+            return Err("too many guarded mappings in vnetd to take another log".into());
+        };
+        Ok(LogMap { at: p.cast(), len: size as usize, guard })
+    }
+
+    /// Whether the log faulted (its marks since went to zero pages).
+    pub fn faulted(&self) -> bool {
+        self.guard.faulted()
     }
 
     /// Marks guest-physical pages `first..=last`; pages past the log's end
@@ -92,6 +113,9 @@ impl LogMap {
 
 impl Drop for LogMap {
     fn drop(&mut self) {
+        if self.faulted() {
+            tracing::warn!("a vhost-user dirty-page log faulted (its file lost pages): the pages vnetd wrote after that were not logged");
+        }
         // SAFETY: the mapping made in `map`.
         unsafe { libc::munmap(self.at.cast(), self.len) };
     }
@@ -221,6 +245,23 @@ mod tests {
         let mut b = vec![0u8; f.metadata().unwrap().len() as usize];
         std::os::unix::fs::FileExt::read_exact_at(f, &mut b, 0).unwrap();
         (0..b.len() as u64 * 8).filter(|p| b[(p / 8) as usize] & (1 << (p % 8)) != 0).collect()
+    }
+
+    #[test]
+    fn a_log_whose_file_loses_its_pages_faults_the_log_not_the_process() {
+        // The review's L1 (a hugetlbfs log with a hole punched and the pool
+        // dry): here a file cut short under the mapping, which the seal
+        // check would refuse, mapped past it as `map` maps a sealed one.
+        let file = memfd(8192, false);
+        let keep = file.try_clone().unwrap();
+        let log = LogMap::map_guarded(&file, 8192, 0).unwrap();
+        log.mark(0, 3);
+        assert!(log.marked(2) && !log.faulted());
+        keep.set_len(0).unwrap();
+        // Without the guard this mark ends the test process by SIGBUS.
+        log.mark(40000, 40001);
+        assert!(log.faulted());
+        assert!(!log.marked(0), "zero pages where the log was");
     }
 
     #[test]
