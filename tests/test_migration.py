@@ -151,8 +151,10 @@ def iface(o: Overlay, i: int) -> str:
 
 
 def claims(o: Overlay) -> set[int]:
-    keys = o.etcdctl("get", "--prefix", "/vnet/", "--keys-only").stdout.split()
-    return {i for i in o.hosts if gkey(i, VM) in keys}
+    """The hosts whose claim of the VM's MAC stands (not released)."""
+    lines = o.etcdctl("get", "--prefix", "/vnet/").stdout.splitlines()
+    live = {k for k, v in zip(lines[::2], lines[1::2]) if '"released":true' not in v}
+    return {i for i in o.hosts if any(k.startswith(gkey(i, VM)) for k in live)}
 
 
 def vm_route(o: Overlay, i: int) -> str | None:
