@@ -68,16 +68,41 @@ def skip_reason(rep) -> str:
     return str(lr)
 
 
+def not_run(reason: str) -> str:
+    return (f"skipped for a missing dependency, which fails the test command: {reason} "
+            "(scripts/setup installs every dependency; VNET_STRICT_SKIPS=0 outside CI lets it skip)")
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
-    if rep.skipped and not hasattr(rep, "wasxfail") and strict_skips():
+    if strict_skips():
+        if hasattr(rep, "wasxfail"):
+            # An expected failure is a test that does not say what it
+            # checks: it fails the test command too, passing or failing,
+            # unless its reason holds on every machine.
+            reason = str(rep.wasxfail)
+            if not reason.startswith(EVERY_MACHINE):
+                rep.outcome = "failed"
+                rep.longrepr = f"marked xfail, which fails the test command: {reason or '(no reason)'}"
+        elif rep.skipped:
+            reason = skip_reason(rep).removeprefix("Skipped: ")
+            if not reason.startswith(EVERY_MACHINE):
+                rep.outcome = "failed"
+                rep.longrepr = not_run(reason)
+    setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_make_collect_report(collector):
+    # A whole module skipped while it is collected (`pytest.skip(...,
+    # allow_module_level=True)`, `pytest.importorskip`) is tests that did not
+    # run, as one skipped test is.
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and strict_skips():
         reason = skip_reason(rep).removeprefix("Skipped: ")
         if not reason.startswith(EVERY_MACHINE):
             rep.outcome = "failed"
-            rep.longrepr = (
-                f"skipped for a missing dependency, which fails the test command: {reason} "
-                "(scripts/setup installs every dependency; VNET_STRICT_SKIPS=0 outside CI lets it skip)"
-            )
-    setattr(item, "rep_" + rep.when, rep)
+            rep.longrepr = not_run(reason)

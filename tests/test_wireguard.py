@@ -177,6 +177,28 @@ def test_a_wireguard_link_carries_ping_and_200_mb_each_way_and_the_underlay_sees
         assert f"endpoint={underlay_ip(peer)}:51820" in line and "handshake_age_s=never" not in line
 
 
+def test_a_wireguard_link_takes_88_bytes_so_a_1412_byte_frame_crosses_a_1500_byte_underlay_whole(lab):
+    """W16: the link's overhead is 88 bytes (outer IPv4 + UDP, WireGuard's
+    header and tag, the inner IPv4 + UDP): a guest at MTU 1398 sends a full
+    frame of 1412 bytes, which leaves as one 1500-byte IPv4 packet (UDP
+    payload 1472), not a fragment."""
+    hosts, d, g, keys = wg_mesh(lab, {1: [1], 2: [2]})
+    assert lab.reaches(g[1], g[2])
+    pcap = lab.tmp / "full.pcap"
+    cap = capture(lab, hosts[1], "eth0", pcap, ("udp", "and", "dst", "host", underlay_ip(2)))
+    # An echo request of 1370 bytes: IPv4 1398, the frame 1412.
+    r = lab.x(g[1].ns, "ping", "-n", "-q", "-c", "3", "-i", "0.2", "-M", "do", "-s", "1370", g[2].ip, check=False)
+    stop_capture(cap)
+    assert " 0% packet loss" in r.stdout, r.stdout
+    pkts = [p for p in packets(pcap) if len(p) > 14 + 20 + 8]
+    data = [p for p in pkts if (udp_payload(p) or b"\0")[:1] == b"\x04"]
+    sizes = sorted({int.from_bytes(p[16:18], "big") for p in data})
+    assert sizes and sizes[-1] == 1500, sizes
+    assert max(len(udp_payload(p)) for p in data) == 1472
+    # No IP fragment among them (flags MF, or an offset).
+    assert all(int.from_bytes(p[20:22], "big") & 0x3FFF == 0 for p in pkts), "a fragment on the underlay"
+
+
 def test_forged_replayed_and_old_session_datagrams_are_dropped_counted_and_reach_no_guest(lab):
     hosts, d, g, keys = wg_mesh(lab, {1: [1], 2: [2]}, "--metrics", "9190")
     assert lab.reaches(g[1], g[2])
