@@ -137,7 +137,8 @@ pub fn watch(path: &Path, wake: std::sync::Arc<tokio::sync::Notify>) {
 /// None if it has no WireGuard key.
 pub fn parse_wireguard(lines: &[String]) -> Option<(u16, String)> {
     let line = lines.iter().find(|l| l.starts_with("wireguard "))?;
-    let port = field(line, "listen")?.parse::<SocketAddr>().ok()?.port();
+    // `listen=` is each carrier's address (IPv4, then IPv6): one port.
+    let port = field(line, "listen")?.split(',').next()?.parse::<SocketAddr>().ok()?.port();
     Some((port, field(line, "public_key")?.to_string()))
 }
 
@@ -245,5 +246,8 @@ mod tests {
         let show = vec!["vnetd version=0.1.0".to_string(), format!("wireguard listen=0.0.0.0:51821 public_key={key} peers=2 cookies_sent=0")];
         assert_eq!(parse_wireguard(&show), Some((51821, key.to_string())));
         assert_eq!(parse_wireguard(&show[..1]), None);
+        // Listening on IPv4 and IPv6.
+        let both = vec![format!("wireguard listen=0.0.0.0:51821,[::]:51821 public_key={key} peers=0")];
+        assert_eq!(parse_wireguard(&both), Some((51821, key.to_string())));
     }
 }
