@@ -26,9 +26,12 @@ use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-use vnetd::link::wireguard::{inner_frame, By, Found, Handshaker, Inner, Links, RunSink, WgHub, WgKeys, WgLink, MAX_DATAGRAM};
-use vnetd::link::{GsoState, Transport, TxCtx, TxQueue};
+use vnetd::link::carriers::UdpCarrier;
+use vnetd::link::wireguard::{inner_frame, Handshaker, Inner, WgHub, WgKeys, WgLink, MAX_DATAGRAM};
+use vnetd::link::{CarrierKey, DemuxKey, GsoState, LinkLookup, RunOpener, Transport, TxCtx, TxQueue};
+use vnetd::port::{Intake, Slot};
 use vnetd::stats::{Counters, OffloadCounters, ThreadStats};
+use vnetd::sys::udp::UdpEndpoint;
 use vnet_core::offload::{Pieces, VnetHdr};
 
 struct World {
@@ -42,13 +45,20 @@ struct World {
     h: Handshaker,
 }
 
-impl Links for World {
-    fn wireguard(&self, by: By) -> Option<Found<'_>> {
-        let ours = match by {
-            By::Index(i) => i == self.link.index(),
-            By::Key(k) => k == self.link.peer(),
+impl LinkLookup for World {
+    fn demux(&self, _carrier: &CarrierKey, key: &DemuxKey) -> Option<u32> {
+        let ours = match key {
+            DemuxKey::Index(i) => *i == self.link.index(),
+            DemuxKey::Key(k) => k == self.link.peer(),
+            _ => false,
         };
-        ours.then(|| Found { slot: 0, link: &self.link, stats: &self.stats })
+        ours.then_some(0)
+    }
+    fn link(&self, slot: u32) -> Option<(&dyn Transport, &Counters)> {
+        (slot == 0).then(|| (&*self.link as &dyn Transport, &self.stats))
+    }
+    fn slot_of_link(&self, _id: u32) -> Option<u32> {
+        Some(0)
     }
 }
 
@@ -56,14 +66,19 @@ impl Links for World {
 #[derive(Default)]
 struct Frames(Vec<Vec<u8>>);
 
-impl RunSink for Frames {
-    fn frame(&mut self, slot: u32, buf: &mut [u8], frame: Range<usize>) {
+impl Intake for Frames {
+    fn port_frame(&mut self, _at: Slot, _frame: &mut [u8], _vnet: VnetHdr) {
+        panic!("a WireGuard datagram is no device frame");
+    }
+    fn link_frame(&mut self, slot: u32, buf: &mut [u8], frame: Range<usize>) {
         assert_eq!(slot, 0);
         assert!(frame.end <= buf.len());
         self.0.push(buf[frame].to_vec());
     }
-    fn end(&mut self, _buf: &[u8]) {}
+    fn end_run(&mut self, _buf: &[u8]) {}
 }
+
+const CARRIER: CarrierKey = CarrierKey::Udp { port: 51820, v6: false };
 
 impl World {
     fn from(&self) -> SocketAddr {
@@ -76,7 +91,8 @@ impl World {
         let mut frames = Frames::default();
         let mut buf = vec![0u8; MAX_DATAGRAM + 128];
         let (hub, from) = (self.hub.clone(), self.from());
-        hub.open_run(&*self, &self.st, from, run, seg, &mut buf, &mut frames);
+        let mut run = run.to_vec();
+        hub.open_run(&CARRIER, &*self, &self.st, from, &mut run, seg, &mut buf, &mut frames);
         let mut h = std::mem::take(&mut self.h);
         hub.work_now(&*self, &mut h, false);
         self.h = h;
@@ -125,7 +141,9 @@ fn world() -> World {
     let hub_secret = [7u8; 32];
     let peer_secret = StaticSecret::from([9u8; 32]);
     let hub_public = PublicKey::from(&StaticSecret::from(hub_secret));
-    let hub = WgHub::new("127.0.0.1:0".parse().unwrap(), 1, WgKeys::new(hub_secret), std::path::Path::new("/nonexistent")).unwrap();
+    let hub = WgHub::new(WgKeys::new(hub_secret), std::path::Path::new("/nonexistent"));
+    let ep = Arc::new(UdpEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap());
+    hub.carry(&UdpCarrier::new(CARRIER, "wireguard", vec![ep], hub.clone() as Arc<dyn RunOpener>));
     let sock = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     // Room for every frame that waited (24 of up to 60 KB).
@@ -137,7 +155,7 @@ fn world() -> World {
     }
     let at = sock.local_addr().unwrap();
     let peer_public = *PublicKey::from(&peer_secret).as_bytes();
-    let inner = Inner { src: Ipv4Addr::LOCALHOST, dst: Ipv4Addr::LOCALHOST, sport: 9000, dport: 9000 };
+    let inner = Inner { src: Ipv4Addr::LOCALHOST.into(), dst: Ipv4Addr::LOCALHOST.into(), sport: 9000, dport: 9000 };
     let link = hub.link(peer_public, SocketAddr::from(at), inner).unwrap();
     let peer = Tunn::new(peer_secret, hub_public, None, None, 1, None).unwrap();
     World { hub, link, peer, sock, stats: Counters::default(), st: ThreadStats::default(), h: Handshaker::default() }

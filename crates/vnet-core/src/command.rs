@@ -7,7 +7,7 @@
 //!               [network <name>]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
-//! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | wireguard <peer-public-key>] [name <name>] [mtu <bytes>] [vtoe <key-name>]
+//! LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | geneve vni <n> | wireguard <peer-public-key>] [name <name>] [mtu <bytes>] [vtoe <key-name>]
 //! LINK ADD direct <device> [name <name>] [mtu <bytes>]
 //! LINK DEL <link-idx | name>
 //! LINK LIST
@@ -31,16 +31,20 @@ pub const MAX_MTU: u32 = 65521;
 /// Smallest MTU Linux allows an Ethernet device that carries IPv4.
 pub const MIN_MTU: u32 = 68;
 
-/// How a link carries frames.
-#[derive(Clone, PartialEq, Eq, Debug)]
+/// How a link carries frames (by default, as `LINK ADD` without one: VNET/P).
+#[derive(Clone, PartialEq, Eq, Debug, Default)]
 pub enum LinkProto {
     /// VNET/P: the bare frame as a UDP datagram.
+    #[default]
     Udp,
     /// A TCP connection, each frame prefixed by its length, opened by a
     /// handshake proving both ends hold the key in vnetd's key file `key`.
     Tcp { key: String },
     /// RFC 7348: an 8-byte VXLAN header and the frame in a UDP datagram.
     Vxlan { vni: u32 },
+    /// RFC 8926: a Geneve header (8 bytes, and options) and the frame in a
+    /// UDP datagram.
+    Geneve { vni: u32 },
     /// Raw onto a host device (the papers' direct send/receive).
     Direct { device: String },
     /// WireGuard to the peer holding this X25519 public key: the frame as a
@@ -54,6 +58,7 @@ impl LinkProto {
             LinkProto::Udp => "udp",
             LinkProto::Tcp { .. } => "tcp",
             LinkProto::Vxlan { .. } => "vxlan",
+            LinkProto::Geneve { .. } => "geneve",
             LinkProto::Direct { .. } => "direct",
             LinkProto::WireGuard { .. } => "wireguard",
         }
@@ -81,6 +86,9 @@ pub fn wireguard_key_text(key: &[u8; 32]) -> String {
 /// Default UDP port of VXLAN (IANA).
 pub const VXLAN_PORT: u16 = 4789;
 
+/// Default UDP port of Geneve (IANA).
+pub const GENEVE_PORT: u16 = 6081;
+
 /// Who holds the TAP's file side, and so where the guest's frames appear.
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default)]
 pub enum Attach {
@@ -97,6 +105,19 @@ pub enum Attach {
     /// A vhost-user virtio-net device on a Unix socket (`IfaceAdd::socket`):
     /// vnetd listens there, or with `client` connects to the VMM's socket.
     VhostUser { client: bool, unsealed: bool },
+}
+
+impl Attach {
+    /// Its word (`INTERFACE LIST`'s `attach=`; in `INTERFACE ADD`, `netns`
+    /// is the default and written as `netns <name>`).
+    pub fn word(&self) -> &'static str {
+        match self {
+            Attach::Netns => "netns",
+            Attach::Qemu => "qemu",
+            Attach::Veth => "veth",
+            Attach::VhostUser { .. } => "vhost-user",
+        }
+    }
 }
 
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -161,9 +182,10 @@ pub enum Command {
     /// `RELOAD`: apply vnetd's config file again (what changed in it since
     /// it was last applied).
     Reload,
-    /// `WIREGUARD ROTATE`: a new WireGuard key pair for vnetd, written to its
-    /// key file; every link handshakes again with it.
-    WireguardRotate,
+    /// A request of a link kind's own, `<KIND> <VERB>` (`WIREGUARD ROTATE`:
+    /// a new WireGuard key pair for vnetd, written to its key file): the
+    /// kind's word and the verb, lower-case.
+    KindRequest { kind: String, verb: String },
 }
 
 impl Command {
@@ -219,7 +241,7 @@ INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
 INTERFACE LIST
 INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
-LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | wireguard <peer-public-key>]
+LINK ADD <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | geneve vni <n> | wireguard <peer-public-key>]
          [name <name>] [mtu <underlay-MTU>]
          [vtoe <key-name>]                           a link to another vnetd (or VXLAN endpoint); wireguard:
                                                      encrypted to the peer holding that key (its port,
@@ -371,7 +393,9 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
         "show" if toks.len() == 1 => Ok(Some(Command::Show)),
         "help" if toks.len() == 1 => Ok(Some(Command::Help)),
         "reload" if toks.len() == 1 => Ok(Some(Command::Reload)),
-        "wireguard" if toks.len() == 2 && toks[1].eq_ignore_ascii_case("rotate") => Ok(Some(Command::WireguardRotate)),
+        "wireguard" if toks.len() == 2 && toks[1].eq_ignore_ascii_case("rotate") => {
+            Ok(Some(Command::KindRequest { kind: "wireguard".into(), verb: "rotate".into() }))
+        }
         "wireguard" => Err("WIREGUARD takes ROTATE".into()),
         "begin" | "commit" | "abort" => Err(format!("{first} is only allowed as a line of its own, outside a request")),
         _ => Err(format!("unknown command '{}' (try HELP)", toks.join(" "))),
@@ -557,7 +581,7 @@ fn check_key_name(v: &str) -> Result<(), String> {
 
 fn parse_link_add(args: &[&str]) -> Result<Command, String> {
     const USAGE: &str =
-        "LINK ADD needs <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | wireguard <peer-public-key>] [name <name>] [mtu <bytes>] [vtoe <key-name>], or direct <device>";
+        "LINK ADD needs <remote-ip> [<port>] [udp | tcp key <key-name> | vxlan vni <n> | geneve vni <n> | wireguard <peer-public-key>] [name <name>] [mtu <bytes>] [vtoe <key-name>], or direct <device>";
     let Some((first, mut rest)) = args.split_first() else { return Err(USAGE.into()) };
     let mut ip = None;
     let mut proto = LinkProto::Udp;
@@ -595,7 +619,7 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
             (None, r)
         };
         match (kw.as_str(), val) {
-            ("udp" | "tcp" | "vxlan" | "wireguard", _) if matches!(proto, LinkProto::Direct { .. }) => {
+            ("udp" | "tcp" | "vxlan" | "geneve" | "wireguard", _) if matches!(proto, LinkProto::Direct { .. }) => {
                 return Err(format!("a direct link takes no '{kw}'"));
             }
             ("udp", _) => proto = LinkProto::Udp,
@@ -606,9 +630,12 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
                 *key = v.to_string();
             }
             ("vxlan", _) => proto = LinkProto::Vxlan { vni: u32::MAX },
+            ("geneve", _) => proto = LinkProto::Geneve { vni: u32::MAX },
             ("wireguard", Some(v)) => proto = LinkProto::WireGuard { peer: parse_wireguard_key(v)? },
             ("vni", Some(v)) => {
-                let LinkProto::Vxlan { vni } = &mut proto else { return Err("vni is only for vxlan links".into()) };
+                let (LinkProto::Vxlan { vni } | LinkProto::Geneve { vni }) = &mut proto else {
+                    return Err("vni is only for vxlan and geneve links".into());
+                };
                 let n: u32 = v.parse().map_err(|_| format!("'{v}' is not a VNI"))?;
                 if n > 0xff_ffff {
                     return Err(format!("VNI {n} is out of range 0..16777215"));
@@ -632,14 +659,14 @@ fn parse_link_add(args: &[&str]) -> Result<Command, String> {
             }
             (other, _) => {
                 return Err(format!(
-                    "unexpected '{other}' (want a port, udp, tcp key <key-name>, vxlan vni <n>, wireguard <peer-public-key>, name <name>, mtu <bytes> or vtoe <key-name>)"
+                    "unexpected '{other}' (want a port, udp, tcp key <key-name>, vxlan vni <n>, geneve vni <n>, wireguard <peer-public-key>, name <name>, mtu <bytes> or vtoe <key-name>)"
                 ))
             }
         }
         rest = r2;
     }
-    if proto == (LinkProto::Vxlan { vni: u32::MAX }) {
-        return Err("a vxlan link needs vni <0..16777215>".into());
+    if proto == (LinkProto::Vxlan { vni: u32::MAX }) || proto == (LinkProto::Geneve { vni: u32::MAX }) {
+        return Err(format!("a {} link needs vni <0..16777215>", proto.name()));
     }
     if proto == (LinkProto::Tcp { key: String::new() }) {
         return Err("a tcp link needs key <key-name>: the name of a key file in vnetd's --link-key-dir".into());
@@ -797,7 +824,7 @@ mod tests {
             }
         );
         assert_eq!(wireguard_key_text(&parse_wireguard_key(key).unwrap()), key);
-        assert_eq!(one("wireguard rotate"), Command::WireguardRotate);
+        assert_eq!(one("wireguard rotate"), Command::KindRequest { kind: "wireguard".into(), verb: "rotate".into() });
         assert!(parse_request("WIREGUARD").is_err() && parse_request("WIREGUARD ROTATE now").is_err());
         assert_eq!(
             parse_request("LINK ADD 198.18.0.2 wireguard").unwrap_err().to_string(),
@@ -874,7 +901,8 @@ mod tests {
             ("link add 10.0.0.2 9000 sctp", "unexpected 'sctp'"),
             ("link add 10.0.0.2 vxlan", "needs vni"),
             ("link add 10.0.0.2 vxlan vni 16777216", "out of range"),
-            ("link add 10.0.0.2 vni 4", "only for vxlan"),
+            ("link add 10.0.0.2 vni 4", "only for vxlan and geneve"),
+            ("link add 10.0.0.2 geneve", "needs vni"),
             ("link add direct", "needs a device"),
             ("link add direct eth1 tcp", "takes no 'tcp'"),
             ("link add 10.0.0.2 tcp", "a tcp link needs key <key-name>"),

@@ -22,6 +22,43 @@ pub fn parse_vxlan(datagram: &[u8]) -> Option<u32> {
     Some((h[4] as u32) << 16 | (h[5] as u32) << 8 | h[6] as u32)
 }
 
+/// A Geneve header without options (RFC 8926): version 0, no options,
+/// neither control (O) nor critical options (C), protocol Transparent
+/// Ethernet Bridging, the VNI.
+pub const GENEVE_HDR_LEN: usize = 8;
+const GENEVE_ETHERNET: u16 = 0x6558;
+
+pub fn geneve_header(vni: u32) -> [u8; GENEVE_HDR_LEN] {
+    let p = GENEVE_ETHERNET.to_be_bytes();
+    [0, 0, p[0], p[1], (vni >> 16) as u8, (vni >> 8) as u8, vni as u8, 0]
+}
+
+/// A Geneve datagram's VNI and where its frame starts (after the header
+/// and its options), or why it carries no frame for us: not version 0,
+/// not Ethernet, a control packet (O), critical options (C: RFC 8926 says
+/// a receiver that does not process them must drop it; vnetd processes
+/// none), or shorter than its header says.
+pub fn parse_geneve(datagram: &[u8]) -> Result<(u32, usize), &'static str> {
+    let h = datagram.get(..GENEVE_HDR_LEN).ok_or("shorter than a Geneve header")?;
+    if h[0] >> 6 != 0 {
+        return Err("not Geneve version 0");
+    }
+    if h[1] & 0x80 != 0 {
+        return Err("a Geneve control packet");
+    }
+    if h[1] & 0x40 != 0 {
+        return Err("critical Geneve options");
+    }
+    if u16::from_be_bytes([h[2], h[3]]) != GENEVE_ETHERNET {
+        return Err("not an Ethernet frame");
+    }
+    let start = GENEVE_HDR_LEN + (h[0] & 0x3f) as usize * 4;
+    if start + 14 > datagram.len() {
+        return Err("shorter than its options and a frame");
+    }
+    Ok(((h[4] as u32) << 16 | (h[5] as u32) << 8 | h[6] as u32, start))
+}
+
 /// Largest frame a TCP link carries (64 KiB MTU plus Ethernet and VLAN headers).
 pub const MAX_TCP_FRAME: usize = 65535 + 18;
 
@@ -129,6 +166,29 @@ mod tests {
         assert_eq!(parse_vxlan(&h), Some(0x12_3456));
         assert_eq!(parse_vxlan(&h[..7]), None);
         assert_eq!(parse_vxlan(&[0u8; 8]), None, "I flag clear");
+    }
+
+    #[test]
+    fn geneve_round_trips_skips_options_and_refuses_what_it_cannot_carry() {
+        let h = geneve_header(0x12_3456);
+        assert_eq!(h, [0, 0, 0x65, 0x58, 0x12, 0x34, 0x56, 0]);
+        let mut d = h.to_vec();
+        d.extend_from_slice(&[0xaa; 14]);
+        assert_eq!(parse_geneve(&d), Ok((0x12_3456, 8)));
+        // Two 4-byte words of options (a non-critical option): skipped.
+        let mut o = d.clone();
+        o[0] = 2;
+        o.splice(8..8, [1u8; 8]);
+        assert_eq!(parse_geneve(&o), Ok((0x12_3456, 16)));
+        for (byte, val, why) in [(0, 0x40, "version"), (1, 0x80, "control"), (1, 0x40, "critical"), (2, 0x08, "Ethernet")] {
+            let mut bad = d.clone();
+            bad[byte] = val;
+            assert!(parse_geneve(&bad).is_err(), "{why}");
+        }
+        let mut long = d.clone();
+        long[0] = 63;
+        assert!(parse_geneve(&long).is_err(), "options past its end");
+        assert!(parse_geneve(&d[..7]).is_err());
     }
 
     #[test]

@@ -8,12 +8,11 @@ use crate::control::access::{Caller, Role, Tokens, UnixPolicy};
 use crate::control::{server, Control};
 use crate::dispatch::{self, Datapath};
 use crate::settings::{self, Settings};
-use crate::sys::udp::UdpEndpoint;
 use crate::{fast, metrics, stats, vtoe};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use signal_hook::consts::{SIGINT, SIGTERM};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -199,39 +198,6 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(c) = args.cpus.iter().find(|&&c| c >= libc::CPU_SETSIZE as usize) {
         bail!("--cpus {c} is beyond the kernel's CPU set ({})", libc::CPU_SETSIZE);
     }
-    // Bind everything first, so a busy port is reported before anything runs.
-    // One UDP socket per dispatcher and family, on the same port.
-    let n = args.dispatchers;
-    let (udp4, udp6) = match args.udp_bind {
-        Some(ip) if ip.is_ipv4() => (UdpEndpoint::bind_group(SocketAddr::new(ip, args.udp_port), n)?, Vec::new()),
-        Some(ip) => (Vec::new(), UdpEndpoint::bind_group(SocketAddr::new(ip, args.udp_port), n)?),
-        None => {
-            let v4 = UdpEndpoint::bind_group(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), args.udp_port), n)?;
-            // IPv6 is optional: a host without it still runs IPv4 links.
-            let v6 = match UdpEndpoint::bind_group(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), args.udp_port), n) {
-                Ok(g) => g,
-                Err(e) => {
-                    tracing::warn!("no IPv6 links: {e:#}");
-                    Vec::new()
-                }
-            };
-            (v4, v6)
-        }
-    };
-    let wireguard = match &args.wireguard_key_file {
-        None => None,
-        Some(path) => {
-            let keys = crate::link::wireguard::WgKeys::load_or_create(path).map_err(|e| anyhow::anyhow!("--wireguard-key-file: {e}"))?;
-            let ip = match args.udp_bind {
-                Some(IpAddr::V4(ip)) => ip,
-                _ => Ipv4Addr::UNSPECIFIED,
-            };
-            let hub = crate::link::wireguard::WgHub::new(SocketAddr::new(ip.into(), args.wireguard_port), n, keys, path)
-                .map_err(|e| anyhow::anyhow!("WireGuard: {e:#} (choose --wireguard-port)"))?;
-            tracing::info!("WireGuard on {} with public key {}", hub.local_addr(), hub.public_text());
-            Some(hub)
-        }
-    };
     let metrics = args.metrics.as_deref().map(metrics_addr).transpose()?.map(metrics::bind).transpose()?;
     let tcp_listener = control_tcp.map(server::bind_tcp).transpose()?;
     let unix_listener = control_unix.as_deref().map(|p| server::bind_unix(p, control_group)).transpose()?;
@@ -257,10 +223,13 @@ pub fn run(args: Args) -> Result<()> {
         link_key_dir: args.link_key_dir.clone(),
         vhost_user_dir: args.vhost_user_dir.clone(),
         changes: Default::default(),
+        udp_bind: args.udp_bind,
+        vxlan_port: args.vxlan_port,
+        wireguard_key_file: args.wireguard_key_file.clone(),
+        wireguard_port: args.wireguard_port,
     };
-    let mut dp = Datapath::new(udp4, udp6, args.udp_bind, args.vxlan_port, args.udp_port, args.dispatchers, &args.cpus)?;
+    let mut dp = Datapath::new(args.udp_bind, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;
-    dp.wireguard = wireguard;
     let mut adopted_flows = 0;
     dp.fast = match vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port) {
         // Two vnetds on one datapath: refused, not run without a fast path.
@@ -296,12 +265,17 @@ pub fn run(args: Args) -> Result<()> {
             None
         }
     };
-    let dp = Arc::new(dp);
-    if let Some(hub) = &dp.wireguard {
-        // Handshakes, timers and the frames that waited for a session, on a
-        // thread of their own; it reads the links from the datapath's snapshot.
-        let weak = Arc::downgrade(&dp);
-        hub.spawn(move || weak.upgrade().map(|dp| dp.snapshot())).context("cannot start WireGuard's handshake thread")?;
+    let dp = Datapath::shared(dp);
+    // Each link kind binds what it binds from the start (VNET/P's UDP port:
+    // a busy port is said here; WireGuard's with a key), one socket per
+    // dispatcher and family on the same port.
+    for k in crate::link::kinds::ALL {
+        if let Err(e) = k.start(&settings, &*dp) {
+            if let Some(f) = &dp.fast {
+                f.shutdown();
+            }
+            bail!("{e}");
+        }
     }
     // Without a dispatcher nothing is forwarded: a failed one stops the daemon.
     let dispatchers = dispatch::spawn(&dp, || {
@@ -372,7 +346,7 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     tracing::info!(
-        "vnetd ready: udp {}, control tcp {}, unix {}{}",
+        "vnetd ready: links on {}, control tcp {}, unix {}{}",
         dp.udp_addrs(),
         control_tcp.map_or("none".into(), |a| a.to_string()),
         control_unix.as_ref().map_or("none".into(), |p| p.display().to_string()),

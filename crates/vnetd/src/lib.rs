@@ -6,8 +6,9 @@
 //!
 //! - `sys` (the OS: netlink, devices, sockets, epoll), `settings` (what vnetd
 //!   runs by), `stats` (counters): the ground floor;
+//! - `port`: where a frame came from, and what a source hands frames to;
 //! - `nic` (a guest's virtual NIC, one module per kind) and `link` (a path to
-//!   another host, one module per kind);
+//!   another host, one module per kind, listed in `link::kinds`);
 //! - `topology`: the control plane's state, and the `Snapshot` it publishes
 //!   for the datapath;
 //! - `fast`: what the kernel fast path may carry, installed from the rule
@@ -24,6 +25,7 @@ pub mod fast;
 pub mod link;
 pub mod metrics;
 pub mod nic;
+pub mod port;
 pub mod settings;
 pub mod stats;
 pub mod sys;

@@ -27,6 +27,31 @@ pub struct Settings {
     /// What control clients wait on with `WAIT` (NICs report their guest
     /// starting or stopping there).
     pub changes: std::sync::Arc<crate::stats::Changes>,
+    /// The one address link sockets bind (`--udp-bind`), if given.
+    pub udp_bind: Option<std::net::IpAddr>,
+    /// VXLAN's local UDP port (`--vxlan-port`).
+    pub vxlan_port: u16,
+    /// vnetd's WireGuard key file (`--wireguard-key-file`) and port
+    /// (`--wireguard-port`): WireGuard links only with a key.
+    pub wireguard_key_file: Option<PathBuf>,
+    pub wireguard_port: u16,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            default_link_port: 9000,
+            default_mtu: 1500,
+            direct_devices: Vec::new(),
+            link_key_dir: PathBuf::new(),
+            vhost_user_dir: PathBuf::from("/run/vnet"),
+            changes: Default::default(),
+            udp_bind: None,
+            vxlan_port: vnet_core::command::VXLAN_PORT,
+            wireguard_key_file: None,
+            wireguard_port: vnet_core::command::WIREGUARD_PORT,
+        }
+    }
 }
 
 /// The dispatcher's tunables (`SET ...`), with the papers' and the original

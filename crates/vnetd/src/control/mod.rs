@@ -9,14 +9,13 @@ pub mod server;
 
 use crate::dispatch::Datapath;
 use crate::stats::DropReason;
-use crate::link::Rx;
 use crate::settings::Settings;
 use crate::topology::{Retired, Topology};
 use std::sync::atomic::Ordering::Relaxed;
 use access::{Caller, Role};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use vnet_core::command::{parse_request, Attach, Command, Mode, StatsScope, HELP};
+use vnet_core::command::{parse_request, Command, Mode, StatsScope, HELP};
 
 pub struct Control {
     state: Mutex<State>,
@@ -184,20 +183,21 @@ impl Control {
             }
             return self.reload(caller);
         }
-        if let Some((line, _)) = cmds.iter().find(|(_, c)| *c == Command::WireguardRotate) {
+        if let Some((line, Command::KindRequest { kind, verb })) = cmds.iter().find(|(_, c)| matches!(c, Command::KindRequest { .. })) {
+            // A link kind's own request (`WIREGUARD ROTATE`): an admin's,
+            // and alone.
+            let shown = format!("{} {}", kind.to_uppercase(), verb.to_uppercase());
             if cmds.len() > 1 {
-                return Err(format!("line {line}: WIREGUARD ROTATE must be a request of its own"));
+                return Err(format!("line {line}: {shown} must be a request of its own"));
             }
             if caller.role != Role::Admin {
-                return Err(format!("line {line}: permission denied: {caller} may only read (SHOW, STATS, LIST, HELP): WIREGUARD ROTATE"));
+                return Err(format!("line {line}: permission denied: {caller} may only read (SHOW, STATS, LIST, HELP): {shown}"));
             }
-            let Some(hub) = &self.dp.wireguard else {
-                return Err(format!("line {line}: vnetd has no WireGuard key (start it with --wireguard-key-file)"));
-            };
-            hub.rotate().map_err(|e| format!("line {line}: {e}"))?;
-            tracing::info!("control: {caller} rotated the WireGuard key; public key now {}", hub.public_text());
+            let Some(k) = crate::link::kinds::named(kind) else { return Err(format!("line {line}: vnetd has no {kind} links")) };
+            let out = k.command(verb, &*self.dp).map_err(|e| format!("line {line}: {e}"))?;
+            tracing::info!("control: {caller} ran {shown}");
             self.settings.changes.bump();
-            return Ok(vec![hub.describe()]);
+            return Ok(out);
         }
         if caller.role != Role::Admin {
             if let Some((line, _)) = cmds.iter().find(|(_, c)| c.mutates()) {
@@ -217,7 +217,7 @@ impl Control {
         for (line, cmd) in &cmds {
             if cmd.mutates() {
                 let msg = work
-                    .apply(cmd, &self.settings, &self.dp)
+                    .apply(cmd, &self.settings, &*self.dp)
                     .map_err(|reason| format!("line {line}: {reason}: {}", line_text(*line)))?;
                 out.push(msg);
                 changed = true;
@@ -254,9 +254,7 @@ impl Control {
             }
             // New TCP links start connecting once they are in force.
             for l in work.links.values() {
-                if let Rx::Stream(t) = l.transport.rx() {
-                    t.start();
-                }
+                l.transport.in_force();
             }
             work.removed_routes.clear();
             self.settings.changes.bump();
@@ -291,9 +289,7 @@ impl Control {
                     .replace(' ', "_")
                 ));
                 out.push(format!("settings {}", t.dispatch.render()));
-                if let Some(w) = &self.dp.wireguard {
-                    out.push(w.describe());
-                }
+                out.extend(self.dp.kinds_show());
                 match &self.vtoe {
                     Some(v) => {
                         out.push(v.describe());
@@ -327,8 +323,10 @@ impl Control {
                 Some(f) => f.render(t.dispatch.datapath),
                 None => "fastpath loaded=no".to_string(),
             });
-            if let Some(w) = &self.dp.wireguard {
-                out.push(format!("wireguard{}", w.stats_line()));
+            for k in crate::link::kinds::ALL {
+                if let Some(line) = k.stats(&*self.dp) {
+                    out.push(format!("{}{line}", k.word()));
+                }
             }
         }
         if all || scope == StatsScope::Interfaces {
@@ -433,12 +431,7 @@ fn log_changes<'a>(caller: &Caller, cmds: &[(usize, Command)], line_text: impl F
 fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
     for i in t.ifaces.values() {
         let own = t.iface_settings.get(&i.id).copied().unwrap_or_default().render();
-        let attach = match i.attach {
-            Attach::Netns => "netns",
-            Attach::Qemu => "qemu",
-            Attach::Veth => "veth",
-            Attach::VhostUser { .. } => "vhost-user",
-        };
+        let attach = i.attach.word();
         let netns = i.netns.as_ref().map_or(String::new(), |n| format!(" netns={n}"));
         let netns = format!("{netns} network={}", i.network);
         let nic = i.nic.describe();

@@ -11,19 +11,19 @@ pub mod rig;
 pub mod worker;
 
 
-use crate::link::tcp::TcpAcceptor;
-use crate::sys::udp::UdpEndpoint;
+use crate::link::carriers::Carriers;
+use crate::link::{kinds, CarrierKey, LinkEnv, LinkLookup, LinkSource, LinksNow, RunOpener};
 use crate::settings::Sched;
-use crate::topology::LinkEnv;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::sync::OnceLock;
 use crate::stats::{render_totals, DropReason, ThreadStats};
 use crate::topology::Snapshot;
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
 use crate::sys::eventfd::EventFd;
+use std::any::Any;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -33,21 +33,13 @@ pub struct Datapath {
     /// Daemon-wide counters of the threads that are not dispatchers (TCP
     /// acceptor, control); each dispatcher has its own (`WorkerLink`).
     pub control: ThreadStats,
-    /// The VNET/P UDP sockets, IPv4 and IPv6 (either may be absent).
-    /// One socket per dispatcher on the same port (`SO_REUSEPORT`); empty
-    /// if vnetd has none of that family. The first one sends.
-    pub udp4: Vec<Arc<UdpEndpoint>>,
-    pub udp6: Vec<Arc<UdpEndpoint>>,
-    /// VXLAN sockets (a group as above), made when the first VXLAN link of
-    /// a family is added.
-    pub vxlan4: OnceLock<Vec<Arc<UdpEndpoint>>>,
-    pub vxlan6: OnceLock<Vec<Arc<UdpEndpoint>>>,
-    /// The one address vnetd's link sockets bind (`--udp-bind`), if given.
+    /// The UDP carriers link kinds bound (a socket per dispatcher each).
+    pub carriers: Carriers,
+    /// What each link kind shares between its links (a TCP acceptor, the
+    /// WireGuard hub), by kind.
+    shared: Mutex<HashMap<&'static str, Arc<dyn Any + Send + Sync>>>,
+    /// The one address link sockets bind (`--udp-bind`), if given.
     bind_ip: Option<IpAddr>,
-    vxlan_port: u16,
-    /// Accepts TCP link connections, once a TCP link exists.
-    tcp_acceptor: OnceLock<TcpAcceptor>,
-    tcp_port: u16,
     workers: Vec<WorkerLink>,
     /// The control thread waiting in `publish` for the dispatchers to run
     /// its snapshot: each dispatcher unparks it once it does.
@@ -57,8 +49,9 @@ pub struct Datapath {
     pub fast: Option<Arc<crate::fast::FastPath>>,
     /// How dispatcher threads are scheduled.
     pub sched: Sched,
-    /// vnetd's WireGuard side (`--wireguard-key-file`), if it has one.
-    pub wireguard: Option<Arc<crate::link::wireguard::WgHub>>,
+    /// Itself, for the threads of link kinds that look at the links in
+    /// force (set once it is shared).
+    me: OnceLock<Weak<Datapath>>,
 }
 
 /// The control plane's handle on one dispatcher thread.
@@ -72,17 +65,9 @@ struct WorkerLink {
 
 impl Datapath {
     /// A datapath with `workers` dispatcher threads, thread `i` pinned to
-    /// `cpus[i]` when given. VXLAN sockets bind `vxlan_port`; TCP links
-    /// listen on `tcp_port`.
-    pub fn new(
-        udp4: Vec<Arc<UdpEndpoint>>,
-        udp6: Vec<Arc<UdpEndpoint>>,
-        bind_ip: Option<IpAddr>,
-        vxlan_port: u16,
-        tcp_port: u16,
-        workers: usize,
-        cpus: &[usize],
-    ) -> Result<Datapath> {
+    /// `cpus[i]` when given; link sockets on `bind_ip` (`--udp-bind`) if
+    /// given. Link kinds bind their carriers once it is shared (`shared`).
+    pub fn new(bind_ip: Option<IpAddr>, workers: usize, cpus: &[usize]) -> Result<Datapath> {
         let workers = (0..workers.max(1))
             .map(|i| {
                 Ok(WorkerLink {
@@ -96,36 +81,56 @@ impl Datapath {
         Ok(Datapath {
             snapshot: ArcSwap::from_pointee(Snapshot::empty()),
             control: ThreadStats::default(),
-            udp4,
-            udp6,
-            vxlan4: OnceLock::new(),
-            vxlan6: OnceLock::new(),
+            carriers: Carriers::new(bind_ip, workers.len()),
+            shared: Mutex::new(HashMap::new()),
             bind_ip,
-            vxlan_port,
-            tcp_acceptor: OnceLock::new(),
-            tcp_port,
             workers,
             publisher: std::sync::Mutex::new(None),
             stop: AtomicBool::new(false),
             fast: None,
             sched: Sched::Realtime,
-            wireguard: None,
+            me: OnceLock::new(),
         })
     }
 
-    /// Where the UDP sockets listen (for SHOW).
+    /// Shares the datapath: link kinds' threads may look at it from now on.
+    pub fn shared(dp: Datapath) -> Arc<Datapath> {
+        let dp = Arc::new(dp);
+        let _ = dp.me.set(Arc::downgrade(&dp));
+        dp
+    }
+
+    /// Where the link sockets listen (for SHOW and the start line): every
+    /// carrier, then what link kinds listen on of their own (TCP).
     pub fn udp_addrs(&self) -> String {
-        let mut v: Vec<String> = [&self.udp4, &self.udp6].iter().filter_map(|u| u.first()).map(|u| u.local_addr().to_string()).collect();
-        v.extend(
-            [&self.vxlan4, &self.vxlan6].iter().filter_map(|u| u.get().and_then(|g| g.first())).map(|u| format!("vxlan:{}", u.local_addr())),
-        );
-        if let Some(t) = self.tcp_acceptor.get() {
-            v.push(format!("tcp:{}", t.local));
-        }
-        if let Some(w) = &self.wireguard {
-            v.push(format!("wireguard:{}", w.local_addr()));
+        let mut v = self.carriers.describe();
+        for k in kinds::ALL {
+            v.extend(k.listens(self));
         }
         v.join(",")
+    }
+
+    /// Lines link kinds add to `SHOW` (their state as a whole).
+    pub fn kinds_show(&self) -> Vec<String> {
+        kinds::ALL.iter().flat_map(|k| k.show(self)).collect()
+    }
+
+    /// The link sources dispatcher `me` reads: its socket of every carrier,
+    /// and the own sources of the links it owns.
+    pub(crate) fn link_sources(&self, me: usize, snap: &Snapshot) -> Vec<Arc<dyn LinkSource>> {
+        let n = self.workers.len();
+        let mut v: Vec<Arc<dyn LinkSource>> = Vec::new();
+        for c in self.carriers.all().iter() {
+            v.extend(c.sources().into_iter().filter(|s| s.owner(n) == me));
+        }
+        for l in &snap.links {
+            if let Some(s) = l.transport.source() {
+                if s.owner(n) == me {
+                    v.push(s);
+                }
+            }
+        }
+        v
     }
 
     pub fn worker_count(&self) -> usize {
@@ -191,28 +196,34 @@ impl Datapath {
     /// The `global`, `offload` and `dispatch` lines of `STATS`: sums over
     /// every thread.
     pub fn totals(&self) -> [String; 3] {
-        render_totals(&self.all_stats())
+        let kinds = self.kinds_stats();
+        let mut all = self.all_stats();
+        all.extend(kinds.iter().map(|t| &**t));
+        render_totals(&all)
     }
 
-    /// Every thread's counters: the dispatchers', the control threads' and
-    /// WireGuard's handshake thread's.
+    /// Every thread's counters but the link kinds' own threads'.
     fn all_stats(&self) -> Vec<&ThreadStats> {
         let mut all: Vec<&ThreadStats> = self.workers.iter().map(|w| &*w.stats).collect();
         all.push(&self.control);
-        if let Some(w) = &self.wireguard {
-            all.push(&w.stats);
-        }
         all
+    }
+
+    /// The counters of link kinds' own threads (WireGuard's handshakes).
+    fn kinds_stats(&self) -> Vec<Arc<ThreadStats>> {
+        kinds::ALL.iter().filter_map(|k| k.thread_stats(self)).collect()
     }
 
     /// Frames the user-level datapath received (every thread).
     pub fn user_frames(&self) -> u64 {
-        self.all_stats().iter().map(|t| t.global.in_frames.load(Ordering::Relaxed)).sum()
+        let kinds = self.kinds_stats();
+        self.all_stats().into_iter().chain(kinds.iter().map(|t| &**t)).map(|t| t.global.in_frames.load(Ordering::Relaxed)).sum()
     }
 
     /// Drops of one reason over the whole daemon.
     pub fn total_drops(&self, why: DropReason) -> u64 {
-        self.all_stats().iter().map(|t| t.global.drops(why)).sum()
+        let kinds = self.kinds_stats();
+        self.all_stats().into_iter().chain(kinds.iter().map(|t| &**t)).map(|t| t.global.drops(why)).sum()
     }
 
     /// Dispatcher `i`'s counters.
@@ -244,74 +255,52 @@ pub fn spawn(dp: &Arc<Datapath>, on_failure: fn()) -> Result<Vec<JoinHandle<Resu
         .collect()
 }
 
-impl LinkEnv for Arc<Datapath> {
+impl LinkEnv for Datapath {
     fn path_mtu(&self, to: SocketAddr) -> Option<u32> {
-        self.udp(to.is_ipv4()).and_then(|u| u.path_mtu(to))
+        let c = self.carriers.all().iter().find(|c| matches!(c.key, CarrierKey::Udp { v6, .. } if v6 == to.is_ipv6())).cloned()?;
+        c.sender().path_mtu(to)
     }
 
-    fn udp(&self, v4: bool) -> Option<Arc<UdpEndpoint>> {
-        if v4 {
-            self.udp4.first().cloned()
-        } else {
-            self.udp6.first().cloned()
-        }
-    }
-
-    fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String> {
-        let (cell, mut ip): (&OnceLock<Vec<Arc<UdpEndpoint>>>, IpAddr) =
-            if v4 { (&self.vxlan4, Ipv4Addr::UNSPECIFIED.into()) } else { (&self.vxlan6, Ipv6Addr::UNSPECIFIED.into()) };
-        if let Some(b) = self.bind_ip {
-            if b.is_ipv4() != v4 {
-                return Err(format!("vnetd binds only {b} (--udp-bind): no {} VXLAN socket", if v4 { "IPv4" } else { "IPv6" }));
-            }
-            ip = b;
-        }
-        if let Some(g) = cell.get() {
-            return Ok(g[0].clone());
-        }
-        let group = UdpEndpoint::bind_group(SocketAddr::new(ip, self.vxlan_port), self.workers.len()).map_err(|e| format!("{e:#}"))?;
+    fn udp_carrier(&self, key: CarrierKey, word: &'static str, opener: &dyn Fn() -> Arc<dyn RunOpener>) -> Result<Arc<crate::link::carriers::UdpCarrier>, String> {
         // Each dispatcher watches its socket from its next snapshot on.
-        Ok(cell.get_or_init(|| group)[0].clone())
+        self.carriers.get_or_bind(key, word, opener)
     }
 
-    fn wireguard(&self) -> Result<Arc<crate::link::wireguard::WgHub>, String> {
-        self.wireguard.clone().ok_or_else(|| "vnetd has no WireGuard key: start it with --wireguard-key-file <file>".to_string())
-    }
-
-    fn ensure_tcp_acceptor(&self) -> Result<(), String> {
-        if self.tcp_acceptor.get().is_some() {
-            return Ok(());
+    fn shared(&self, kind: &'static str, make: &mut dyn FnMut() -> Result<Arc<dyn Any + Send + Sync>, String>) -> Result<Arc<dyn Any + Send + Sync>, String> {
+        let mut m = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = m.get(kind) {
+            return Ok(s.clone());
         }
-        // Connections from addresses with no TCP link count as datagrams
-        // from unknown senders do.
-        let dp = Arc::downgrade(self);
-        let lookup: crate::link::tcp::LinkLookup = Arc::new(move |peer| {
-            let dp = dp.upgrade()?;
-            let found = dp.snapshot().tcp_link_for(peer).cloned();
-            if found.is_none() {
-                dp.control.global.received(0);
-                dp.control.drop_at(None, DropReason::UnknownSender);
-            }
-            found
-        });
-        // On --udp-bind's address if given; else one dual-stack listener
-        // (IPv4 peers arrive as mapped addresses).
-        let a = match self.bind_ip {
-            Some(ip) => TcpAcceptor::start(SocketAddr::new(ip, self.tcp_port), lookup),
-            None => TcpAcceptor::start(SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), self.tcp_port), lookup.clone())
-                .or_else(|_| TcpAcceptor::start(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), self.tcp_port), lookup)),
-        }
-        .map_err(|e| format!("{e:#}"))?;
-        let _ = self.tcp_acceptor.set(a);
-        Ok(())
+        let s = make()?;
+        m.insert(kind, s.clone());
+        Ok(s)
     }
 
-    fn fast_link(&self, id: u32, remote: SocketAddr, mtu: u32) -> Option<vnet_fastpath::LinkEntry> {
+    fn shared_now(&self, kind: &'static str) -> Option<Arc<dyn Any + Send + Sync>> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner()).get(kind).cloned()
+    }
+
+    fn links_now(&self) -> LinksNow {
+        let me = self.me.get().cloned().unwrap_or_default();
+        let counted = me.clone();
+        LinksNow {
+            now: Arc::new(move || me.upgrade().map(|dp| dp.snapshot() as Arc<dyn LinkLookup + Send + Sync>)),
+            // Connections or datagrams from addresses with no link count as
+            // datagrams from unknown senders do.
+            unknown: Arc::new(move || {
+                if let Some(dp) = counted.upgrade() {
+                    dp.control.global.received(0);
+                    dp.control.drop_at(None, DropReason::UnknownSender);
+                }
+            }),
+        }
+    }
+
+    fn fast_link(&self, id: u32, remote: SocketAddr, sport: u16, mtu: u32) -> Option<vnet_fastpath::LinkEntry> {
         let fast = self.fast.as_ref()?;
         let IpAddr::V4(dst) = remote.ip() else {
             return None; // IPv6 links take the slow path (see docs/datapath.md)
         };
-        let sport = self.udp4.first()?.local_addr().port();
         let (ifindex, src) = match crate::sys::rtnl::route_to(dst) {
             Ok(r) => r,
             Err(e) => {

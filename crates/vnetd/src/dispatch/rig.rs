@@ -8,10 +8,10 @@ use crate::link::dummy::DummyLink;
 use crate::nic::DummyNic;
 use crate::settings::Settings;
 use crate::stats::{Counters, ThreadStats};
-use crate::sys::udp::UdpEndpoint;
-use crate::topology::{LinkEnv, Slot, Snapshot, Topology};
+use crate::link::{CarrierKey, LinkEnv, LinksNow, RunOpener};
+use crate::topology::{Slot, Snapshot, Topology};
+use std::any::Any;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use vnet_core::command::{parse_request, Attach, LinkProto};
 use vnet_core::offload::VnetHdr;
@@ -24,14 +24,17 @@ impl LinkEnv for NoEnv {
     fn path_mtu(&self, _: SocketAddr) -> Option<u32> {
         None
     }
-    fn udp(&self, _: bool) -> Option<Arc<UdpEndpoint>> {
+    fn udp_carrier(&self, _: CarrierKey, _: &'static str, _: &dyn Fn() -> Arc<dyn RunOpener>) -> Result<Arc<crate::link::carriers::UdpCarrier>, String> {
+        Err("no sockets on dummy ports".into())
+    }
+    fn shared(&self, _: &'static str, _: &mut dyn FnMut() -> Result<Arc<dyn Any + Send + Sync>, String>) -> Result<Arc<dyn Any + Send + Sync>, String> {
+        Err("nothing shared on dummy ports".into())
+    }
+    fn shared_now(&self, _: &'static str) -> Option<Arc<dyn Any + Send + Sync>> {
         None
     }
-    fn vxlan(&self, _: bool) -> Result<Arc<UdpEndpoint>, String> {
-        Err("no VXLAN on dummy ports".into())
-    }
-    fn ensure_tcp_acceptor(&self) -> Result<(), String> {
-        Err("no TCP links on dummy ports".into())
+    fn links_now(&self) -> LinksNow {
+        LinksNow { now: Arc::new(|| None), unknown: Arc::new(|| {}) }
     }
 }
 
@@ -61,7 +64,7 @@ impl Default for Rig {
             nics: Vec::new(),
             links: Vec::new(),
             generation: 0,
-            settings: Settings { default_link_port: 9000, default_mtu: 1500, direct_devices: Vec::new(), link_key_dir: PathBuf::new(), vhost_user_dir: PathBuf::from("/run/vnet"), changes: Default::default() },
+            settings: Settings::default(),
             buf: vec![0; 65536 + 128],
         }
     }
@@ -71,7 +74,7 @@ impl Rig {
     /// Adds a guest with this MAC and MTU; its index among `nics`.
     pub fn guest(&mut self, name: &str, mac: Mac, mtu: u32, takes_offloads: bool) -> usize {
         let nic = DummyNic::new(takes_offloads).expect("eventfd");
-        let id = self.topology.insert_interface(name, mac, mtu, Attach::Netns, None, "default".into(), Box::new(nic.clone()));
+        let id = self.topology.insert_interface(name, mac, mtu, Attach::default(), None, "default".into(), Box::new(nic.clone()));
         self.nics.push((id, nic));
         self.nics.len() - 1
     }
@@ -81,7 +84,7 @@ impl Rig {
     pub fn link(&mut self, name: &str, mtu: u32) -> usize {
         let overhead = 28;
         let link = DummyLink::new(65507);
-        let id = self.topology.insert_link(name, &LinkProto::Udp, Arc::new(link.clone()), None, mtu, overhead, None, None);
+        let id = self.topology.insert_link(name, &LinkProto::default(), Arc::new(link.clone()), None, mtu, overhead, None, None);
         self.links.push((id, link));
         self.links.len() - 1
     }

@@ -18,29 +18,29 @@
 //! `sendmmsg` per socket, each run of frames to one peer as one GSO message
 //! (`link::TxQueue`): no system call per frame.
 //!
-//! A TCP link's connection is a source like any other: the owning thread
-//! reads frames from it, ends each received run before it next looks at the
-//! snapshot, and writes out the link's send buffer when the socket drains.
+//! Besides its NICs, the thread reads link sources, whatever their kind
+//! (`link::LinkSource`): its socket of every UDP carrier, and the streams
+//! and devices of the links it owns. A source says which descriptors to
+//! watch (and when they change, as a TCP link's connection does); the thread
+//! says when one is ready, and the source reads it into the forwarder.
 //!
-//! Epoll tokens carry the kind of source and its place in this thread's
-//! lists, which are rebuilt (with the epoll set) on every snapshot.
+//! Epoll tokens carry the kind of source (NIC or link source) and its place
+//! in this thread's lists, which are rebuilt (with the epoll set) on every
+//! snapshot.
 
 use super::forward::Forwarder;
 use super::Datapath;
-use crate::link::tcp::{Conn, TcpLink};
+use crate::link::{LinkSource, RxCx};
+use crate::port::Intake;
 use crate::sys::epoll::{self, Epoll};
 use crate::sys::thread::set_realtime;
-use crate::sys::udp::{RxBatch, UdpEndpoint};
+use crate::sys::udp::RxBatch;
 use crate::settings::{IfaceDispatch, Sched};
-use vnet_core::wire::{gro_segments, parse_vxlan, TcpFramer, VXLAN_HDR_LEN};
 use crate::stats::{DropReason, ThreadStats};
-use crate::link::wireguard::RunSink;
-use crate::link::Rx;
 use crate::nic::{GuestFrame, RxBuffers, RxFrame};
 use crate::topology::{Slot, Snapshot};
-use vnet_core::offload::{VnetHdr, MAX_PIECES, VNET_HDR_LEN};
+use vnet_core::offload::{VnetHdr, MAX_PIECES};
 use anyhow::{bail, Result};
-use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::Ordering::{Acquire, Relaxed};
 use std::sync::Arc;
@@ -48,20 +48,14 @@ use std::time::{Duration, Instant};
 use vnet_core::command::{Mode, YieldStrategy};
 
 const TOKEN_WAKE: u64 = u64::MAX;
-/// UDP sockets: `TOKEN_SOCKET + i` for VNET/P v4, v6, VXLAN v4, v6,
-/// WireGuard.
-const TOKEN_SOCKET: u64 = u64::MAX - 8;
-/// Other sources: kind in the high half, index into the thread's list of
-/// that kind in the low half.
+/// Sources: NIC or link source in the high half, the place in this thread's
+/// list of them (and, for a link source, which of its descriptors in the
+/// low byte) in the low half.
 const KIND_NIC: u64 = 1 << 32;
-const KIND_DIRECT: u64 = 2 << 32;
-const KIND_TCP: u64 = 3 << 32;
-const KIND_TCP_EVENT: u64 = 4 << 32;
+const KIND_LINK: u64 = 2 << 32;
 const KIND_MASK: u64 = 0xff << 32;
 /// Room for the largest frame plus its virtio-net header.
 const BUF_LEN: usize = 65536 + 128;
-/// Bytes read from one TCP link per event (then the other sources get a turn).
-const TCP_READ_BATCH: usize = 256 << 10;
 
 /// This thread's view of one interface it owns.
 #[derive(Clone)]
@@ -77,16 +71,11 @@ struct Owned {
     window_start: Instant,
 }
 
-/// This thread's side of one TCP link it owns: the connection it watches
-/// and the stream's partial frame. Kept across snapshots while the link is.
-struct TcpPort {
-    id: u32,
-    slot: u32,
-    link: Arc<TcpLink>,
-    conn: Option<Conn>,
-    /// Watching for the socket to drain (EPOLLOUT).
-    want_out: bool,
-    framer: TcpFramer,
+/// A link source this thread reads, and what of it is in the epoll set.
+struct Watched {
+    src: Arc<dyn LinkSource>,
+    generation: u64,
+    fds: Vec<(RawFd, u32)>,
 }
 
 struct Worker {
@@ -97,11 +86,7 @@ struct Worker {
     epoll: Epoll,
     snap: Arc<Snapshot>,
     owned: Vec<Owned>,
-    /// Direct links this thread reads: (slot, fd).
-    direct: Vec<(u32, RawFd)>,
-    tcp: Vec<TcpPort>,
-    /// Which of the UDP sockets are in the epoll set.
-    sockets: [bool; SOCKETS],
+    sources: Vec<Watched>,
     fwd: Forwarder,
     buf: Vec<u8>,
     /// The frame a NIC left in its guest's memory (cut-through).
@@ -128,9 +113,7 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         epoll,
         snap,
         owned: Vec::new(),
-        direct: Vec::new(),
-        tcp: Vec::new(),
-        sockets: [false; SOCKETS],
+        sources: Vec::new(),
         buf: vec![0u8; BUF_LEN],
         in_place: GuestFrame::default(),
         rx: RxBatch::default(),
@@ -217,10 +200,6 @@ impl Worker {
                     woken = true;
                     continue;
                 }
-                if token >= TOKEN_SOCKET {
-                    self.drain_socket((token - TOKEN_SOCKET) as usize);
-                    continue;
-                }
                 let at = (token & 0xffff_ffff) as usize;
                 match token & KIND_MASK {
                     KIND_NIC => {
@@ -229,20 +208,9 @@ impl Worker {
                             self.drain_nic(slot);
                         }
                     }
-                    KIND_DIRECT => {
-                        if let Some(&(slot, _)) = self.direct.get(at) {
-                            self.drain_direct(slot);
-                        }
+                    KIND_LINK => {
+                        self.drain_source(at >> 8, at & 0xff, ev.events);
                     }
-                    KIND_TCP => {
-                        if ev.events & epoll::OUT != 0 {
-                            self.tcp_writable(at);
-                        }
-                        if ev.events & (epoll::IN | epoll::HUP | epoll::ERR | epoll::RDHUP) != 0 {
-                            self.drain_tcp(at);
-                        }
-                    }
-                    KIND_TCP_EVENT => self.tcp_event(at),
                     _ => {}
                 }
             }
@@ -263,9 +231,9 @@ impl Worker {
                 work += self.drain_nic(self.owned[i].slot);
             }
         }
-        for i in 0..SOCKETS {
-            if self.sockets[i] {
-                work += self.drain_socket(i);
+        for k in 0..self.sources.len() {
+            if self.sources[k].src.polled() {
+                work += self.drain_source(k, 0, epoll::IN);
             }
         }
         self.fwd.flush(&self.snap);
@@ -313,229 +281,35 @@ impl Worker {
         n
     }
 
-    /// Takes up to `quota` datagrams from UDP socket `i` (GRO runs count as
-    /// their datagrams); returns how many.
-    fn drain_socket(&mut self, i: usize) -> usize {
-        if i == WIREGUARD {
-            return self.drain_wireguard();
-        }
-        let dp = &*self.dp;
-        let st = &*self.st;
-        let Some(ep) = socket(dp, i, self.index) else { return 0 };
-        let is_vxlan = i >= 2;
-        let snap = &self.snap;
+    /// Link source `k`'s descriptor `i` is ready with `events`: the source
+    /// reads it into the forwarder; then its descriptors are watched anew if
+    /// they changed (a TCP link's connection, its wish to write). Frames read.
+    fn drain_source(&mut self, k: usize, i: usize, events: u32) -> usize {
+        let Some(w) = self.sources.get(k) else { return 0 };
+        let snap = &*self.snap;
         let quota = snap.dispatch.quota as usize;
-        let mut frames = 0;
-        while frames < quota {
-            let Some(n) = receive(ep, &mut self.rx) else { break };
-            for m in 0..n {
-                let len = self.rx.lens[m];
-                let seg = self.rx.seg[m];
-                let count = gro_segments(len, seg).count();
-                frames += count;
-                let Some(from) = self.rx.from[m] else { continue };
-                let udp_link = if is_vxlan { None } else { snap.link_for_sender(from) };
-                if !is_vxlan && udp_link.is_none() {
-                    for r in gro_segments(len, seg) {
-                        st.global.received(r.len());
-                        st.drop_at(None, DropReason::UnknownSender);
-                    }
-                    tracing::debug!(%from, "datagram from an address with no link dropped");
-                    continue;
-                }
-                if count > 1 {
-                    st.offload.gro_runs.fetch_add(1, Relaxed);
-                }
-                let truncated = self.rx.truncated[m];
-                let buf = self.rx.buf_mut(m);
-                for r in gro_segments(len, seg) {
-                    let (link, start) = if is_vxlan {
-                        let vni = parse_vxlan(&buf[r.clone()]);
-                        match vni.and_then(|vni| snap.vxlan_link_for(from.ip(), vni)) {
-                            Some(l) => (l, r.start + VXLAN_HDR_LEN),
-                            None => {
-                                st.global.received(r.len());
-                                st.drop_at(None, if vni.is_some() { DropReason::UnknownSender } else { DropReason::Malformed });
-                                continue;
-                            }
-                        }
-                    } else {
-                        (udp_link.unwrap(), r.start)
-                    };
-                    if truncated {
-                        st.drop_at(Some(&snap.links[link as usize].stats), DropReason::Oversize);
-                        break;
-                    }
-                    self.fwd.from_link(snap, link, buf, start..r.end);
-                }
-                self.fwd.end_run(snap, buf);
-            }
-        }
-        frames
-    }
-
-    /// Takes up to `quota` datagrams from this thread's WireGuard socket:
-    /// each data message opened (decrypted and checked) into `buf`, a GRO
-    /// run's frames one after another, then routed as one run; each
-    /// handshake message queued for the handshake thread (no public-key
-    /// work here).
-    fn drain_wireguard(&mut self) -> usize {
-        let Some(hub) = self.dp.wireguard.clone() else { return 0 };
-        let Some(ep) = hub.group.get(self.index) else { return 0 };
-        let (st, snap) = (&*self.st, &self.snap);
-        let quota = snap.dispatch.quota as usize;
-        let mut frames = 0;
-        while frames < quota {
-            let Some(n) = receive(ep, &mut self.rx) else { break };
-            for m in 0..n {
-                let (len, seg) = (self.rx.lens[m], self.rx.seg[m]);
-                frames += gro_segments(len, seg).count();
-                let Some(from) = self.rx.from[m] else { continue };
-                if self.rx.truncated[m] {
-                    st.global.received(len);
-                    st.drop_at(None, DropReason::Oversize);
-                    continue;
-                }
-                let run = &self.rx.buf_mut(m)[..len];
-                let mut sink = RunToForwarder { fwd: &mut self.fwd, snap };
-                hub.open_run(&**snap, st, from, run, seg, &mut self.buf, &mut sink);
-            }
-        }
-        frames
-    }
-
-    /// Takes up to `quota` frames from the direct link at `slot`.
-    fn drain_direct(&mut self, slot: u32) -> usize {
-        let snap = &self.snap;
-        let Some(link) = snap.links.get(slot as usize) else { return 0 };
-        let Rx::Device(port) = link.transport.rx() else { return 0 };
-        let quota = snap.dispatch.quota as usize;
-        let mut n = 0;
-        while n < quota {
-            match port.recv(&mut self.buf) {
-                Ok(len) => {
-                    n += 1;
-                    let Some(vnet) = VnetHdr::parse(&self.buf[..len]) else { continue };
-                    self.fwd.from_port(snap, Slot::Link(slot), &mut self.buf[VNET_HDR_LEN..len], vnet);
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.raw_os_error() == Some(libc::EMSGSIZE) => {
-                    self.st.drop_at(Some(&link.stats), DropReason::Oversize);
-                }
-                Err(e) => {
-                    tracing::warn!(link = %link.name, "read from device failed: {e}");
-                    break;
-                }
-            }
-        }
+        let mut intake = ToForwarder { fwd: &mut self.fwd, snap };
+        let mut cx = RxCx { links: snap, st: &self.st, intake: &mut intake, buf: &mut self.buf, rx: &mut self.rx, quota };
+        let n = w.src.ready(i, events, &mut cx);
+        self.rewatch(k);
         n
     }
 
-    /// Reads what the TCP link `tcp[at]`'s connection has (up to
-    /// `TCP_READ_BATCH` bytes) and routes the complete frames as one run.
-    fn drain_tcp(&mut self, at: usize) {
-        let snap = &self.snap;
-        let Some(port) = self.tcp.get_mut(at) else { return };
-        let Some(conn) = port.conn.clone() else { return };
-        let link = &snap.links[port.slot as usize];
-        let mut read = 0;
-        let mut ended = false;
-        while read < TCP_READ_BATCH {
-            port.framer.compact();
-            let r = (&*conn.stream).read(port.framer.spare());
-            let n = match r {
-                Ok(0) => {
-                    ended = true;
-                    break;
-                }
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    tracing::info!(link = %link.name, "TCP link read failed: {e}");
-                    ended = true;
-                    break;
-                }
-            };
-            read += n;
-            port.framer.filled(n);
-            let mut bad = None;
-            while let Some(f) = port.framer.next_frame() {
-                match f {
-                    Ok(r) => self.fwd.from_link(snap, port.slot, port.framer.buf_mut(), r),
-                    Err(b) => {
-                        bad = Some(b);
-                        break;
-                    }
-                }
-            }
-            // The run ends with what this read brought: a complete frame
-            // never waits for the next one, nor for another snapshot.
-            self.fwd.end_run(snap, port.framer.buf());
-            if let Some(b) = bad {
-                // The stream is out of step: nothing after this can be trusted.
-                self.st.drop_at(Some(&link.stats), DropReason::Malformed);
-                tracing::warn!(link = %link.name, len = b.0, "bad frame length on TCP link; reconnecting");
-                ended = true;
-                break;
-            }
+    /// Brings the epoll set in line with link source `k`'s descriptors.
+    fn rewatch(&mut self, k: usize) {
+        let (generation, fds) = self.sources[k].src.watch();
+        let w = &mut self.sources[k];
+        if generation == w.generation && fds == w.fds {
+            return;
         }
-        if ended {
-            port.link.lost(conn.id);
-            self.sync_tcp(at);
+        for (fd, _) in &w.fds {
+            self.epoll.delete(*fd);
         }
-    }
-
-    /// The TCP link `tcp[at]`'s socket drained: write out what waits.
-    fn tcp_writable(&mut self, at: usize) {
-        let Some(port) = self.tcp.get(at) else { return };
-        let link = &self.snap.links[port.slot as usize];
-        let w = port.link.write_out();
-        if w.frames > 0 {
-            self.st.sent_at(&link.stats, w.frames, w.bytes);
-        }
-        if !w.blocked {
-            self.sync_tcp(at);
-        }
-    }
-
-    /// The TCP link `tcp[at]` signalled: its connection changed, or frames
-    /// wait for the socket.
-    fn tcp_event(&mut self, at: usize) {
-        if let Some(port) = self.tcp.get(at) {
-            port.link.clear_event();
-            self.sync_tcp(at);
-        }
-    }
-
-    /// Brings this thread's watch of `tcp[at]` in line with the link: the
-    /// live connection in the epoll set, with EPOLLOUT while frames wait.
-    fn sync_tcp(&mut self, at: usize) {
-        let Some(port) = self.tcp.get_mut(at) else { return };
-        let live = port.link.conn();
-        let same = matches!((&port.conn, &live), (Some(a), Some(b)) if a.id == b.id);
-        if !same {
-            if let Some(old) = port.conn.take() {
-                self.epoll.delete(old.stream.as_raw_fd());
-            }
-            port.framer.reset();
-            port.want_out = false;
-            if let Some(c) = live {
-                let ev = epoll::IN | epoll::RDHUP;
-                if self.epoll.add(c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
-                    port.conn = Some(c);
-                }
-            }
-        }
-        let Some(c) = &port.conn else { return };
-        let want_out = port.link.has_pending();
-        if want_out != port.want_out {
-            let mut ev = epoll::IN | epoll::RDHUP;
-            if want_out {
-                ev |= epoll::OUT;
-            }
-            if self.epoll.modify(c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
-                port.want_out = want_out;
+        w.generation = generation;
+        w.fds = fds;
+        for (j, &(fd, ev)) in w.fds.iter().enumerate() {
+            if self.epoll.add(fd, ev, KIND_LINK | ((k as u64) << 8) | j as u64).is_err() {
+                tracing::warn!("cannot watch a link source's descriptor");
             }
         }
     }
@@ -577,71 +351,16 @@ impl Worker {
             owned.push(Owned { id: iface.id, slot: slot as u32, fd, settings, polled, window_count: count, window_start });
         }
         self.owned = owned;
-        // Direct links, spread over threads like interfaces.
-        for &(_, fd) in &self.direct {
-            self.epoll.delete(fd);
-        }
-        self.direct.clear();
-        for (slot, link) in next.links.iter().enumerate() {
-            if let Rx::Device(port) = link.transport.rx() {
-                if mine(link.id) {
-                    let fd = port.as_raw_fd();
-                    if self.epoll.add(fd, epoll::IN, KIND_DIRECT | self.direct.len() as u64).is_ok() {
-                        self.direct.push((slot as u32, fd));
-                    }
-                }
+        // Link sources: this thread's socket of every carrier, the streams
+        // and devices of the links it owns.
+        for w in std::mem::take(&mut self.sources) {
+            for (fd, _) in w.fds {
+                self.epoll.delete(fd);
             }
         }
-        // TCP links: keep each one's stream state while the link stays.
-        let mut old = std::mem::take(&mut self.tcp);
-        for p in &old {
-            self.epoll.delete(p.link.event_fd());
-            if let Some(c) = &p.conn {
-                self.epoll.delete(c.stream.as_raw_fd());
-            }
-        }
-        for (slot, link) in next.links.iter().enumerate() {
-            let Rx::Stream(t) = link.transport.rx() else { continue };
-            if !mine(link.id) {
-                continue;
-            }
-            let at = self.tcp.len();
-            let mut port = match old.iter().position(|p| p.id == link.id && Arc::ptr_eq(&p.link, t)) {
-                Some(i) => old.swap_remove(i),
-                None => TcpPort {
-                    id: link.id,
-                    slot: 0,
-                    link: t.clone(),
-                    conn: None,
-                    want_out: false,
-                    framer: TcpFramer::new(TCP_READ_BATCH),
-                },
-            };
-            port.slot = slot as u32;
-            // Re-added below with this thread's new token.
-            let conn = port.conn.take();
-            port.want_out = false;
-            if self.epoll.add(t.event_fd(), epoll::IN, KIND_TCP_EVENT | at as u64).is_err() {
-                tracing::warn!(link = %link.name, "cannot watch TCP link");
-            }
-            self.tcp.push(port);
-            if let Some(c) = conn {
-                // Same connection: keep its partial frame.
-                let ev = epoll::IN | epoll::RDHUP;
-                if self.epoll.add(c.stream.as_raw_fd(), ev, KIND_TCP | at as u64).is_ok() {
-                    self.tcp[at].conn = Some(c);
-                }
-            }
-            self.sync_tcp(at);
-        }
-        // Each thread reads its own socket of each UDP group (VXLAN's once
-        // they exist).
-        for i in 0..SOCKETS {
-            if !self.sockets[i] {
-                if let Some(fd) = socket(&self.dp, i, self.index).map(|e| e.as_raw_fd()) {
-                    self.sockets[i] = self.epoll.add(fd, epoll::IN, TOKEN_SOCKET + i as u64).is_ok();
-                }
-            }
+        self.sources = self.dp.link_sources(me, &next).into_iter().map(|src| Watched { src, generation: u64::MAX, fds: Vec::new() }).collect();
+        for k in 0..self.sources.len() {
+            self.rewatch(k);
         }
         self.snap = next;
         self.dp.ran(self.index, self.snap.generation);
@@ -683,53 +402,22 @@ impl Worker {
     }
 }
 
-/// One `recvmmsg` on `ep` into `rx`: how many datagrams, or None when
-/// there are none (or it failed, logged).
-fn receive(ep: &UdpEndpoint, rx: &mut RxBatch) -> Option<usize> {
-    loop {
-        match ep.recv_batch(rx) {
-            Ok(n) => return Some(n),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return None,
-            // ICMP errors for earlier sends surface here; they concern
-            // those sends, not this receive.
-            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => continue,
-            Err(e) => {
-                tracing::warn!(local = %ep.local_addr(), "UDP receive failed: {e}");
-                return None;
-            }
-        }
-    }
-}
-
-/// UDP socket groups a thread reads, and WireGuard's place among them.
-const SOCKETS: usize = 5;
-const WIREGUARD: usize = 4;
-
-/// Thread `t`'s socket of UDP group `i`: VNET/P IPv4, IPv6, VXLAN IPv4, IPv6,
-/// WireGuard.
-fn socket(dp: &Datapath, i: usize, t: usize) -> Option<&UdpEndpoint> {
-    let group: &[Arc<UdpEndpoint>] = match i {
-        0 => &dp.udp4,
-        1 => &dp.udp6,
-        2 => dp.vxlan4.get().map_or(&[], |g| &g[..]),
-        3 => dp.vxlan6.get().map_or(&[], |g| &g[..]),
-        _ => dp.wireguard.as_ref().map_or(&[], |w| &w.group[..]),
-    };
-    group.get(t).map(|e| &**e)
-}
-
-/// A WireGuard run's frames, routed by the forwarder as one run.
-struct RunToForwarder<'a> {
+/// What link sources read, handed to the forwarder with the snapshot.
+struct ToForwarder<'a> {
     fwd: &'a mut Forwarder,
     snap: &'a Snapshot,
 }
 
-impl RunSink for RunToForwarder<'_> {
-    fn frame(&mut self, slot: u32, buf: &mut [u8], frame: std::ops::Range<usize>) {
+impl Intake for ToForwarder<'_> {
+    fn port_frame(&mut self, at: Slot, frame: &mut [u8], vnet: VnetHdr) {
+        self.fwd.from_port(self.snap, at, frame, vnet);
+    }
+
+    fn link_frame(&mut self, slot: u32, buf: &mut [u8], frame: std::ops::Range<usize>) {
         self.fwd.from_link(self.snap, slot, buf, frame);
     }
 
-    fn end(&mut self, buf: &[u8]) {
+    fn end_run(&mut self, buf: &[u8]) {
         self.fwd.end_run(self.snap, buf);
     }
 }

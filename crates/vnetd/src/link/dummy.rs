@@ -4,7 +4,7 @@
 //! fuzz targets). Frames "received" on it are given to the forwarder by the
 //! caller. The control language cannot make one.
 
-use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
+use super::{Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::stats::DropReason;
 use std::sync::{Arc, Mutex};
 use vnet_core::offload::{Pieces, VnetHdr};
@@ -33,8 +33,8 @@ impl Transport for DummyLink {
         "dummy"
     }
 
-    fn rx(&self) -> Rx<'_> {
-        Rx::Shared { vni: None }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 
     fn send(&self, _q: &mut TxQueue, _cx: &TxCtx, _vnet: &VnetHdr, frame: Pieces) -> Sent {

@@ -1,49 +1,259 @@
 //! Links (the papers' "edges"): how frames travel to and from other hosts.
 //!
-//! Every kind is one module behind `Transport`; the forwarder never asks
-//! which kind a link is.
+//! A link kind is one module behind `LinkKind` (how `LINK ADD` makes one),
+//! listed once in `kinds.rs`; a link it makes is a `Transport` (how frames
+//! leave, which carrier and demultiplexing keys its frames come back with,
+//! and its own source, if it reads one). Nothing else of vnetd, the
+//! forwarder, the dispatchers and the snapshot included, asks which kind a
+//! link is.
 //!
-//! - `udp`: VNET/P's encapsulation (the bare frame as a UDP datagram) and
-//!   VXLAN (RFC 7348, an 8-byte header first), on the daemon's shared UDP
-//!   sockets (`crate::sys::udp`: GSO, GRO, batches).
-//! - `tcp`: frames over a TCP connection opened by a key handshake, for
-//!   networks where UDP does not pass.
-//! - `direct`: raw onto a host device's LAN, through a packet socket.
-//! - `wireguard`: frames encrypted and authenticated by WireGuard, on
-//!   vnetd's WireGuard port, each peer told apart by its key and index.
+//! - **Carriers** carry datagrams for many links: a UDP socket group per
+//!   port and family (`carriers.rs`), bound the first time a kind asks for
+//!   it, read by every dispatcher, each received run opened by the kind that
+//!   made the carrier (`RunOpener`). Links with a carrier of their own (a TCP
+//!   stream, a device) read it as their own `LinkSource`.
+//! - **Demultiplexing** is by keys a link declares (`Transport::demux`): the
+//!   sender's address, a VNI, a receiver index or a public key, on its
+//!   carrier. The snapshot keeps them in one map; a key two links declare
+//!   names neither (and `LINK ADD` refuses a link whose exclusive key another
+//!   link holds).
 //!
-//! A new kind is a new module implementing `Transport`: how it sends a frame
-//! and a run of segments, and which of the three receive shapes (`Rx`) it
-//! has, which decides how a dispatcher reads it.
+//! The kinds: `vnetp` (VNET/P: the bare frame as a UDP datagram), `vxlan`
+//! (RFC 7348), `geneve` (RFC 8926), `tcp` (frames over a TCP connection opened
+//! by a key handshake), `direct` (raw onto a host device's LAN), `wireguard`
+//! (frames encrypted and authenticated by WireGuard).
 
+pub mod carriers;
 pub mod direct;
 pub mod dummy;
+pub mod geneve;
+pub mod key;
+pub mod kinds;
 pub mod tcp;
-pub mod udp;
+pub mod vnetp;
+pub mod vxlan;
 pub mod wireguard;
 
-use crate::sys::packet::PacketPort;
-use crate::sys::udp::{TxBatch, UdpEndpoint};
-use crate::stats::{DropReason, OffloadCounters};
-use std::net::SocketAddr;
+use crate::port::Intake;
+use crate::settings::Settings;
+use crate::stats::{Counters, DropReason, OffloadCounters, ThreadStats};
+use crate::sys::udp::{RxBatch, TxBatch, UdpEndpoint};
+
+pub use key::LinkKey;
+use std::any::Any;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use vnet_core::command::LinkProto;
 use vnet_core::offload::{Pieces, SegmentPlan, VnetHdr, MAX_PIECES};
 
-/// How a link's frames arrive.
-pub enum Rx<'a> {
-    /// On a socket shared by many links, each datagram told apart by its
-    /// sender's address and, for VXLAN, its VNI.
-    Shared { vni: Option<u32> },
-    /// On the link's own device (a packet socket): frames with virtio-net
-    /// headers.
-    Device(&'a PacketPort),
-    /// On the link's own stream connection.
-    Stream(&'a Arc<tcp::TcpLink>),
-    /// On vnetd's WireGuard sockets, told apart by receiver index or, for a
-    /// handshake initiation, by the peer's static key.
-    Sealed(&'a wireguard::WgLink),
+/// What carries a link's datagrams in: a UDP port of one family, or a
+/// carrier of the link's own (a stream, a device: named for duplicates only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CarrierKey {
+    Udp { port: u16, v6: bool },
+    Stream,
+    Device,
+}
+
+impl CarrierKey {
+    /// The UDP carrier on `port` of `addr`'s family.
+    pub fn udp(port: u16, addr: &IpAddr) -> CarrierKey {
+        CarrierKey::Udp { port, v6: addr.is_ipv6() }
+    }
+}
+
+/// What tells a link's datagrams apart on its carrier.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum DemuxKey {
+    /// The sender's address and port.
+    Sender(SocketAddr),
+    /// The sender's address alone: names a link only while exactly one link
+    /// declares it (VNET/P's match by IP, for a peer behind NAT).
+    SenderIp(IpAddr),
+    /// The sender's address and a virtual network identifier.
+    Vni(IpAddr, u32),
+    /// A receiver index the datagrams name (24 bits).
+    Index(u32),
+    /// A public key a handshake names.
+    Key([u8; 32]),
+    /// The peer's address, for a link of one connection per peer.
+    Peer(IpAddr),
+    /// A host device.
+    Device(String),
+}
+
+impl DemuxKey {
+    /// Whether another link may declare it too (it then names neither).
+    pub fn shared(&self) -> bool {
+        matches!(self, DemuxKey::SenderIp(_))
+    }
+
+    /// What a second link with this key would collide on, for `LINK ADD`'s
+    /// error: "link <name> already <this>".
+    pub fn describe(&self, kind: &str) -> String {
+        match self {
+            DemuxKey::Sender(a) => format!("goes to {a} by {kind}"),
+            DemuxKey::SenderIp(ip) => format!("goes to {ip} by {kind}"),
+            DemuxKey::Vni(ip, v) => format!("goes to {ip} by {kind} with VNI {v}"),
+            DemuxKey::Index(i) => format!("has receiver index {i}"),
+            DemuxKey::Key(_) => "goes to the peer holding that key (a peer is told apart by its key)".into(),
+            DemuxKey::Peer(ip) => format!("goes to {ip} by {kind} (the peer is told apart by its address)"),
+            DemuxKey::Device(d) => format!("uses device {d}"),
+        }
+    }
+}
+
+/// The links as a reader of datagrams sees them (the snapshot).
+pub trait LinkLookup {
+    /// The link (slot) that declared `key` on `carrier`, if exactly one did.
+    fn demux(&self, carrier: &CarrierKey, key: &DemuxKey) -> Option<u32>;
+    /// The link at `slot`: how it carries frames, and its frame counters.
+    fn link(&self, slot: u32) -> Option<(&dyn Transport, &Counters)>;
+    /// The slot of the link with this id, if it is in force.
+    fn slot_of_link(&self, id: u32) -> Option<u32>;
+}
+
+/// What a source reads with: the links in force, the dispatcher's counters,
+/// where frames go, and its buffers.
+pub struct RxCx<'a> {
+    pub links: &'a dyn LinkLookup,
+    pub st: &'a ThreadStats,
+    pub intake: &'a mut dyn Intake,
+    /// Room for the largest frame plus its virtio-net header.
+    pub buf: &'a mut [u8],
+    pub rx: &'a mut RxBatch,
+    /// Frames (datagrams) to read at most before the others get a turn.
+    pub quota: usize,
+}
+
+/// Something a dispatcher reads frames from: one socket of a carrier, or a
+/// link's own stream or device.
+pub trait LinkSource: Send + Sync {
+    /// The descriptors to watch, with their epoll events, and a number that
+    /// changes whenever they do.
+    fn watch(&self) -> (u64, Vec<(RawFd, u32)>);
+    /// Which of `n` dispatchers reads it.
+    fn owner(&self, n: usize) -> usize;
+    /// Whether a VMM-driven pass reads it without waiting for its event
+    /// (a socket many links share).
+    fn polled(&self) -> bool {
+        false
+    }
+    /// `watch()`'s descriptor `i` is ready with `events`: reads what it
+    /// has (up to `cx.quota` frames) into `cx.intake`; the frames read.
+    fn ready(&self, i: usize, events: u32, cx: &mut RxCx) -> usize;
+}
+
+/// Opens the runs a UDP carrier receives, for the kind that made it: finds
+/// each datagram's link (`LinkLookup::demux`) and hands its frame to
+/// `intake`, in `run` itself (a plain header) or in `buf` (sealed).
+pub trait RunOpener: Send + Sync {
+    #[allow(clippy::too_many_arguments)]
+    fn open_run(
+        &self,
+        carrier: &CarrierKey,
+        links: &dyn LinkLookup,
+        st: &ThreadStats,
+        from: SocketAddr,
+        run: &mut [u8],
+        seg: usize,
+        buf: &mut [u8],
+        intake: &mut dyn Intake,
+    );
+}
+
+/// What a kind making a link needs from the daemon.
+pub trait LinkEnv {
+    /// The kernel's path MTU toward an address.
+    fn path_mtu(&self, to: SocketAddr) -> Option<u32>;
+    /// The UDP carrier `key` (a socket per dispatcher), bound now if it is
+    /// not yet, its runs opened by what `opener` makes.
+    fn udp_carrier(&self, key: CarrierKey, word: &'static str, opener: &dyn Fn() -> Arc<dyn RunOpener>) -> Result<Arc<carriers::UdpCarrier>, String>;
+    /// The state a kind shares between its links (made once, by `make`),
+    /// or what `start` put there.
+    fn shared(&self, kind: &'static str, make: &mut dyn FnMut() -> Result<Arc<dyn Any + Send + Sync>, String>) -> Result<Arc<dyn Any + Send + Sync>, String>;
+    /// The state a kind shares, if it has made it.
+    fn shared_now(&self, kind: &'static str) -> Option<Arc<dyn Any + Send + Sync>>;
+    /// The links in force now (for a kind's own threads: an acceptor), and
+    /// where a connection or datagram no link takes is counted.
+    fn links_now(&self) -> LinksNow;
+    /// Describes a link to the kernel fast path, if it is loaded and can
+    /// carry it (over IPv4 with a route to the peer), its datagrams leaving
+    /// from local port `sport`; None otherwise.
+    fn fast_link(&self, _id: u32, _remote: SocketAddr, _sport: u16, _mtu: u32) -> Option<vnet_fastpath::LinkEntry> {
+        None
+    }
+}
+
+/// The links in force, for a kind's own threads: the current snapshot (None
+/// once the daemon is gone), and a counter of what no link took.
+#[derive(Clone)]
+pub struct LinksNow {
+    pub now: Arc<dyn Fn() -> Option<Arc<dyn LinkLookup + Send + Sync>> + Send + Sync>,
+    pub unknown: Arc<dyn Fn() + Send + Sync>,
+}
+
+/// What `LINK ADD` asks for, as a kind sees it. `ip` is canonical (an
+/// IPv4-mapped address is the IPv4 peer).
+pub struct LinkSpec<'a> {
+    pub proto: &'a LinkProto,
+    pub ip: Option<IpAddr>,
+    pub port: Option<u16>,
+    pub name: Option<String>,
+    pub mtu: Option<u32>,
+}
+
+/// A link as its kind made it, before the topology names and sizes it.
+pub struct Made {
+    pub transport: Arc<dyn Transport>,
+    pub remote: Option<SocketAddr>,
+    pub name: String,
+    pub mtu: u32,
+    /// What the link's encapsulation takes from its MTU (IPv4 + UDP = 28,
+    /// + VXLAN 36, TCP 40, WireGuard 88, + 20 over IPv6); negative for a
+    /// direct link, which carries frames without their 14-byte Ethernet
+    /// header counted.
+    pub overhead: i64,
+}
+
+/// A kind of link: one module, one line in `kinds::ALL`.
+pub trait LinkKind: Sync {
+    /// The word `LINK LIST` shows (`proto=`).
+    fn word(&self) -> &'static str;
+    /// Whether it makes links of this `LINK ADD` protocol.
+    fn takes(&self, proto: &LinkProto) -> bool;
+    /// Makes one.
+    fn make(&self, spec: &LinkSpec, settings: &Settings, env: &dyn LinkEnv) -> Result<Made, String>;
+    /// What the kind does as vnetd starts (before any link): bind what must
+    /// be bound from the start, make what `settings` asks for.
+    fn start(&self, _settings: &Settings, _env: &dyn LinkEnv) -> Result<(), String> {
+        Ok(())
+    }
+    /// Lines of its own for `SHOW` (the kind as a whole).
+    fn show(&self, _env: &dyn LinkEnv) -> Vec<String> {
+        Vec::new()
+    }
+    /// Where it listens, besides its UDP carriers (`<word>:<address>`).
+    fn listens(&self, _env: &dyn LinkEnv) -> Vec<String> {
+        Vec::new()
+    }
+    /// Its `STATS global` line's fields, each ` name=value`, if it has one.
+    fn stats(&self, _env: &dyn LinkEnv) -> Option<String> {
+        None
+    }
+    /// A request of its own (`<KIND> <verb>`, e.g. `WIREGUARD ROTATE`):
+    /// its answer.
+    fn command(&self, verb: &str, _env: &dyn LinkEnv) -> Result<Vec<String>, String> {
+        Err(format!("{} has no command {verb}", self.word()))
+    }
+    /// The counters of a thread of the kind's own, summed into `STATS
+    /// global` with the dispatchers'.
+    fn thread_stats(&self, _env: &dyn LinkEnv) -> Option<Arc<ThreadStats>> {
+        None
+    }
 }
 
 /// What became of frames handed to a link.
@@ -127,12 +337,31 @@ impl<'a> Segments<'a> {
     }
 }
 
-/// A link kind.
+/// A link, as its kind made it.
 pub trait Transport: Send + Sync {
-    /// `udp`, `vxlan`, `tcp`, `direct`: what `LINK LIST` shows.
+    /// Its kind's word (`LinkKind::word`): what `LINK LIST` shows.
     fn kind(&self) -> &'static str;
-    /// How its frames arrive.
-    fn rx(&self) -> Rx<'_>;
+    /// The link as its own type (for its kind's code: a handshake thread).
+    fn as_any(&self) -> &dyn Any;
+    /// The keys its datagrams are told apart by, on their carrier.
+    fn demux(&self) -> Vec<(CarrierKey, DemuxKey)> {
+        Vec::new()
+    }
+    /// What it reads itself (a stream, a device), if anything.
+    fn source(&self) -> Option<Arc<dyn LinkSource>> {
+        None
+    }
+    /// The link is in force (in the dispatchers' snapshot): start what it
+    /// runs (a connector).
+    fn in_force(&self) {}
+    /// Its id in the topology, given when it is added (its own source finds
+    /// its slot in a snapshot by it).
+    fn identify(&self, _id: u32) {}
+    /// If the kernel fast path may carry it (VNET/P over UDP): the local
+    /// port its datagrams leave from.
+    fn fast_path(&self) -> Option<u16> {
+        None
+    }
     /// Whether it takes offloaded frames as they are (super-frames, partial
     /// checksums), as a device does; otherwise the forwarder finishes
     /// checksums and cuts super-frames to `max_frame` first.
@@ -195,6 +424,22 @@ impl TxQueue {
     /// Queues a datagram made of `parts` for `ep`; `gso`: it may share a
     /// GSO message with its neighbours. A full batch is sent first.
     pub fn push(&mut self, ep: &Arc<UdpEndpoint>, parts: &[&[u8]], to: SocketAddr, slot: u32, gso: bool) {
+        let len = parts.iter().map(|p| p.len()).sum();
+        let i = self.batch_with_room(ep, len);
+        self.batches[i].1.push(parts, to, slot, gso);
+    }
+
+    /// Queues a datagram of up to `max` bytes for `ep` that `make` writes in
+    /// place (a sealed link seals straight into the batch); `make` says its
+    /// length, 0 if it queued nothing. The length.
+    pub fn push_with(&mut self, ep: &Arc<UdpEndpoint>, max: usize, to: SocketAddr, slot: u32, gso: bool, make: impl FnOnce(&mut [u8]) -> usize) -> usize {
+        let i = self.batch_with_room(ep, max);
+        self.batches[i].1.push_with(max, to, slot, gso, make)
+    }
+
+    /// The batch of `ep`, flushed first if a datagram of `len` bytes would
+    /// not fit.
+    fn batch_with_room(&mut self, ep: &Arc<UdpEndpoint>, len: usize) -> usize {
         let i = match self.batches.iter().position(|(e, _)| Arc::ptr_eq(e, ep)) {
             Some(i) => i,
             None => {
@@ -202,10 +447,10 @@ impl TxQueue {
                 self.batches.len() - 1
             }
         };
-        if !self.batches[i].1.push(parts, to, slot, gso) {
+        if !self.batches[i].1.room(len) {
             self.flush_one(i);
-            self.batches[i].1.push(parts, to, slot, gso);
         }
+        i
     }
 
     fn flush_one(&mut self, i: usize) {

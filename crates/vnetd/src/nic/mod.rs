@@ -1,8 +1,10 @@
 //! Virtual NICs: how guest frames enter and leave the daemon.
 //!
 //! Each kind implements `VirtualNic`:
-//! - `Tap`: vnetd holds the TAP's file side; the network device is the
-//!   guest's NIC (moved into a guest namespace or container).
+//! - `netns` (`Tap`): vnetd holds the TAP's file side; the network device
+//!   is the guest's NIC (moved into a guest namespace or container). The
+//!   TAP itself (`tap.rs`) is also what the QEMU kind and the fast path's
+//!   upcall build on.
 //! - `QemuNic`: QEMU holds the file side (`-netdev tap,ifname=..`); vnetd
 //!   meets the TAP device through the fast path (`upcall.rs`) or a packet
 //!   socket.
@@ -14,11 +16,13 @@
 //! - `DummyNic`: no device; frames injected and kept by hand, for driving
 //!   the datapath in unit tests and fuzz targets (`dummy.rs`).
 //!
-//! Which kind an interface gets is decided in one place,
-//! `topology/factory.rs`. Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
+//! A kind is one module behind `NicKind` (how `INTERFACE ADD` makes one),
+//! listed once in `kinds.rs`. Persistent TAPs (`netns` and `qemu` kinds) carry vnetd's mark (`rtnl`);
 //! only marked ones are taken over, un-persisted or deleted.
 
 pub mod dummy;
+pub mod kinds;
+pub mod netns;
 pub mod qemu;
 pub mod tap;
 pub mod upcall;
@@ -32,10 +36,36 @@ use vnet_core::offload::{VnetHdr, VNET_HDR_LEN};
 pub use vnet_vhost::GuestFrame;
 
 pub use dummy::DummyNic;
-pub use qemu::QemuNic;
-pub use tap::{QemuTap, Tap};
-pub use veth::VethNic;
-pub use vhost_user::VhostUserNic;
+
+/// What `INTERFACE ADD` asks for, as a NIC kind sees it.
+pub struct NicSpec<'a> {
+    pub name: &'a str,
+    pub mac: vnet_core::Mac,
+    pub mtu: u32,
+    pub attach: vnet_core::command::Attach,
+    pub netns: Option<&'a str>,
+    /// A vhost-user NIC's socket (a plain name in `vhost_dir`, or a path
+    /// there).
+    pub socket: Option<&'a str>,
+    pub vhost_dir: &'a std::path::Path,
+    /// A veth's name in the guest's namespace, if not `name`.
+    pub ifname: Option<&'a str>,
+    /// The id the interface will have (the fast path's port number).
+    pub id: u32,
+    /// Where a NIC reports its guest starting or stopping (`running`).
+    pub changes: &'a std::sync::Arc<crate::stats::Changes>,
+    /// The kernel fast path, if loaded (where a NIC on a kernel device
+    /// attaches).
+    pub kernel: Option<&'a std::sync::Arc<vnet_fastpath::Kernel>>,
+}
+
+/// A kind of NIC: one module, one line in `kinds::ALL`.
+pub trait NicKind: Sync {
+    /// Whether it makes the NICs of this attachment.
+    fn takes(&self, attach: &vnet_core::command::Attach) -> bool;
+    /// Makes one.
+    fn make(&self, spec: &NicSpec) -> Result<Box<dyn VirtualNic>, String>;
+}
 
 /// A guest's virtual NIC, as the dispatcher uses it; the dispatcher never
 /// asks which kind it has. `recv`, `send` and `event_fd` are what a NIC

@@ -37,3 +37,16 @@ impl PortDevice for QemuTap {
         self.remove_on_drop(!detach);
     }
 }
+
+/// Interfaces attached as `qemu`: a TAP whose file side QEMU holds.
+pub struct Kind;
+
+impl super::NicKind for Kind {
+    fn takes(&self, attach: &vnet_core::command::Attach) -> bool {
+        *attach == vnet_core::command::Attach::Qemu
+    }
+
+    fn make(&self, spec: &super::NicSpec) -> std::result::Result<Box<dyn super::VirtualNic>, String> {
+        QemuNic::new(spec.name, spec.mtu, spec.id, spec.kernel).map(|n| Box::new(n) as Box<dyn super::VirtualNic>).map_err(|e| format!("{e:#}"))
+    }
+}

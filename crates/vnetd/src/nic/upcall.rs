@@ -12,7 +12,8 @@
 //! is this port's alone. A packet socket cannot be used beside the fast
 //! path: it sees every frame before TC ingress runs.
 
-use super::{parse_received, Received, Tap, VirtualNic};
+use super::tap::Tap;
+use super::{parse_received, Received, VirtualNic};
 use crate::sys::netdev::send_vnet;
 use crate::sys::packet::PacketPort;
 use crate::sys::rtnl;

@@ -117,3 +117,19 @@ impl Drop for VethPair {
         }
     }
 }
+
+/// Interfaces attached as `veth` (in a guest namespace).
+pub struct Kind;
+
+impl super::NicKind for Kind {
+    fn takes(&self, attach: &vnet_core::command::Attach) -> bool {
+        *attach == vnet_core::command::Attach::Veth
+    }
+
+    fn make(&self, spec: &super::NicSpec) -> std::result::Result<Box<dyn super::VirtualNic>, String> {
+        let ns = spec.netns.ok_or("a veth interface needs netns <name>")?;
+        VethNic::new(spec.ifname.unwrap_or(spec.name), spec.mac, spec.mtu, ns, spec.id, spec.kernel)
+            .map(|n| Box::new(n) as Box<dyn super::VirtualNic>)
+            .map_err(|e| format!("{e:#}"))
+    }
+}

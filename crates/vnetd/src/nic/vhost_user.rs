@@ -492,3 +492,19 @@ mod tests {
         std::fs::remove_dir_all(&base).unwrap();
     }
 }
+
+/// Interfaces attached as `vhost-user` (on a socket).
+pub struct Kind;
+
+impl super::NicKind for Kind {
+    fn takes(&self, attach: &vnet_core::command::Attach) -> bool {
+        matches!(attach, vnet_core::command::Attach::VhostUser { .. })
+    }
+
+    fn make(&self, spec: &super::NicSpec) -> std::result::Result<Box<dyn VirtualNic>, String> {
+        let vnet_core::command::Attach::VhostUser { client, unsealed } = spec.attach else { return Err("not a vhost-user interface".into()) };
+        let socket = spec.socket.ok_or("a vhost-user interface needs a socket")?;
+        let at = Where { dir: spec.vhost_dir, socket };
+        VhostUserNic::new(spec.name, &at, client, unsealed, spec.changes.clone()).map(|n| Box::new(n) as Box<dyn VirtualNic>).map_err(|e| format!("{e:#}"))
+    }
+}

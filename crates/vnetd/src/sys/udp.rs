@@ -293,7 +293,11 @@ impl RxBatch {
 /// arena (so a run of them to one peer is one contiguous buffer, sent as
 /// one GSO message).
 pub struct TxBatch {
+    /// The arena: `data[..used]` holds the queued datagrams; what lies
+    /// beyond was written before (the arena never shrinks, so that a
+    /// datagram can be made in it without clearing its room first).
     data: Vec<u8>,
+    used: usize,
     spans: Vec<(usize, usize)>,
     to: Vec<SocketAddr>,
     addrs: Vec<SockAddr>,
@@ -311,6 +315,9 @@ pub struct TxBatch {
 // SAFETY: the raw pointers inside are only set and used within flush.
 unsafe impl Send for TxBatch {}
 
+/// Most bytes of datagrams one batch holds.
+const ARENA_BYTES: usize = 4 << 20;
+
 /// Most bytes one GSO message carries (a UDP datagram's payload limit,
 /// with room for headers).
 const GSO_MESSAGE_BYTES: usize = 65000;
@@ -319,6 +326,7 @@ impl Default for TxBatch {
     fn default() -> Self {
         TxBatch {
             data: Vec::with_capacity(TX_BATCH * 2048),
+            used: 0,
             spans: Vec::with_capacity(TX_BATCH),
             to: Vec::with_capacity(TX_BATCH),
             addrs: Vec::with_capacity(TX_BATCH),
@@ -341,19 +349,50 @@ impl TxBatch {
     /// (flush first).
     pub fn push(&mut self, parts: &[&[u8]], to: SocketAddr, link: u32, gso: bool) -> bool {
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        if self.count == TX_BATCH || self.data.len() + len > 4 << 20 {
+        if !self.room(len) {
             return false;
         }
-        let off = self.data.len();
+        let (room, mut at) = (self.reserve(len), 0);
         for p in parts {
-            self.data.extend_from_slice(p);
+            room[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
         }
-        self.spans.push((off, len));
+        self.commit(len, to, link, gso);
+        true
+    }
+
+    /// Whether a datagram of up to `len` bytes fits (else flush first).
+    pub fn room(&self, len: usize) -> bool {
+        self.count < TX_BATCH && self.used + len <= ARENA_BYTES
+    }
+
+    /// Makes a datagram of up to `max` bytes in place: `make` writes it into
+    /// the room it is given and says how long it is (0: nothing queued).
+    /// The batch must have `room(max)`.
+    pub fn push_with(&mut self, max: usize, to: SocketAddr, link: u32, gso: bool, make: impl FnOnce(&mut [u8]) -> usize) -> usize {
+        debug_assert!(self.room(max));
+        let len = make(self.reserve(max)).min(max);
+        if len > 0 {
+            self.commit(len, to, link, gso);
+        }
+        len
+    }
+
+    /// The arena's next `len` bytes, grown (once) if it is shorter.
+    fn reserve(&mut self, len: usize) -> &mut [u8] {
+        if self.data.len() < self.used + len {
+            self.data.resize(self.used + len, 0);
+        }
+        &mut self.data[self.used..self.used + len]
+    }
+
+    fn commit(&mut self, len: usize, to: SocketAddr, link: u32, gso: bool) {
+        self.spans.push((self.used, len));
+        self.used += len;
         self.to.push(to);
         self.links.push(link);
         self.gso.push(gso);
         self.count += 1;
-        true
     }
 
     pub fn is_empty(&self) -> bool {
@@ -432,7 +471,7 @@ impl TxBatch {
     }
 
     fn clear(&mut self) {
-        self.data.clear();
+        self.used = 0;
         self.spans.clear();
         self.to.clear();
         self.addrs.clear();

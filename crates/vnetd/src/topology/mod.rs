@@ -28,17 +28,15 @@ mod ids;
 mod objects;
 mod snapshot;
 
-pub use factory::{direct_allowed, NicSpec};
+use crate::nic::NicSpec;
 pub use ids::Ids;
-pub use objects::{Interface, Link, LinkEnv, Retired, Route};
+pub use objects::{Interface, Link, Retired, Route};
 pub use snapshot::{Slot, Snapshot};
 
-use crate::link::tcp::LinkKey;
-use crate::link::{GsoState, Transport};
-use crate::nic::{tap, VirtualNic};
+use crate::link::{GsoState, LinkEnv, LinkKey, LinkSpec, Transport};
+use crate::nic::VirtualNic;
 use crate::settings::{DispatchSettings, IfaceOverrides, Settings};
 use crate::stats::Counters;
-use crate::sys::rtnl;
 use imbl::OrdMap;
 use objects::ETH_MIN_FOR_TCP;
 use std::collections::{BTreeMap, HashMap};
@@ -146,16 +144,6 @@ impl Topology {
                     // Its TAP goes when this request commits: it cannot also be taken over.
                     return Err(format!("interface {name} is deleted by this request; add it again in another one"));
                 }
-                // A QEMU TAP or a netns TAP that vnetd made may be taken over
-                // (Tap::create_for_qemu, Tap::create_in_netns); a plain TAP is
-                // always new.
-                if *attach == Attach::Netns && netns.is_none() {
-                    match rtnl::device(name).map_err(|e| format!("cannot look up {name}: {e}"))? {
-                        Some(d) if d.is_vnetds() => return Err(format!("a device named {name} already exists on this host")),
-                        Some(_) => return Err(tap::not_vnetds(name)),
-                        None => {}
-                    }
-                }
                 let mtu = mtu.unwrap_or(settings.default_mtu);
                 let ifaces = &self.ifaces;
                 let id = self.ids.take(IdKind::Iface, name, |id| ifaces.contains_key(&id));
@@ -170,15 +158,11 @@ impl Topology {
                     ifname: ifname.as_deref(),
                     id,
                     changes: &settings.changes,
+                    kernel: self.kernel.as_ref(),
                 };
-                let nic = factory::nic(&spec, self.kernel.as_ref())?;
+                let nic = factory::nic(&spec)?;
                 let idx = self.insert_interface_as(id, name, *mac, mtu, *attach, netns.clone(), network.clone(), nic);
-                let how = match attach {
-                    Attach::Qemu => " qemu",
-                    Attach::Veth => " veth",
-                    Attach::Netns => "",
-                    Attach::VhostUser { .. } => " vhost-user",
-                };
+                let how = if *attach == Attach::default() { String::new() } else { format!(" {}", attach.word()) };
                 Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{how}"))
             }
             Command::IfaceDel(r, detach) => {
@@ -276,34 +260,18 @@ impl Topology {
                 return Err(format!("{ip} is not a unicast address"));
             }
         }
-        if let LinkProto::Direct { device } = proto {
-            direct_allowed(settings, device)?;
-            if self.links.values().any(|l| matches!(&l.proto, LinkProto::Direct { device: d } if d == device)) {
-                return Err(format!("device {device} already has a direct link"));
-            }
-        }
-        let factory::Made { transport, remote, name, mtu, overhead } = factory::link(proto, ip, port, name, mtu, settings, env)?;
+        let spec = LinkSpec { proto, ip, port, name, mtu };
+        let crate::link::Made { transport, remote, name, mtu, overhead } = factory::link(&spec, settings, env)?;
         if let Some(l) = self.links.values().find(|l| l.name == name) {
             return Err(format!("a link named {name} exists (index {})", l.id));
         }
         let kind = transport.kind();
-        if let (Some(r), Some(l)) = (remote, self.links.values().find(|l| l.remote == remote && l.transport.kind() == kind)) {
-            let same_vni = match (&l.proto, proto) {
-                (LinkProto::Vxlan { vni: a }, LinkProto::Vxlan { vni: b }) => a == b,
-                _ => true,
-            };
-            if same_vni {
-                return Err(format!("link {} already goes to {r} by {kind}", l.name));
-            }
-        }
-        if let LinkProto::WireGuard { .. } = proto {
-            if let Some(l) = self.links.values().find(|l| l.proto == *proto) {
-                return Err(format!("link {} already goes to the peer holding that key (a peer is told apart by its key)", l.name));
-            }
-        }
-        if let (LinkProto::Tcp { .. }, Some(r)) = (proto, remote) {
-            if self.links.values().any(|l| matches!(l.proto, LinkProto::Tcp { .. }) && l.remote.map(|x| x.ip()) == Some(r.ip())) {
-                return Err(format!("a TCP link to {} exists (the peer is told apart by its address)", r.ip()));
+        // A link is told apart by its keys on its carrier: one that another
+        // link holds (but for a shared one: a VNET/P peer's IP) is refused.
+        let mine = transport.demux();
+        for l in self.links.values() {
+            if let Some((_, k)) = l.transport.demux().into_iter().find(|c| !c.1.shared() && mine.contains(c)) {
+                return Err(format!("link {} already {}", l.name, k.describe(kind)));
             }
         }
         let vtoe = match (vtoe, remote) {
@@ -318,8 +286,8 @@ impl Topology {
         };
         let links = &self.links;
         let id = self.ids.take(IdKind::Link, &name, |id| links.contains_key(&id));
-        let fast = match (proto, remote) {
-            (LinkProto::Udp, Some(r)) => env.fast_link(id, r, mtu),
+        let fast = match (remote, transport.fast_path()) {
+            (Some(r), Some(sport)) => env.fast_link(id, r, sport, mtu),
             _ => None,
         };
         let shown = remote.map_or(String::new(), |r| format!(" {r}"));
@@ -413,6 +381,7 @@ impl Topology {
         vtoe: Option<(String, LinkKey)>,
     ) -> u32 {
         let max_frame = ((mtu as i64 - overhead).max(ETH_MIN_FOR_TCP as i64)) as usize;
+        transport.identify(idx);
         self.links.insert(
             idx,
             Arc::new(Link {

@@ -2,11 +2,9 @@
 //! host's vnetd, or a LAN), routes (rules of the table), and what a request
 //! retired. Each carries its stable id and its counters.
 
-use crate::link::{GsoState, Transport};
-use crate::link::tcp::LinkKey;
+use crate::link::{GsoState, LinkKey, Transport};
 use crate::nic::VirtualNic;
 use crate::stats::Counters;
-use crate::sys::udp::UdpEndpoint;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicU8};
 use std::sync::Arc;
@@ -93,27 +91,6 @@ pub enum Retired {
     /// An interface, and whether only detached (its TAP stays).
     Iface(Arc<Interface>, bool),
     Link(Arc<Link>),
-}
-
-/// What adding a link needs from the daemon.
-pub trait LinkEnv {
-    /// The kernel's path MTU toward an address.
-    fn path_mtu(&self, to: SocketAddr) -> Option<u32>;
-    /// vnetd's UDP socket of that family (IPv4 if `v4`), if it has one.
-    fn udp(&self, v4: bool) -> Option<Arc<UdpEndpoint>>;
-    /// The VXLAN socket of that family, made if needed.
-    fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String>;
-    /// vnetd's WireGuard side, if it has a key.
-    fn wireguard(&self) -> Result<Arc<crate::link::wireguard::WgHub>, String> {
-        Err("vnetd has no WireGuard key: start it with --wireguard-key-file <file>".into())
-    }
-    /// Makes sure TCP link connections are accepted.
-    fn ensure_tcp_acceptor(&self) -> Result<(), String>;
-    /// Describes a UDP link to the kernel fast path, if it is loaded and
-    /// can carry it (IPv4 with a route to the peer); None otherwise.
-    fn fast_link(&self, _id: u32, _remote: SocketAddr, _mtu: u32) -> Option<vnet_fastpath::LinkEntry> {
-        None
-    }
 }
 
 pub struct Route {

@@ -1,17 +1,16 @@
 //! What the datapath reads: an immutable snapshot of the topology, swapped
 //! whole on every change (`Datapath::publish`), with the lookups a
-//! dispatcher needs (ports by id, links by sender address, VNI, stream or
-//! WireGuard index and key).
+//! dispatcher needs: ports by id, and links by the keys they declared on
+//! their carriers (`link::LinkLookup`), whatever their kind.
 //! Built by the topology when a request commits; read by dispatchers with
 //! no lock.
 
 use super::objects::{Interface, Link, Route};
-use crate::link::tcp::TcpLink;
-use crate::link::{wireguard, Rx};
+use crate::link::{CarrierKey, DemuxKey, LinkLookup, Transport};
 use crate::settings::{DispatchSettings, IfaceDispatch};
+use crate::stats::Counters;
 use imbl::OrdMap;
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use vnet_core::table::{Port, RouteTable};
 
@@ -32,28 +31,15 @@ pub struct Snapshot {
     /// Interfaces' and links' slots by id.
     iface_slot: HashMap<u32, u32>,
     link_slot: HashMap<u32, u32>,
-    /// UDP links' slots by remote address.
-    by_addr: HashMap<SocketAddr, u32>,
-    /// UDP links by remote IP alone, when exactly one has that IP.
-    by_ip: HashMap<IpAddr, Option<u32>>,
-    /// VXLAN links by remote IP and VNI.
-    vxlan: HashMap<(IpAddr, u32), u32>,
-    /// TCP links by remote IP.
-    tcp: HashMap<IpAddr, Arc<TcpLink>>,
-    /// WireGuard links by our receiver index, and by the peer's public key.
-    wg_index: HashMap<u32, u32>,
-    wg_key: HashMap<[u8; 32], u32>,
+    /// Links' slots by the keys they declared on their carriers; None where
+    /// two declared one (it names neither).
+    demux: HashMap<(CarrierKey, DemuxKey), Option<u32>>,
     /// The kernel fast path is on: dispatchers install the answers it can
     /// carry.
     pub fast_on: bool,
 }
 
-/// Where a port is in one snapshot.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Slot {
-    Iface(u32),
-    Link(u32),
-}
+pub use crate::port::Slot;
 
 impl Snapshot {
     /// The snapshot of an empty topology (what dispatchers start with).
@@ -75,29 +61,10 @@ impl Snapshot {
         iface_dispatch: Vec<IfaceDispatch>,
         fast_on: bool,
     ) -> Snapshot {
-        let mut by_addr = HashMap::new();
-        let mut by_ip: HashMap<IpAddr, Option<u32>> = HashMap::new();
-        let mut vxlan = HashMap::new();
-        let mut tcp = HashMap::new();
-        let (mut wg_index, mut wg_key) = (HashMap::new(), HashMap::new());
+        let mut demux: HashMap<(CarrierKey, DemuxKey), Option<u32>> = HashMap::new();
         for (slot, l) in links.iter().enumerate() {
-            let Some(remote) = l.remote else { continue };
-            match l.transport.rx() {
-                Rx::Shared { vni: None } => {
-                    by_addr.insert(remote, slot as u32);
-                    by_ip.entry(remote.ip()).and_modify(|e| *e = None).or_insert(Some(slot as u32));
-                }
-                Rx::Shared { vni: Some(vni) } => {
-                    vxlan.insert((remote.ip(), vni), slot as u32);
-                }
-                Rx::Stream(t) => {
-                    tcp.insert(remote.ip().to_canonical(), t.clone());
-                }
-                Rx::Sealed(w) => {
-                    wg_index.insert(w.index(), slot as u32);
-                    wg_key.insert(*w.peer(), slot as u32);
-                }
-                Rx::Device(_) => {}
+            for key in l.transport.demux() {
+                demux.entry(key).and_modify(|e| *e = None).or_insert(Some(slot as u32));
             }
         }
         table.set_generation(generation);
@@ -109,12 +76,7 @@ impl Snapshot {
             links,
             routes,
             table,
-            by_addr,
-            by_ip,
-            vxlan,
-            tcp,
-            wg_index,
-            wg_key,
+            demux,
             dispatch,
             iface_dispatch,
             fast_on,
@@ -135,42 +97,20 @@ impl Snapshot {
     pub fn iface_slot(&self, id: u32) -> Option<u32> {
         self.iface_slot.get(&id).copied()
     }
-
-    /// The UDP link (slot) a datagram belongs to: the link whose remote
-    /// address is the sender's, or else the only link to the sender's IP
-    /// (VNET/P matched by IP alone; a peer behind NAT sends from another port).
-    #[inline]
-    pub fn link_for_sender(&self, from: SocketAddr) -> Option<u32> {
-        if let Some(&slot) = self.by_addr.get(&from) {
-            return Some(slot);
-        }
-        self.by_ip.get(&from.ip()).copied().flatten()
-    }
-
-    /// The VXLAN link (slot) for a datagram from `from` carrying `vni`.
-    #[inline]
-    pub fn vxlan_link_for(&self, from: IpAddr, vni: u32) -> Option<u32> {
-        self.vxlan.get(&(from, vni)).copied()
-    }
-
-    /// The TCP link whose peer has this address.
-    pub fn tcp_link_for(&self, from: IpAddr) -> Option<&Arc<TcpLink>> {
-        self.tcp.get(&from.to_canonical())
-    }
 }
 
-impl wireguard::Links for Snapshot {
-    /// The WireGuard link with this receiver index (24 bits), or to the
-    /// peer holding this public key.
+impl LinkLookup for Snapshot {
     #[inline]
-    fn wireguard(&self, by: wireguard::By) -> Option<wireguard::Found<'_>> {
-        let slot = match by {
-            wireguard::By::Index(i) => self.wg_index.get(&i),
-            wireguard::By::Key(k) => self.wg_key.get(k),
-        }
-        .copied()?;
-        let l = &self.links[slot as usize];
-        let Rx::Sealed(link) = l.transport.rx() else { return None };
-        Some(wireguard::Found { slot, link, stats: &l.stats })
+    fn demux(&self, carrier: &CarrierKey, key: &DemuxKey) -> Option<u32> {
+        self.demux.get(&(*carrier, key.clone())).copied().flatten()
+    }
+
+    #[inline]
+    fn link(&self, slot: u32) -> Option<(&dyn Transport, &Counters)> {
+        self.links.get(slot as usize).map(|l| (&*l.transport, &l.stats))
+    }
+
+    fn slot_of_link(&self, id: u32) -> Option<u32> {
+        self.link_slot.get(&id).copied()
     }
 }

@@ -8,8 +8,11 @@
 //! kept (`Vnetd::request`).
 
 use super::*;
-use crate::link::Rx;
+use crate::link::carriers::UdpCarrier;
+use crate::link::{CarrierKey, DemuxKey, LinkLookup, LinksNow, RunOpener};
 use crate::sys::udp::UdpEndpoint;
+use std::any::Any;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc;
@@ -21,35 +24,22 @@ const M2: &str = "02:00:00:00:00:02";
 const M3: &str = "02:00:00:00:00:03";
 const M9: &str = "02:00:00:00:00:09";
 
-/// The daemon's side of adding a link, faked: which sockets exist, what the
-/// kernel says the path MTU is, what fails. Sockets are real (unspecified
-/// addresses, kernel-chosen ports; nothing is sent).
+/// The daemon's side of adding a link, faked: which carriers can be bound,
+/// what the kernel says the path MTU is, what fails. Sockets are real
+/// (unspecified addresses, kernel-chosen ports; nothing is sent).
 struct FakeEnv {
     udp4: bool,
     udp6: bool,
     path_mtu: Option<u32>,
     vxlan_error: Option<String>,
     tcp_error: Option<String>,
-    sockets: std::sync::OnceLock<(Arc<UdpEndpoint>, Arc<UdpEndpoint>)>,
+    carriers: std::sync::Mutex<HashMap<CarrierKey, Arc<UdpCarrier>>>,
+    shared: std::sync::Mutex<HashMap<&'static str, Arc<dyn Any + Send + Sync>>>,
 }
 
 impl Default for FakeEnv {
     fn default() -> FakeEnv {
-        FakeEnv { udp4: true, udp6: true, path_mtu: None, vxlan_error: None, tcp_error: None, sockets: Default::default() }
-    }
-}
-
-impl FakeEnv {
-    fn socket(&self, v4: bool) -> Arc<UdpEndpoint> {
-        let (a, b) = self.sockets.get_or_init(|| {
-            let bind = |a: &str| Arc::new(UdpEndpoint::bind(a.parse().unwrap()).expect("loopback socket"));
-            (bind("0.0.0.0:0"), bind("[::]:0"))
-        });
-        if v4 {
-            a.clone()
-        } else {
-            b.clone()
-        }
+        FakeEnv { udp4: true, udp6: true, path_mtu: None, vxlan_error: None, tcp_error: None, carriers: Default::default(), shared: Default::default() }
     }
 }
 
@@ -57,18 +47,57 @@ impl LinkEnv for FakeEnv {
     fn path_mtu(&self, _: SocketAddr) -> Option<u32> {
         self.path_mtu
     }
-    fn udp(&self, v4: bool) -> Option<Arc<UdpEndpoint>> {
-        (if v4 { self.udp4 } else { self.udp6 }).then(|| self.socket(v4))
-    }
-    fn vxlan(&self, v4: bool) -> Result<Arc<UdpEndpoint>, String> {
-        match &self.vxlan_error {
-            Some(e) => Err(e.clone()),
-            None => Ok(self.socket(v4)),
+    fn udp_carrier(&self, key: CarrierKey, word: &'static str, opener: &dyn Fn() -> Arc<dyn RunOpener>) -> Result<Arc<UdpCarrier>, String> {
+        let CarrierKey::Udp { port, v6 } = key else { return Err("not UDP".into()) };
+        if port == vnet_core::command::VXLAN_PORT {
+            if let Some(e) = &self.vxlan_error {
+                return Err(e.clone());
+            }
         }
+        if !(if v6 { self.udp6 } else { self.udp4 }) {
+            return Err("no socket of that family".into());
+        }
+        let mut m = self.carriers.lock().unwrap();
+        let c = m.entry(key).or_insert_with(|| {
+            let ep = Arc::new(UdpEndpoint::bind((if v6 { "[::]:0" } else { "0.0.0.0:0" }).parse().unwrap()).expect("a socket"));
+            Arc::new(UdpCarrier::new(key, word, vec![ep], opener()))
+        });
+        Ok(c.clone())
     }
-    fn ensure_tcp_acceptor(&self) -> Result<(), String> {
-        self.tcp_error.clone().map_or(Ok(()), Err)
+    fn shared(&self, kind: &'static str, make: &mut dyn FnMut() -> Result<Arc<dyn Any + Send + Sync>, String>) -> Result<Arc<dyn Any + Send + Sync>, String> {
+        if kind == "tcp" {
+            if let Some(e) = &self.tcp_error {
+                return Err(e.clone());
+            }
+            // No acceptor here: a stand-in.
+            return Ok(Arc::new(()));
+        }
+        let mut m = self.shared.lock().unwrap();
+        if let Some(s) = m.get(kind) {
+            return Ok(s.clone());
+        }
+        let s = make()?;
+        m.insert(kind, s.clone());
+        Ok(s)
     }
+    fn shared_now(&self, kind: &'static str) -> Option<Arc<dyn Any + Send + Sync>> {
+        self.shared.lock().unwrap().get(kind).cloned()
+    }
+    fn links_now(&self) -> LinksNow {
+        LinksNow { now: Arc::new(|| None), unknown: Arc::new(|| {}) }
+    }
+}
+
+/// The VNET/P link a datagram from `from` is for (by address, then by an IP
+/// only one link has).
+fn vnetp_sender(snap: &Snapshot, from: SocketAddr) -> Option<u32> {
+    let c = CarrierKey::udp(9000, &from.ip());
+    snap.demux(&c, &DemuxKey::Sender(from)).or_else(|| snap.demux(&c, &DemuxKey::SenderIp(from.ip())))
+}
+
+/// The VXLAN link a datagram from `from` with `vni` is for.
+fn vxlan_link_for(snap: &Snapshot, from: IpAddr, vni: u32) -> Option<u32> {
+    snap.demux(&CarrierKey::udp(vnet_core::command::VXLAN_PORT, &from), &DemuxKey::Vni(from, vni))
 }
 
 /// A private `--link-key-dir`: `peer.key` (mode 600, a good key),
@@ -119,7 +148,7 @@ impl Vnetd {
             direct_devices: Vec::new(),
             link_key_dir: keys.0.clone(),
             vhost_user_dir: keys.0.clone(),
-            changes: Default::default(),
+            ..Settings::default()
         };
         Vnetd { topo: Topology::default(), generation: 0, settings, env: FakeEnv::default(), keys }
     }
@@ -372,10 +401,10 @@ fn each_refusal_gives_its_reason_and_changes_nothing() {
             ("LINK ADD 198.18.0.9 name peer".into(), "a link named peer exists (index 0)".into()),
             ("LINK ADD 198.18.0.9 name tl".into(), "a link named tl exists (index 2)".into()),
             ("LINK ADD 198.18.0.2 name other".into(), "link peer already goes to 198.18.0.2:9000 by udp".into()),
-            ("LINK ADD 198.18.0.3 vxlan vni 7 name vx2".into(), "link vx already goes to 198.18.0.3:4789 by vxlan".into()),
+            ("LINK ADD 198.18.0.3 vxlan vni 7 name vx2".into(), "link vx already goes to 198.18.0.3 by vxlan with VNI 7".into()),
             (
                 "LINK ADD 198.18.0.4 4000 tcp key peer.key name tl2".into(),
-                "a TCP link to 198.18.0.4 exists (the peer is told apart by its address)".into(),
+                "link tl already goes to 198.18.0.4 by tcp (the peer is told apart by its address)".into(),
             ),
             ("LINK ADD 0.0.0.0".into(), "0.0.0.0 is not a unicast address".into()),
             ("LINK ADD 224.0.0.1".into(), "224.0.0.1 is not a unicast address".into()),
@@ -434,10 +463,10 @@ fn each_refusal_gives_its_reason_and_changes_nothing() {
 fn what_the_daemon_lacks_refuses_the_link() {
     let mut v = Vnetd::new();
     v.env.udp4 = false;
-    assert_eq!(v.refused("LINK ADD 198.18.0.2"), "line 1: vnetd has no UDP socket for IPv4 (see --udp-bind)");
+    assert_eq!(v.refused("LINK ADD 198.18.0.2"), "line 1: vnetd has no UDP socket for IPv4: no socket of that family (see --udp-bind)");
     v.ok("LINK ADD 2001:db8::2");
     v.env = FakeEnv { udp6: false, ..FakeEnv::default() };
-    assert_eq!(v.refused("LINK ADD 2001:db8::3"), "line 1: vnetd has no UDP socket for IPv6 (see --udp-bind)");
+    assert_eq!(v.refused("LINK ADD 2001:db8::3"), "line 1: vnetd has no UDP socket for IPv6: no socket of that family (see --udp-bind)");
     v.env.vxlan_error = Some("cannot bind the VXLAN socket".into());
     assert_eq!(v.refused("LINK ADD 198.18.0.2 vxlan vni 1"), "line 1: cannot bind the VXLAN socket");
     v.env.tcp_error = Some("cannot listen for TCP links".into());
@@ -626,7 +655,7 @@ fn udp_senders_are_found_by_address_then_by_an_ip_only_one_link_has() {
          LINK ADD 2001:db8::1 name six",
     );
     let snap = v.snapshot();
-    let sender = |s: &str| snap.link_for_sender(addr(s)).map(|slot| snap.links[slot as usize].name.as_str());
+    let sender = |s: &str| vnetp_sender(&snap, addr(s)).map(|slot| snap.links[slot as usize].name.as_str());
     assert_eq!(sender("198.18.0.2:9000"), Some("a"));
     assert_eq!(sender("198.18.0.2:40000"), Some("a"), "by IP: the only UDP link to it (the VXLAN link does not count)");
     assert_eq!(sender("198.18.0.3:9000"), Some("b"));
@@ -640,7 +669,7 @@ fn udp_senders_are_found_by_address_then_by_an_ip_only_one_link_has() {
     // Slots move when links go; the lookups follow.
     v.ok("LINK DEL a\nLINK DEL c");
     let snap = v.snapshot();
-    let sender = |s: &str| snap.link_for_sender(addr(s)).map(|slot| snap.links[slot as usize].name.as_str());
+    let sender = |s: &str| vnetp_sender(&snap, addr(s)).map(|slot| snap.links[slot as usize].name.as_str());
     assert_eq!(snap.links.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(), ["vx", "b", "six"]);
     assert_eq!(sender("198.18.0.2:9000"), None, "only a VXLAN link goes there now");
     assert_eq!(sender("198.18.0.3:9000"), Some("b"));
@@ -659,7 +688,7 @@ fn vxlan_links_are_found_by_ip_and_vni() {
          LINK ADD 2001:db8::1 vxlan vni 0 name v6",
     );
     let snap = v.snapshot();
-    let vx = |from: &str, vni: u32| snap.vxlan_link_for(ip(from), vni).map(|slot| snap.links[slot as usize].name.as_str());
+    let vx = |from: &str, vni: u32| vxlan_link_for(&snap, ip(from), vni).map(|slot| snap.links[slot as usize].name.as_str());
     assert_eq!(vx("198.18.0.2", 5), Some("x5"));
     assert_eq!(vx("198.18.0.2", 6), Some("x6"));
     assert_eq!(vx("198.18.0.2", 7), None);
@@ -668,12 +697,12 @@ fn vxlan_links_are_found_by_ip_and_vni() {
     assert_eq!(vx("198.18.0.9", 5), None);
     assert_eq!(vx("2001:db8::1", 0), Some("v6"));
     // A VXLAN link is not a UDP link's sender, nor the other way round.
-    assert_eq!(snap.link_for_sender(addr("198.18.0.3:4790")), None);
-    assert_eq!(snap.link_for_sender(addr("198.18.0.2:4789")).map(|s| snap.links[s as usize].name.as_str()), Some("udp"));
+    assert_eq!(vnetp_sender(&snap, addr("198.18.0.3:4790")), None);
+    assert_eq!(vnetp_sender(&snap, addr("198.18.0.2:4789")).map(|s| snap.links[s as usize].name.as_str()), Some("udp"));
 
     v.ok("LINK DEL x5");
     let snap = v.snapshot();
-    let vx = |from: &str, vni: u32| snap.vxlan_link_for(ip(from), vni).map(|slot| snap.links[slot as usize].name.as_str());
+    let vx = |from: &str, vni: u32| vxlan_link_for(&snap, ip(from), vni).map(|slot| snap.links[slot as usize].name.as_str());
     assert_eq!(vx("198.18.0.2", 5), None);
     assert_eq!(vx("198.18.0.2", 6), Some("x6"));
     assert_eq!(vx("198.18.0.3", 5), Some("y5"));
@@ -684,11 +713,12 @@ fn tcp_links_are_found_by_the_peers_ip() {
     let mut v = Vnetd::new();
     v.ok("LINK ADD 198.18.0.4 tcp key peer.key name t4\nLINK ADD 2001:db8::4 7000 tcp key peer.key name t6");
     let snap = v.snapshot();
-    let tcp_of = |name: &str| match v.topo.links.values().find(|l| l.name == name).expect("link").transport.rx() {
-        Rx::Stream(t) => Arc::as_ptr(t),
-        _ => panic!("{name} is not a TCP link"),
+    let tcp = |t: &dyn crate::link::Transport| Arc::as_ptr(&t.as_any().downcast_ref::<crate::link::tcp::TcpTransport>().expect("a TCP link").link);
+    let tcp_of = |name: &str| tcp(&*v.topo.links.values().find(|l| l.name == name).expect("link").transport);
+    let found = |from: &str| {
+        let slot = snap.demux(&CarrierKey::Stream, &DemuxKey::Peer(ip(from).to_canonical()))?;
+        Some(tcp(snap.link(slot)?.0))
     };
-    let found = |from: &str| snap.tcp_link_for(ip(from)).map(Arc::as_ptr);
     assert_eq!(found("198.18.0.4"), Some(tcp_of("t4")));
     assert_eq!(found("::ffff:198.18.0.4"), Some(tcp_of("t4")), "an IPv4-mapped peer is the IPv4 one");
     assert_eq!(found("2001:db8::4"), Some(tcp_of("t6")));
@@ -721,7 +751,7 @@ fn a_udp_link_to_an_ipv4_mapped_address_is_found_by_its_peer() {
         return;
     }
     let snap = v.snapshot();
-    let slot = snap.link_for_sender(addr("198.18.0.2:9000"));
+    let slot = vnetp_sender(&snap, addr("198.18.0.2:9000"));
     assert_eq!(slot.map(|s| snap.links[s as usize].name.as_str()), Some("m"));
     assert!(v.request("LINK ADD 198.18.0.2 name v4").is_err(), "a second link to the same peer and port");
 }
@@ -734,23 +764,23 @@ fn settings_allowing(direct: &[&str]) -> Settings {
         direct_devices: direct.iter().map(|d| d.to_string()).collect(),
         link_key_dir: PathBuf::from("/nonexistent"),
         vhost_user_dir: PathBuf::from("/nonexistent"),
-        changes: Default::default(),
+        ..Settings::default()
     }
 }
 
 #[test]
 fn only_allowed_devices_take_direct_links() {
     let s = settings_allowing(&["eth1", "lan0"]);
-    assert_eq!(direct_allowed(&s, "eth1"), Ok(()));
-    assert_eq!(direct_allowed(&s, "lan0"), Ok(()));
+    assert_eq!(crate::link::direct::allowed(&s, "eth1"), Ok(()));
+    assert_eq!(crate::link::direct::allowed(&s, "lan0"), Ok(()));
     assert_eq!(
-        direct_allowed(&s, "eth0"),
+        crate::link::direct::allowed(&s, "eth0"),
         Err("device eth0 is not allowed for direct links (start vnetd with --allow-direct eth0)".into())
     );
     // Exact names only: no prefixes, no case folding.
-    assert!(direct_allowed(&s, "eth").is_err());
-    assert!(direct_allowed(&s, "ETH1").is_err());
-    assert!(direct_allowed(&settings_allowing(&[]), "lo").is_err());
+    assert!(crate::link::direct::allowed(&s, "eth").is_err());
+    assert!(crate::link::direct::allowed(&s, "ETH1").is_err());
+    assert!(crate::link::direct::allowed(&settings_allowing(&[]), "lo").is_err());
 }
 
 #[test]

@@ -33,7 +33,8 @@
 //! retry, so a handshake with a host under load takes one round trip more,
 //! not five seconds.
 
-use super::{refused, Peer, WgHub, WgLink, INIT_LEN, MAX_DATAGRAM};
+use super::{find, refused, Found, Peer, WgHub, WgLink, INIT_LEN, MAX_DATAGRAM};
+use crate::link::{CarrierKey, DemuxKey, LinkLookup, LinksNow};
 use crate::stats::{Counters, DropReason};
 use boringtun::noise::errors::WireGuardError;
 use boringtun::noise::handshake::parse_handshake_anon;
@@ -42,6 +43,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Condvar, Mutex, Weak};
+
 use std::time::{Duration, Instant};
 
 /// Handshake messages that may wait for the thread (as the kernel's
@@ -69,11 +71,11 @@ const TICK: Duration = Duration::from_millis(100);
 
 /// What a dispatcher hands the thread.
 enum Work {
-    /// A handshake message, as received.
-    Message { from: SocketAddr, len: u8, bytes: [u8; INIT_LEN] },
+    /// A handshake message, as received on a carrier.
+    Message { carrier: CarrierKey, from: SocketAddr, len: u8, bytes: [u8; INIT_LEN] },
     /// Send the frames waiting in the link with this index: its session
     /// became current.
-    Flush(u32),
+    Flush(CarrierKey, u32),
 }
 
 /// The bounded queue between the dispatchers and the thread.
@@ -102,14 +104,14 @@ impl Queue {
         true
     }
 
-    pub(super) fn push_message(&self, from: SocketAddr, dgram: &[u8]) -> bool {
+    pub(super) fn push_message(&self, carrier: CarrierKey, from: SocketAddr, dgram: &[u8]) -> bool {
         let mut bytes = [0u8; INIT_LEN];
         bytes[..dgram.len()].copy_from_slice(dgram);
-        self.push(Work::Message { from, len: dgram.len() as u8, bytes })
+        self.push(Work::Message { carrier, from, len: dgram.len() as u8, bytes })
     }
 
-    pub(super) fn push_flush(&self, index: u32) -> bool {
-        self.push(Work::Flush(index))
+    pub(super) fn push_flush(&self, carrier: CarrierKey, index: u32) -> bool {
+        self.push(Work::Flush(carrier, index))
     }
 
     pub(super) fn len(&self) -> usize {
@@ -131,27 +133,6 @@ impl Queue {
         into.extend(q.drain(..n));
         q.len()
     }
-}
-
-/// Which link a handshake message names.
-pub enum By<'a> {
-    /// Our receiver index (24 bits): responses, cookie replies, data.
-    Index(u32),
-    /// The initiator's static key: initiations.
-    Key(&'a [u8; 32]),
-}
-
-/// A WireGuard link found, with its slot and frame counters.
-pub struct Found<'a> {
-    pub slot: u32,
-    pub link: &'a WgLink,
-    pub stats: &'a Counters,
-}
-
-/// Where the WireGuard links are looked up: the datapath's snapshot (or a
-/// test's own set).
-pub trait Links {
-    fn wireguard(&self, by: By) -> Option<Found<'_>>;
 }
 
 /// The thread's own state.
@@ -186,11 +167,7 @@ impl WgHub {
     /// Starts the handshake thread; `links` gives the current links each
     /// time it is asked, and None once the datapath is gone (the thread
     /// then ends, as it does when the hub is dropped).
-    pub fn spawn<L, F>(self: &Arc<Self>, links: F) -> std::io::Result<()>
-    where
-        L: Links + Send + Sync + 'static,
-        F: Fn() -> Option<Arc<L>> + Send + 'static,
-    {
+    pub fn spawn(self: &Arc<Self>, links: LinksNow) -> std::io::Result<()> {
         let hub = Arc::downgrade(self);
         std::thread::Builder::new().name("wireguard".into()).spawn(move || run(hub, links))?;
         Ok(())
@@ -198,7 +175,7 @@ impl WgHub {
 
     /// Handles everything queued now (tests and fuzzing: what the thread
     /// does, on the caller's thread), then runs the timers if `tick`.
-    pub fn work_now<L: Links>(&self, links: &L, h: &mut Handshaker, tick: bool) {
+    pub fn work_now(&self, links: &dyn LinkLookup, h: &mut Handshaker, tick: bool) {
         loop {
             let left = self.jobs.take(&mut h.batch, Instant::now());
             if h.batch.is_empty() {
@@ -215,7 +192,7 @@ impl WgHub {
     }
 }
 
-fn run<L: Links, F: Fn() -> Option<Arc<L>>>(hub: Weak<WgHub>, links: F) {
+fn run(hub: Weak<WgHub>, links: LinksNow) {
     // Normal priority, below the other threads of vnetd: the dispatchers
     // (real-time when they may be) always go first.
     // SAFETY: plain system calls on this thread.
@@ -226,7 +203,7 @@ fn run<L: Links, F: Fn() -> Option<Arc<L>>>(hub: Weak<WgHub>, links: F) {
     loop {
         let Some(hub) = hub.upgrade() else { return };
         let left = hub.jobs.take(&mut h.batch, h.next_tick);
-        let Some(links) = links() else { return };
+        let Some(links) = (links.now)() else { return };
         if !h.batch.is_empty() {
             h.handle_batch(&hub, &*links, left);
         }
@@ -237,18 +214,18 @@ fn run<L: Links, F: Fn() -> Option<Arc<L>>>(hub: Weak<WgHub>, links: F) {
 }
 
 impl Handshaker {
-    fn handle_batch<L: Links>(&mut self, hub: &WgHub, links: &L, left: usize) {
+    fn handle_batch(&mut self, hub: &WgHub, links: &dyn LinkLookup, left: usize) {
         let mut batch = std::mem::take(&mut self.batch);
         let n = batch.len();
         for (k, w) in batch.drain(..).enumerate() {
             match w {
-                Work::Message { from, len, bytes } => {
+                Work::Message { carrier, from, len, bytes } => {
                     // What waits behind this message.
                     let depth = left + (n - k - 1);
-                    self.message(hub, links, from, &bytes[..len as usize], depth);
+                    self.message(hub, links, &carrier, from, &bytes[..len as usize], depth);
                 }
-                Work::Flush(index) => {
-                    if let Some(f) = links.wireguard(By::Index(index)) {
+                Work::Flush(carrier, index) => {
+                    if let Some(f) = find(links, &carrier, &DemuxKey::Index(index)) {
                         let mut g = f.link.lock();
                         g.flush_asked = false;
                         self.flush(hub, f.link, f.stats, &mut g);
@@ -300,7 +277,7 @@ impl Handshaker {
     }
 
     /// One handshake message from `from`.
-    fn message<L: Links>(&mut self, hub: &WgHub, links: &L, from: SocketAddr, dgram: &[u8], depth: usize) {
+    fn message(&mut self, hub: &WgHub, links: &dyn LinkLookup, carrier: &CarrierKey, from: SocketAddr, dgram: &[u8], depth: usize) {
         let st = &hub.stats;
         let drop = |why| {
             st.global.received(dgram.len());
@@ -309,7 +286,7 @@ impl Handshaker {
         let Ok(packet) = Tunn::parse_incoming_packet(dgram) else { return drop(DropReason::Malformed) };
         if let Packet::PacketCookieReply(p) = packet {
             // No public-key work: opened by the link it names, if any.
-            let Some(f) = links.wireguard(By::Index(p.receiver_idx >> 8)) else { return hub.unknown(st, dgram, false) };
+            let Some(f) = find(links, carrier, &DemuxKey::Index(p.receiver_idx >> 8)) else { return hub.unknown(st, dgram, false) };
             return self.open(hub, f, from, dgram);
         }
         let now = Instant::now();
@@ -335,14 +312,14 @@ impl Handshaker {
             Packet::HandshakeInit(h) => {
                 let keys = hub.keys.load();
                 match parse_handshake_anon(&keys.secret, &keys.public, &h) {
-                    Ok(hh) => match links.wireguard(By::Key(&hh.peer_static_public)) {
+                    Ok(hh) => match find(links, carrier, &DemuxKey::Key(hh.peer_static_public)) {
                         Some(f) => f,
                         None => return hub.unknown(st, dgram, true),
                     },
                     Err(_) => return hub.unknown(st, dgram, true),
                 }
             }
-            Packet::HandshakeResponse(p) => match links.wireguard(By::Index(p.receiver_idx >> 8)) {
+            Packet::HandshakeResponse(p) => match find(links, carrier, &DemuxKey::Index(p.receiver_idx >> 8)) {
                 Some(f) => f,
                 None => return hub.unknown(st, dgram, false),
             },
@@ -422,7 +399,7 @@ impl Handshaker {
     }
 
     /// Every link's timers; once a second, the budgets and the load.
-    fn tick<L: Links>(&mut self, hub: &WgHub, links: &L) {
+    fn tick(&mut self, hub: &WgHub, links: &dyn LinkLookup) {
         let now = Instant::now();
         self.next_tick = now + TICK;
         if now.duration_since(self.second) >= Duration::from_secs(1) {
@@ -439,7 +416,7 @@ impl Handshaker {
         }
     }
 
-    fn tick_link<L: Links>(&mut self, hub: &WgHub, links: &L, link: &WgLink) {
+    fn tick_link(&mut self, hub: &WgHub, links: &dyn LinkLookup, link: &WgLink) {
         let mut g = link.lock();
         let to = g.endpoint;
         let r = if std::mem::take(&mut g.fresh) {
@@ -461,7 +438,7 @@ impl Handshaker {
                 let lost = std::mem::take(&mut g.waiting);
                 if lost > 0 {
                     link.counters.gave_up.fetch_add(1, Relaxed);
-                    let f = links.wireguard(By::Index(link.index));
+                    let f = find(links, &link.carrier, &DemuxKey::Index(link.index));
                     for _ in 0..lost {
                         hub.stats.drop_at(f.as_ref().map(|f| f.stats), DropReason::Unreachable);
                     }

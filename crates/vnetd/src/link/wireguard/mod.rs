@@ -4,15 +4,16 @@
 //! load, rekeying, the replay window; ChaCha20-Poly1305 from the
 //! `chacha20poly1305` crate). No cryptography is written here.
 //!
-//! Inside the tunnel a frame travels as on a plain UDP link: an IPv4/UDP
-//! datagram from this host's address toward the peer to the peer's address,
-//! ports 9000 (vnetd's UDP port), holding the VNET/P frame. So a host running
-//! any WireGuard (wireguard-go, the kernel's) with a plain vnetd UDP link over
-//! the tunnel is a peer too.
+//! Inside the tunnel a frame travels as on a plain UDP link (`inner.rs`), so
+//! a host running any WireGuard (wireguard-go, the kernel's) with a plain
+//! vnetd UDP link over the tunnel is a peer too. Over an IPv4 or an IPv6
+//! underlay.
 //!
-//! - `WgHub`: vnetd's side of WireGuard, made with the daemon: its key pair,
-//!   its UDP sockets (one per dispatcher on `--wireguard-port`) and its
-//!   handshake thread (`handshake.rs`).
+//! - `Kind`: how `LINK ADD ... wireguard` makes a link, and what vnetd's
+//!   start, `SHOW`, `STATS` and `WIREGUARD ROTATE` ask of WireGuard.
+//! - `WgHub`: vnetd's side of WireGuard, made at start with a key file: its
+//!   key pair (`keys.rs`), its UDP carriers (`--wireguard-port`, IPv4 and
+//!   IPv6) and its handshake thread (`handshake.rs`).
 //! - `WgLink`: one peer: its `Tunn` and the address it last sent
 //!   authenticated data from.
 //!
@@ -42,34 +43,47 @@
 //! `queue_full`.
 
 mod handshake;
+mod inner;
+mod keys;
+mod kind;
 
-pub use handshake::{By, Found, Handshaker, Links};
+pub use handshake::Handshaker;
+pub use inner::{inner_frame, Inner};
+pub use keys::WgKeys;
+pub use kind::Kind;
 
-use super::{Rx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
+use super::carriers::UdpCarrier;
+use super::{CarrierKey, DemuxKey, LinkLookup, RunOpener, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
+use crate::port::Intake;
 use crate::stats::{counter_set, Counters, DropReason, ThreadStats};
 use crate::sys::udp::UdpEndpoint;
 use arc_swap::ArcSwap;
 use boringtun::noise::errors::WireGuardError;
 use boringtun::noise::rate_limiter::RateLimiter;
 use boringtun::noise::{Tunn, TunnResult};
-use boringtun::x25519::{PublicKey, StaticSecret};
+use boringtun::x25519::PublicKey;
 use std::collections::HashMap;
 use std::io::IoSlice;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Instant;
-use vnet_core::offload::{csum_add, csum_fold, Pieces, VnetHdr};
+use vnet_core::offload::{Pieces, VnetHdr};
 
-/// Outer IPv4 + UDP, WireGuard's data header and tag, inner IPv4 + UDP:
-/// what a WireGuard link takes from its MTU.
-pub const OVERHEAD_V4: i64 = 20 + 8 + 32 + 20 + 8;
-/// The inner IPv4 + UDP header before each frame.
-const INNER: usize = 28;
+pub const WORD: &str = "wireguard";
 /// WireGuard's data header (16) and AEAD tag (16).
 const SEAL: usize = 32;
+/// What a WireGuard link over an underlay of `mtu` bytes takes from it: the
+/// outer IP + UDP, WireGuard's header and tag, the inner IP + UDP (each IPv4
+/// or IPv6 as the underlay), and what padding the inner packet to 16 bytes
+/// may add (none over a 1500-byte IPv4 underlay: 88 bytes there).
+pub fn overhead(mtu: u32, v6: bool) -> i64 {
+    let (outer, inner) = if v6 { (48, inner::INNER_V6 as i64) } else { (28, inner::INNER_V4 as i64) };
+    let room = (mtu as i64 - outer - SEAL as i64).max(0);
+    mtu as i64 - (room / inner::PAD as i64 * inner::PAD as i64 - inner)
+}
 /// Room boringtun wants for a handshake message.
 const MIN_OUT: usize = 148;
 /// Frames that may wait in one link for its handshake; more are dropped
@@ -86,61 +100,6 @@ const DATA_MIN: usize = 32;
 /// Peer keys whose newest initiation is remembered across their links
 /// being made again (beyond it, those of keys no link has are forgotten).
 const ACCEPTED_KEYS: usize = 16384;
-
-/// vnetd's WireGuard key pair.
-pub struct WgKeys {
-    secret: StaticSecret,
-    pub public: PublicKey,
-}
-
-impl WgKeys {
-    pub fn new(secret: [u8; 32]) -> WgKeys {
-        let secret = StaticSecret::from(secret);
-        let public = PublicKey::from(&secret);
-        WgKeys { secret, public }
-    }
-
-    /// Reads the key file `wg genkey` writes (base64, 32 bytes) or, if there
-    /// is none, makes one (mode 600) with a new key. The file must be a
-    /// regular file owned by vnetd's user and readable by nobody else.
-    pub fn load_or_create(path: &Path) -> Result<WgKeys, String> {
-        if std::fs::symlink_metadata(path).is_err() {
-            let keys = WgKeys::write_new(path)?;
-            tracing::info!("made a new WireGuard key in {}", path.display());
-            return Ok(keys);
-        }
-        let bytes = super::read_secret(path, 4096)?;
-        let text = std::str::from_utf8(&bytes).map_err(|_| format!("{} is not a WireGuard key file (not text)", path.display()))?;
-        let key = vnet_core::command::parse_wireguard_key(text).map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(WgKeys::new(key))
-    }
-
-    pub fn public_text(&self) -> String {
-        vnet_core::command::wireguard_key_text(self.public.as_bytes())
-    }
-
-    /// A new key pair, written to `path` (mode 600) in place of what it
-    /// held: a new file renamed over it, so the file always holds a whole key.
-    fn write_new(path: &Path) -> Result<WgKeys, String> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut key = [0u8; 32];
-        getrandom::getrandom(&mut key).map_err(|e| format!("no randomness for a WireGuard key: {e}"))?;
-        let text = vnet_core::command::wireguard_key_text(&key);
-        let tmp = path.with_extension("new");
-        let _ = std::fs::remove_file(&tmp);
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)
-            .map_err(|e| format!("cannot make WireGuard key file {}: {e}", tmp.display()))?;
-        f.write_all(format!("{text}\n").as_bytes()).and_then(|_| f.sync_all()).map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, path).map_err(|e| format!("cannot replace {}: {e}", path.display()))?;
-        Ok(WgKeys::new(key))
-    }
-}
 
 counter_set! {
     /// vnetd's WireGuard side as a whole (`SHOW`'s `wireguard` line and
@@ -165,9 +124,12 @@ counter_set! {
 
 /// vnetd's WireGuard side, shared by every WireGuard link.
 pub struct WgHub {
-    /// One socket per dispatcher on the WireGuard port (`SO_REUSEPORT`);
-    /// the first also sends.
-    pub group: Vec<Arc<UdpEndpoint>>,
+    /// The WireGuard port's carriers, IPv4 and IPv6 (each a socket per
+    /// dispatcher, `SO_REUSEPORT`; the first sends), once bound.
+    /// (The carrier holds the hub as its opener: the hub keeps only its key
+    /// and sending socket.)
+    v4: OnceLock<(CarrierKey, Arc<UdpEndpoint>)>,
+    v6: OnceLock<(CarrierKey, Arc<UdpEndpoint>)>,
     keys: ArcSwap<WgKeys>,
     /// Checks handshake messages' MAC1 (keyed by our public key) and never
     /// asks for a cookie: what every link's `Tunn` checks with, so that the
@@ -187,19 +149,20 @@ pub struct WgHub {
     pub counters: HubCounters,
     /// The handshake thread's frame counts (frames it sent that waited for
     /// a session, drops of handshake messages), summed into `STATS global`.
-    pub stats: ThreadStats,
+    pub stats: Arc<ThreadStats>,
     /// Where the key pair is kept (`WIREGUARD ROTATE` writes the new one).
     key_file: std::path::PathBuf,
 }
 
 impl WgHub {
-    /// Binds the WireGuard sockets. The handshake thread starts with `spawn`.
-    pub fn new(addr: SocketAddr, sockets: usize, keys: WgKeys, key_file: &Path) -> anyhow::Result<Arc<WgHub>> {
-        let group = UdpEndpoint::bind_group(addr, sockets)?;
+    /// The hub of this key pair; its carriers are bound with `carry`, its
+    /// handshake thread started with `spawn`.
+    pub fn new(keys: WgKeys, key_file: &Path) -> Arc<WgHub> {
         let mut seed = [0u8; 4];
         let _ = getrandom::getrandom(&mut seed);
-        Ok(Arc::new(WgHub {
-            group,
+        Arc::new(WgHub {
+            v4: OnceLock::new(),
+            v6: OnceLock::new(),
             mac1: ArcSwap::from_pointee(RateLimiter::new(&keys.public, u64::MAX)),
             cookies: ArcSwap::from_pointee(RateLimiter::new(&keys.public, 0)),
             keys: ArcSwap::from_pointee(keys),
@@ -208,13 +171,34 @@ impl WgHub {
             accepted: Mutex::new(HashMap::new()),
             next_index: AtomicU32::new(u32::from_ne_bytes(seed)),
             counters: HubCounters::default(),
-            stats: ThreadStats::default(),
+            stats: Arc::new(ThreadStats::default()),
             key_file: key_file.to_path_buf(),
-        }))
+        })
     }
 
-    pub fn local_addr(&self) -> SocketAddr {
-        self.group[0].local_addr()
+    /// Takes a carrier of the WireGuard port (the IPv4 or IPv6 one).
+    pub fn carry(&self, c: &UdpCarrier) {
+        let CarrierKey::Udp { v6, .. } = c.key else { return };
+        let held = (c.key, c.sender().clone());
+        let _ = if v6 { self.v6.set(held) } else { self.v4.set(held) };
+    }
+
+    fn carrier(&self, v6: bool) -> Option<&(CarrierKey, Arc<UdpEndpoint>)> {
+        if v6 {
+            self.v6.get()
+        } else {
+            self.v4.get()
+        }
+    }
+
+    /// Where it listens: each carrier's address.
+    pub fn listen(&self) -> String {
+        [self.v4.get(), self.v6.get()].iter().flatten().map(|c| c.1.local_addr().to_string()).collect::<Vec<_>>().join(",")
+    }
+
+    /// The socket a link to an address of this family sends from.
+    fn sender(&self, v6: bool) -> Option<&Arc<UdpEndpoint>> {
+        self.carrier(v6).map(|c| &c.1)
     }
 
     pub fn public_text(&self) -> String {
@@ -223,7 +207,7 @@ impl WgHub {
 
     /// `SHOW`'s line.
     pub fn describe(&self) -> String {
-        let mut s = format!("wireguard listen={} public_key={} peers={}", self.local_addr(), self.public_text(), self.live_peers().len());
+        let mut s = format!("wireguard listen={} public_key={} peers={}", self.listen(), self.public_text(), self.live_peers().len());
         self.counters.render_into(&mut s);
         s
     }
@@ -274,9 +258,10 @@ impl WgHub {
     /// A new link to the peer holding `peer` at `endpoint`; `inner` the
     /// inner header's addresses and ports.
     pub fn link(self: &Arc<Self>, peer: [u8; 32], endpoint: SocketAddr, inner: Inner) -> Result<Arc<WgLink>, String> {
-        if !endpoint.is_ipv4() {
-            return Err("wireguard links are IPv4 only for now".into());
-        }
+        let v6 = endpoint.is_ipv6();
+        let Some(carrier) = self.carrier(v6).map(|c| c.0) else {
+            return Err(format!("vnetd has no {} WireGuard socket (see --udp-bind)", if v6 { "IPv6" } else { "IPv4" }));
+        };
         let keys = self.keys.load();
         if peer == *keys.public.as_bytes() {
             return Err("that is this vnetd's own WireGuard key".into());
@@ -291,6 +276,8 @@ impl WgHub {
             hub: self.clone(),
             peer,
             index,
+            carrier,
+            v6,
             inner,
             state: Mutex::new(Peer {
                 tunn,
@@ -339,21 +326,24 @@ impl WgHub {
     }
 
     fn send(&self, datagram: &[u8], to: SocketAddr) -> std::io::Result<usize> {
-        self.group[0].send_iov(&[IoSlice::new(datagram)], to, None)
+        match self.sender(to.is_ipv6()) {
+            Some(ep) => ep.send_iov(&[IoSlice::new(datagram)], to, None),
+            None => Err(std::io::Error::from(std::io::ErrorKind::AddrNotAvailable)),
+        }
     }
 
     /// A datagram a dispatcher received on the WireGuard port that is not a
     /// data message: queued whole for the handshake thread if it has the
     /// size of a handshake message (dropped, counted, if the queue is
     /// full), else dropped as malformed.
-    pub fn enqueue(&self, st: &ThreadStats, from: SocketAddr, dgram: &[u8]) {
+    pub fn enqueue(&self, st: &ThreadStats, carrier: &CarrierKey, from: SocketAddr, dgram: &[u8]) {
         let size_ok = matches!((dgram[0], dgram.len()), (1, INIT_LEN) | (2, RESPONSE_LEN) | (3, COOKIE_REPLY_LEN));
         if !size_ok || dgram[1..4] != [0, 0, 0] {
             st.global.received(dgram.len());
             st.drop_at(None, DropReason::Malformed);
             return;
         }
-        if !self.jobs.push_message(from, dgram) {
+        if !self.jobs.push_message(*carrier, from, dgram) {
             self.counters.handshake_queue_full.fetch_add(1, Relaxed);
             st.global.received(dgram.len());
             st.drop_at(None, DropReason::QueueFull);
@@ -389,7 +379,7 @@ impl WgHub {
         let mut g = link.lock();
         let base = out.as_ptr() as usize;
         match g.tunn.decapsulate(Some(from.ip()), dgram, out) {
-            TunnResult::WriteToTunnelV4(pkt, _) => {
+            TunnResult::WriteToTunnelV4(pkt, _) | TunnResult::WriteToTunnelV6(pkt, _) => {
                 let at = pkt.as_ptr() as usize - base;
                 let frame = inner_frame(pkt);
                 g.roam(from, c);
@@ -403,12 +393,6 @@ impl WgHub {
                         Opened::Dropped
                     }
                 }
-            }
-            TunnResult::WriteToTunnelV6(..) => {
-                g.roam(from, c);
-                st.global.received(dgram.len());
-                st.drop_at(Some(stats), DropReason::Malformed);
-                Opened::Dropped
             }
             TunnResult::Done => {
                 // An authentic keepalive: the initiator's confirmation of a
@@ -427,55 +411,74 @@ impl WgHub {
         }
     }
 
+    /// Frames wait in `link` and its data just came in (a session made by
+    /// the peer's handshake is current from its first data): the handshake
+    /// thread sends them.
+    fn ask_flush(&self, link: &WgLink, g: &mut Peer) {
+        if g.waiting > 0 && !g.flush_asked && self.jobs.push_flush(link.carrier, link.index) {
+            g.flush_asked = true;
+        }
+    }
+}
+
+/// A WireGuard link named by `key` on `carrier`, with its slot and frame
+/// counters.
+pub struct Found<'a> {
+    pub slot: u32,
+    pub link: &'a WgLink,
+    pub stats: &'a Counters,
+}
+
+/// The WireGuard link `key` names on `carrier`, if one does.
+pub fn find<'a>(links: &'a dyn LinkLookup, carrier: &CarrierKey, key: &DemuxKey) -> Option<Found<'a>> {
+    let slot = links.demux(carrier, key)?;
+    let (t, stats) = links.link(slot)?;
+    let link = t.as_any().downcast_ref::<WgLink>()?;
+    Some(Found { slot, link, stats })
+}
+
+impl RunOpener for WgHub {
     /// One buffer a dispatcher received from `from` on the WireGuard port:
     /// a datagram, or a GRO run of them `seg` bytes apart. Each data message
-    /// is opened into `buf` after the frames before it (the run given to
-    /// `sink` and `buf` started again when the next might not fit) and its
-    /// frame handed to `sink`; each other message is queued for the
+    /// is opened into `buf` after the frames before it (the run handed to
+    /// `intake` and `buf` started again when the next might not fit) and its
+    /// frame handed to `intake`; each other message is queued for the
     /// handshake thread. The run ends with the buffer.
-    pub fn open_run<L: Links, S: RunSink>(&self, links: &L, st: &ThreadStats, from: SocketAddr, run: &[u8], seg: usize, buf: &mut [u8], sink: &mut S) {
+    fn open_run(
+        &self,
+        carrier: &CarrierKey,
+        links: &dyn LinkLookup,
+        st: &ThreadStats,
+        from: SocketAddr,
+        run: &mut [u8],
+        seg: usize,
+        buf: &mut [u8],
+        intake: &mut dyn Intake,
+    ) {
         let mut at = 0;
         for r in vnet_core::wire::gro_segments(run.len(), seg) {
             let dgram = &run[r];
             let Some(index) = WgHub::data_index(dgram) else {
-                self.enqueue(st, from, dgram);
+                self.enqueue(st, carrier, from, dgram);
                 continue;
             };
             // A data message opens to fewer bytes than it has.
             if at + dgram.len() > buf.len() {
-                sink.end(buf);
+                intake.end_run(buf);
                 at = 0;
             }
-            let Some(f) = links.wireguard(By::Index(index)) else {
+            let Some(f) = find(links, carrier, &DemuxKey::Index(index)) else {
                 self.unknown(st, dgram, false);
                 continue;
             };
             if let Opened::Frame(r) = self.open_data(f.link, f.stats, st, from, dgram, &mut buf[at..]) {
                 let r = at + r.start..at + r.end;
                 at = r.end;
-                sink.frame(f.slot, buf, r);
+                intake.link_frame(f.slot, buf, r);
             }
         }
-        sink.end(buf);
+        intake.end_run(buf);
     }
-
-    /// Frames wait in `link` and its data just came in (a session made by
-    /// the peer's handshake is current from its first data): the handshake
-    /// thread sends them.
-    fn ask_flush(&self, link: &WgLink, g: &mut Peer) {
-        if g.waiting > 0 && !g.flush_asked && self.jobs.push_flush(link.index) {
-            g.flush_asked = true;
-        }
-    }
-}
-
-/// Where the frames of a received run go: the forwarder, routing them as
-/// one run.
-pub trait RunSink {
-    /// A frame of the link at `slot`: `buf[frame]`.
-    fn frame(&mut self, slot: u32, buf: &mut [u8], frame: Range<usize>);
-    /// The run (so far) ends: the frames handed over are done with `buf`.
-    fn end(&mut self, buf: &[u8]);
 }
 
 /// Counts a datagram of `link` that boringtun refused, by why.
@@ -500,67 +503,6 @@ pub enum Opened {
     Handled,
     /// Dropped and counted.
     Dropped,
-}
-
-/// The inner header's addresses and ports (IPv4).
-#[derive(Clone, Copy, Debug)]
-pub struct Inner {
-    pub src: Ipv4Addr,
-    pub dst: Ipv4Addr,
-    pub sport: u16,
-    pub dport: u16,
-}
-
-impl Inner {
-    /// The local address the kernel would send to `to` from.
-    pub fn toward(to: SocketAddr, port: u16) -> Result<Inner, String> {
-        let probe = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).map_err(|e| format!("{e}"))?;
-        probe.connect(to).map_err(|e| format!("no route to {to}: {e}"))?;
-        let (IpAddr::V4(src), IpAddr::V4(dst)) = (probe.local_addr().map_err(|e| format!("{e}"))?.ip(), to.ip()) else {
-            return Err("wireguard links are IPv4 only for now".into());
-        };
-        Ok(Inner { src, dst, sport: port, dport: port })
-    }
-
-    /// Writes the IPv4 + UDP header for a frame of `len` bytes.
-    fn write(&self, len: usize, h: &mut [u8; INNER]) {
-        let total = (INNER + len) as u16;
-        h[0] = 0x45;
-        h[1] = 0;
-        h[2..4].copy_from_slice(&total.to_be_bytes());
-        h[4..6].copy_from_slice(&[0, 0]);
-        h[6..8].copy_from_slice(&0x4000u16.to_be_bytes()); // DF: never fragmented inside
-        h[8] = 64;
-        h[9] = 17;
-        h[10..12].copy_from_slice(&[0, 0]);
-        h[12..16].copy_from_slice(&self.src.octets());
-        h[16..20].copy_from_slice(&self.dst.octets());
-        let sum = csum_fold(csum_add(0, &h[..20]));
-        h[10..12].copy_from_slice(&sum.to_be_bytes());
-        h[20..22].copy_from_slice(&self.sport.to_be_bytes());
-        h[22..24].copy_from_slice(&self.dport.to_be_bytes());
-        h[24..26].copy_from_slice(&((8 + len) as u16).to_be_bytes());
-        // No UDP checksum (IPv4 allows it): the AEAD tag covers every byte.
-        h[26..28].copy_from_slice(&[0, 0]);
-    }
-}
-
-/// The VNET/P frame inside a decrypted packet: IPv4, not a fragment, UDP.
-pub fn inner_frame(p: &[u8]) -> Option<Range<usize>> {
-    if p.len() < INNER || p[0] >> 4 != 4 {
-        return None;
-    }
-    let ihl = (p[0] & 0x0f) as usize * 4;
-    let total = u16::from_be_bytes([p[2], p[3]]) as usize;
-    let frag = u16::from_be_bytes([p[6], p[7]]) & 0x3fff;
-    if ihl < 20 || total > p.len() || total < ihl + 8 || frag != 0 || p[9] != 17 {
-        return None;
-    }
-    let udp_len = u16::from_be_bytes([p[ihl + 4], p[ihl + 5]]) as usize;
-    if udp_len < 8 || ihl + udp_len > total {
-        return None;
-    }
-    Some(ihl + 8..ihl + udp_len)
 }
 
 /// One peer's protocol state.
@@ -634,6 +576,9 @@ pub struct WgLink {
     peer: [u8; 32],
     /// Our receiver index (24 bits).
     index: u32,
+    /// The carrier its datagrams come on, and whether over IPv6.
+    carrier: CarrierKey,
+    v6: bool,
     inner: Inner,
     state: Mutex<Peer>,
     pub counters: WgCounters,
@@ -657,88 +602,123 @@ impl WgLink {
         self.lock().endpoint
     }
 
-    /// Seals one frame (as `parts`) and queues it; `gso`: it may share a GSO
-    /// message with its neighbours.
-    fn seal(&self, q: &mut TxQueue, slot: u32, parts: &[&[u8]], len: usize, gso: bool) -> Sent {
-        let mut h = [0u8; INNER];
-        self.inner.write(len, &mut h);
-        // The pass's buffers, lent out while `q` queues.
-        let (mut plain, mut sealed) = (std::mem::take(&mut q.plain), std::mem::take(&mut q.sealed));
-        plain.clear();
-        plain.extend_from_slice(&h);
-        for p in parts {
-            plain.extend_from_slice(p);
-        }
-        let need = (plain.len() + SEAL).max(MIN_OUT);
-        if sealed.len() < need {
-            sealed.resize(need, 0);
-        }
-        let sent = self.seal_into(q, slot, &plain, &mut sealed, gso);
-        (q.plain, q.sealed) = (plain, sealed);
-        sent
-    }
-
-    fn seal_into(&self, q: &mut TxQueue, slot: u32, plain: &[u8], sealed: &mut [u8], gso: bool) -> Sent {
+    /// Seals `count` frames and queues them, holding the peer's lock once
+    /// for all: `frame(k, plain)` appends frame `k`'s bytes to `plain` and
+    /// says how many. Each is sealed straight into the send batch (the
+    /// plain packet is the one copy of the frame); `gso`: they may share
+    /// GSO messages.
+    fn seal(&self, q: &mut TxQueue, slot: u32, count: usize, gso: bool, mut frame: impl FnMut(usize, &mut Vec<u8>) -> usize) -> Sent {
+        let Some(ep) = self.hub.sender(self.v6) else { return Sent::dropped(DropReason::TxError, count) };
+        let hl = self.inner.len();
+        // The pass's buffer, lent out while `q` queues.
+        let mut plain = std::mem::take(&mut q.plain);
+        let mut out = Sent::later();
         let mut g = self.lock();
         let to = g.endpoint;
-        if g.waiting >= MAX_WAITING {
-            return Sent::dropped(DropReason::QueueFull, 1);
-        }
-        let (out, data) = match g.tunn.encapsulate(plain, sealed) {
-            TunnResult::WriteToNetwork(p) => (p.len(), p[0] == 4),
-            TunnResult::Done => (0, false),
-            _ => return Sent::dropped(DropReason::TxError, 1),
-        };
-        if !data {
-            // No session yet: boringtun keeps the frame for the handshake it
-            // started (`out` bytes of initiation), or one in progress.
-            g.waiting += 1;
-            if out > 0 {
-                g.fresh = false;
+        for k in 0..count {
+            if g.waiting >= MAX_WAITING {
+                out.add(Sent::dropped(DropReason::QueueFull, 1));
+                continue;
             }
-            drop(g);
-            if out > 0 {
-                self.counters.initiations.fetch_add(1, Relaxed);
-                let _ = self.hub.send(&sealed[..out], to);
+            plain.clear();
+            plain.resize(hl, 0);
+            let len = frame(k, &mut plain);
+            self.inner.write(len, &mut plain[..hl]);
+            if self.v6 {
+                Inner::finish_v6(&mut plain);
             }
-            return Sent::later();
+            // Padded to 16 bytes (the inner packet's own length says where
+            // it ends), so that a frame's size shows only to 16 bytes.
+            plain.resize(plain.len().div_ceil(inner::PAD) * inner::PAD, 0);
+            let mut sealed = Sealed::Data;
+            let peer = &mut *g;
+            q.push_with(ep, (plain.len() + SEAL).max(MIN_OUT), to, slot, gso, |room| match peer.tunn.encapsulate(&plain, room) {
+                TunnResult::WriteToNetwork(p) if p[0] == 4 => p.len(),
+                TunnResult::WriteToNetwork(p) => {
+                    // No session yet: boringtun keeps the frame for the
+                    // handshake it started (this initiation).
+                    sealed = Sealed::Started;
+                    self.counters.initiations.fetch_add(1, Relaxed);
+                    let _ = self.hub.send(p, to);
+                    0
+                }
+                // Kept for a handshake in progress.
+                TunnResult::Done => {
+                    sealed = Sealed::Waits;
+                    0
+                }
+                _ => {
+                    sealed = Sealed::Failed;
+                    0
+                }
+            });
+            match sealed {
+                Sealed::Data => {}
+                Sealed::Waits => g.waiting += 1,
+                Sealed::Started => {
+                    g.waiting += 1;
+                    g.fresh = false;
+                }
+                Sealed::Failed => out.add(Sent::dropped(DropReason::TxError, 1)),
+            }
         }
         drop(g);
-        q.push(&self.hub.group[0], &[&sealed[..out]], to, slot, gso);
-        Sent::later()
+        q.plain = plain;
+        out
     }
+}
+
+/// What became of one frame `WgLink::seal` handed boringtun.
+enum Sealed {
+    /// Sealed into the batch.
+    Data,
+    /// Kept for the session a handshake in progress makes.
+    Waits,
+    /// Kept for the session of the handshake it started.
+    Started,
+    Failed,
 }
 
 impl Transport for WgLink {
     fn kind(&self) -> &'static str {
-        "wireguard"
+        WORD
     }
 
-    fn rx(&self) -> Rx<'_> {
-        Rx::Sealed(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn demux(&self) -> Vec<(CarrierKey, DemuxKey)> {
+        vec![(self.carrier, DemuxKey::Index(self.index)), (self.carrier, DemuxKey::Key(self.peer))]
     }
 
     fn send(&self, q: &mut TxQueue, cx: &TxCtx, _vnet: &VnetHdr, frame: Pieces) -> Sent {
         let len = frame.len();
-        if len + INNER + SEAL > self.hub.group[0].max_payload() {
+        let max = self.hub.sender(self.v6).map_or(0, |e| e.max_payload());
+        if (len + self.inner.len()).div_ceil(inner::PAD) * inner::PAD + SEAL > max {
             return Sent::dropped(DropReason::Oversize, 1);
         }
         if len > cx.max_frame {
             cx.offload.fragmented.fetch_add(1, Relaxed);
         }
         let gso = len <= cx.max_frame && cx.gso.ok();
-        self.seal(q, cx.slot, frame.parts(), len, gso)
+        self.seal(q, cx.slot, 1, gso, |_, plain| {
+            for p in frame.parts() {
+                plain.extend_from_slice(p);
+            }
+            len
+        })
     }
 
     fn send_segments(&self, q: &mut TxQueue, cx: &TxCtx, segs: &Segments) -> Sent {
-        let mut out = Sent::default();
         let mut parts = [&[][..]; SEG_PARTS];
-        for k in 0..segs.len() {
+        self.seal(q, cx.slot, segs.len(), cx.gso.ok(), |k, plain| {
             let n = segs.parts(k, &mut parts);
-            let len = segs.plan.frame_len(k);
-            out.add(self.seal(q, cx.slot, &parts[..n], len, cx.gso.ok()));
-        }
-        out
+            for p in &parts[..n] {
+                plain.extend_from_slice(p);
+            }
+            segs.plan.frame_len(k)
+        })
     }
 
     fn describe(&self) -> String {
@@ -762,34 +742,5 @@ impl Transport for WgLink {
 
     fn teardown(&self) -> usize {
         std::mem::take(&mut self.lock().waiting) as usize
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_inner_header_is_valid_ipv4_udp_and_opens_back_to_the_frame() {
-        let inner = Inner { src: Ipv4Addr::new(198, 18, 0, 1), dst: Ipv4Addr::new(198, 18, 0, 2), sport: 9000, dport: 9000 };
-        let frame: Vec<u8> = (0..100u8).collect();
-        let mut h = [0u8; INNER];
-        inner.write(frame.len(), &mut h);
-        let mut p = h.to_vec();
-        p.extend_from_slice(&frame);
-        assert_eq!(csum_fold(csum_add(0, &p[..20])), 0, "header checksum verifies");
-        assert_eq!(&p[p.len() - 100..], &frame[..]);
-        assert_eq!(inner_frame(&p), Some(28..128));
-        // A fragment, a non-UDP packet, a lying length: not frames.
-        let mut frag = p.clone();
-        frag[6] = 0x20;
-        assert_eq!(inner_frame(&frag), None);
-        let mut tcp = p.clone();
-        tcp[9] = 6;
-        assert_eq!(inner_frame(&tcp), None);
-        let mut long = p.clone();
-        long[24..26].copy_from_slice(&200u16.to_be_bytes());
-        assert_eq!(inner_frame(&long), None);
-        assert_eq!(inner_frame(&p[..20]), None);
     }
 }
