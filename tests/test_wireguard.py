@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from netlab import REPO, guest_mac, overlay_ip, underlay_ip, wait_until
+from netlab import REPO, guest_mac, overlay_ip, underlay_ip, underlay_ip6, wait_until
 
 sys.path.insert(0, str(Path(__file__).parent / "tools"))
 from test_datapath import transfer  # noqa: E402
@@ -22,6 +22,10 @@ SPOOF = REPO / "tests" / "tools" / "spoof.py"
 # The underlay MTU less WireGuard's 88 bytes (outer IPv4 + UDP, its header
 # and tag, the inner IPv4 + UDP) less the frame's Ethernet header.
 GUEST_MTU = 1500 - 88 - 14
+# Over an IPv6 underlay: the outer and the inner header are each 20 bytes
+# longer, and the inner packet is padded to 16 bytes within the 1420 bytes
+# left after the outer IPv6 + UDP and WireGuard's 32 (1408 of them).
+GUEST_MTU_V6 = 1408 - 48 - 14
 # A payload pattern the guests send, to look for on the underlay.
 PATTERN = "5eca1ed0f00dcafe5eca1ed0f00dcafe"
 
@@ -93,9 +97,11 @@ def packets(path) -> list[bytes]:
 
 
 def udp_payload(pkt: bytes) -> bytes | None:
-    """A packet's UDP payload (Ethernet + IPv4 + UDP), or None."""
+    """A packet's UDP payload (Ethernet + IPv4 or IPv6 + UDP), or None."""
     if len(pkt) > 42 and pkt[12:14] == b"\x08\x00" and pkt[23] == 17:
         return pkt[14 + (pkt[14] & 15) * 4 + 8:]
+    if len(pkt) > 62 and pkt[12:14] == b"\x86\xdd" and pkt[20] == 17:
+        return pkt[14 + 40 + 8:]
     return None
 
 
@@ -416,6 +422,53 @@ def test_an_unmodified_wireguard_go_peer_with_a_plain_vnetd_interoperates_both_w
     assert lab.reaches(g[2], g[1], tries=10)
     assert link_stats(d1, "h2")["wg_handshakes"] > before
     transfer(lab, g[2], g[1], 20_000_000, port=5003)
+    peer.stop()
+
+
+def test_a_wireguard_link_over_an_ipv6_underlay_interoperates_with_wireguard_go_over_ipv6(lab):
+    """Host 1: vnetd's WireGuard link to host 2's IPv6 address. Host 2:
+    wireguard-go peered over IPv6, carrying everything to host 1's IPv6
+    address inside the tunnel, and a plain vnetd with a UDP link to it.
+    Guests talk both ways; every datagram between the hosts is WireGuard
+    over IPv6, and wireguard-go's own account has the handshake and the
+    bytes."""
+    import wggo
+    hosts = {h: lab.add_host(h) for h in (1, 2)}
+    d1 = lab.start_vnetd(hosts[1], f"INTERFACE ADD g1 {guest_mac(1)} mtu {GUEST_MTU_V6}\n",
+                         "--wireguard-key-file", lab.tmp / "h1.wgkey")
+    key_file, wg_pub = wggo.genkey(lab.tmp / "h2-wg.key")
+    peer = wggo.start(hosts[2], lab.prefix, underlay_ip6(2), underlay_ip6(1), public_key(d1), key_file=key_file, lab=lab)
+    d2 = lab.start_vnetd(hosts[2], f"INTERFACE ADD g2 {guest_mac(2)} mtu {GUEST_MTU_V6}\n"
+                         f"LINK ADD {underlay_ip6(1)} udp mtu {wggo.FULL_TUNNEL_MTU_V6} name h1\n"
+                         f"ROUTE ADD any {guest_mac(2)} interface {guest_mac(2)} any\n"
+                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {guest_mac(2)} any\n"
+                         f"ROUTE ADD any {guest_mac(1)} edge h1 any\n"
+                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge h1 interface\n")
+    d1.ctl_file(wg_config(1, {2: wg_pub}, {1: [1], 2: [2]}).replace(f"LINK ADD {underlay_ip(2)} ", f"LINK ADD {underlay_ip6(2)} "))
+    line = next(l for l in d1.ctl("LINK", "LIST").stdout.splitlines() if "name=h2 " in l)
+    # The largest frame the link carries whole: the guests' MTU.
+    assert f"max_frame={GUEST_MTU_V6 + 14}" in line, line
+    g = {h: lab.attach_guest(hosts[h], f"g{h}", h) for h in (1, 2)}
+    pcap = lab.tmp / "interop6.pcap"
+    cap = capture(lab, hosts[1], "eth0", pcap, ("udp",))
+    assert lab.reaches(g[1], g[2], tries=5)
+    # The largest ping that fits, whole both ways (IPv4 of GUEST_MTU_V6).
+    r = lab.x(g[1].ns, "ping", "-n", "-q", "-c", "3", "-i", "0.2", "-M", "do", "-s", str(GUEST_MTU_V6 - 28), g[2].ip, check=False)
+    assert " 0% packet loss" in r.stdout, r.stdout
+    transfer(lab, g[1], g[2], 20_000_000)
+    transfer(lab, g[2], g[1], 20_000_000, port=5002)
+    stop_capture(cap)
+    pkts = packets(pcap)
+    assert pkts and all(p[12:14] == b"\x86\xdd" for p in pkts), "a datagram between the hosts over IPv4"
+    seen = datagrams(lab, pcap)
+    assert seen and all(map(is_wireguard, seen))
+    assert not leaked(pcap, bytes.fromhex(guest_mac(1).replace(":", "")))
+    s1 = link_stats(d1, "h2")
+    assert s1["wg_handshakes"] >= 1 and s1["in_frames"] > 10_000 and s1["out_frames"] > 10_000, s1
+    assert f"endpoint=[{underlay_ip6(2)}]:51820" in next(l for l in d1.ctl("LINK", "LIST").stdout.splitlines() if "name=h2 " in l)
+    p = peer.peers()[public_key(d1)]
+    assert p["endpoint"] == f"[{underlay_ip6(1)}]:51820", p
+    assert p["latest_handshake"] > 0 and p["rx_bytes"] > 20_000_000 and p["tx_bytes"] > 20_000_000, p
     peer.stop()
 
 

@@ -77,6 +77,8 @@ SOCKET_DIR = Path("/var/run/wireguard")
 # 1420, leaves room for an IPv6 outer header and would make the inner
 # IPv4/UDP datagrams of frames above 1392 bytes be fragmented.
 FULL_TUNNEL_MTU = 1440
+# Over an IPv6 underlay: its outer IPv6 header is 40 bytes.
+FULL_TUNNEL_MTU_V6 = 1420
 TUNNEL_A, TUNNEL_B = "10.200.0.1/24", "10.200.0.2/24"
 IFNAMSIZ = 15
 
@@ -240,18 +242,26 @@ def _workdir(lab, tmp) -> Path:
 
 def start(ns: str, prefix: str, local_ip: str, peer_ip: str, peer_public_key: str, *,
           listen_port: int = WG_PORT, peer_port: int = WG_PORT, key_file: str | Path | None = None,
-          mtu: int = FULL_TUNNEL_MTU, fwmark: int | None = None, table: int | None = None,
+          mtu: int | None = None, fwmark: int | None = None, table: int | None = None,
           dev: str | None = None, keepalive: int | None = None, lab=None, tmp=None) -> WgGo:
     """wireguard-go in `ns` (device `dev`, by default `<prefix>wg`) as the
-    peer of `peer_ip`:`peer_port` (key `peer_public_key`), listening on
+    peer of `peer_ip`:`peer_port` (key `peer_public_key`; IPv4 or IPv6,
+    as `local_ip`), listening on
     `listen_port`, carrying everything `ns` sends to `peer_ip` (from
     `local_ip`, this host's underlay address) inside the tunnel.
     `key_file`: this end's private key (default: a new one, see genkey).
     `fwmark` and `table` default to `listen_port`; a second instance in the
     same namespace needs its own. `lab`: a netlab.Lab, whose close() then
     kills the process if the test does not stop() it; files go in its tmp."""
-    if ipaddress.ip_address(local_ip).version != 4 or ipaddress.ip_address(peer_ip).version != 4:
-        raise ValueError("IPv4 underlay addresses only (a vnetd WireGuard link carries IPv4/UDP inside)")
+    version = ipaddress.ip_address(local_ip).version
+    if ipaddress.ip_address(peer_ip).version != version:
+        raise ValueError("the local and the peer's underlay addresses must be of one family")
+    # Over IPv6 the tunnel carries IPv6/UDP inside (as a vnetd WireGuard
+    # link over IPv6 does), under an outer header 20 bytes longer.
+    v6 = version == 6
+    fam, plen = (["-6"], 128) if v6 else ([], 32)
+    endpoint = f"[{peer_ip}]:{peer_port}" if v6 else f"{peer_ip}:{peer_port}"
+    mtu = mtu if mtu is not None else (FULL_TUNNEL_MTU_V6 if v6 else FULL_TUNNEL_MTU)
     fwmark = listen_port if fwmark is None else fwmark
     table = listen_port if table is None else table
     dev = dev or f"{prefix}wg"
@@ -259,13 +269,13 @@ def start(ns: str, prefix: str, local_ip: str, peer_ip: str, peer_public_key: st
     w.listen_port = listen_port
     try:
         cmd = ["wg", "set", dev, "private-key", w.key_file, "listen-port", listen_port, "fwmark", fwmark,
-               "peer", peer_public_key, "endpoint", f"{peer_ip}:{peer_port}", "allowed-ips", f"{peer_ip}/32"]
+               "peer", peer_public_key, "endpoint", endpoint, "allowed-ips", f"{peer_ip}/{plen}"]
         if keepalive:
             cmd += ["persistent-keepalive", keepalive]
         run(cmd)
         w.x("ip", "link", "set", dev, "mtu", mtu, "up")
-        for words in (["route", "add", f"{peer_ip}/32", "dev", dev, "table", str(table), "src", local_ip],
-                      ["rule", "add", "not", "fwmark", str(fwmark), "table", str(table)]):
+        for words in ([*fam, "route", "add", f"{peer_ip}/{plen}", "dev", dev, "table", str(table), "src", local_ip],
+                      [*fam, "rule", "add", "not", "fwmark", str(fwmark), "table", str(table)]):
             run(["ip", "-n", ns, *words])
             w.added.append(words)
         _loosen_rp_filter(w)
@@ -326,7 +336,7 @@ def main():
     u.add_argument("--key-file")
     u.add_argument("--listen-port", type=int, default=WG_PORT)
     u.add_argument("--peer-port", type=int, default=WG_PORT)
-    u.add_argument("--mtu", type=int, default=FULL_TUNNEL_MTU)
+    u.add_argument("--mtu", type=int, default=None)
     p = sub.add_parser("pair")
     for a in ("ns_a", "ns_b", "prefix", "underlay_a", "underlay_b"):
         p.add_argument(a)

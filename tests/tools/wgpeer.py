@@ -345,7 +345,9 @@ def gso_tail(args):
                 if ses.local == receiver:
                     p = ses.open(m)
                     if p:
-                        sizes.append(len(p) - 28)
+                        # The inner packet's own length: what follows it is
+                        # WireGuard's padding (to 16 bytes).
+                        sizes.append(struct.unpack("!H", p[2:4])[0] - 28)
     print(json.dumps({"frames_back": sizes}))
 
 
