@@ -295,13 +295,15 @@ impl Worker {
         n
     }
 
-    /// Brings the epoll set in line with link source `k`'s descriptors.
+    /// Brings the epoll set in line with link source `k`'s descriptors, if
+    /// they changed.
     fn rewatch(&mut self, k: usize) {
-        let (generation, fds) = self.sources[k].src.watch();
-        let w = &mut self.sources[k];
-        if generation == w.generation && fds == w.fds {
+        let generation = self.sources[k].src.generation();
+        if generation == self.sources[k].generation {
             return;
         }
+        let fds = self.sources[k].src.watch();
+        let w = &mut self.sources[k];
         for (fd, _) in &w.fds {
             self.epoll.delete(*fd);
         }

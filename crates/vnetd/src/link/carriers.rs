@@ -58,8 +58,8 @@ struct UdpSource {
 }
 
 impl LinkSource for UdpSource {
-    fn watch(&self) -> (u64, Vec<(RawFd, u32)>) {
-        (0, vec![(self.carrier.group[self.i].as_raw_fd(), libc::EPOLLIN as u32)])
+    fn watch(&self) -> Vec<(RawFd, u32)> {
+        vec![(self.carrier.group[self.i].as_raw_fd(), libc::EPOLLIN as u32)]
     }
 
     fn owner(&self, n: usize) -> usize {

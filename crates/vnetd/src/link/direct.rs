@@ -3,7 +3,7 @@
 //! administrator allowed (`--allow-direct`). The kernel segments super-frames
 //! and finishes checksums, so frames go as they are, offload metadata and all.
 
-use super::{sent_now, CarrierKey, DemuxKey, LinkEnv, LinkKind, LinkSource, LinkSpec, Made, RxCx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
+use super::{sent_now, CarrierKey, DemuxKey, DeviceName, LinkEnv, LinkKind, LinkSource, LinkSpec, Made, RxCx, Segments, Sent, Transport, TxCtx, TxQueue, SEG_PARTS};
 use crate::port::Slot;
 use crate::settings::Settings;
 use crate::stats::DropReason;
@@ -67,8 +67,8 @@ struct DeviceSource {
 }
 
 impl LinkSource for DeviceSource {
-    fn watch(&self) -> (u64, Vec<(RawFd, u32)>) {
-        (0, vec![(self.port.as_raw_fd(), libc::EPOLLIN as u32)])
+    fn watch(&self) -> Vec<(RawFd, u32)> {
+        vec![(self.port.as_raw_fd(), libc::EPOLLIN as u32)]
     }
 
     fn owner(&self, n: usize) -> usize {
@@ -112,7 +112,7 @@ impl Transport for DirectLink {
     }
 
     fn demux(&self) -> Vec<(CarrierKey, DemuxKey)> {
-        vec![(CarrierKey::Device, DemuxKey::Device(self.0.device.clone()))]
+        DeviceName::new(&self.0.device).map(|d| vec![(CarrierKey::Device, DemuxKey::Device(d))]).unwrap_or_default()
     }
 
     fn identify(&self, id: u32) {

@@ -65,8 +65,9 @@ impl CarrierKey {
     }
 }
 
-/// What tells a link's datagrams apart on its carrier.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+/// What tells a link's datagrams apart on its carrier (a plain value: a
+/// lookup copies it, never allocates).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DemuxKey {
     /// The sender's address and port.
     Sender(SocketAddr),
@@ -81,8 +82,41 @@ pub enum DemuxKey {
     Key([u8; 32]),
     /// The peer's address, for a link of one connection per peer.
     Peer(IpAddr),
-    /// A host device.
-    Device(String),
+    /// A host device, by name.
+    Device(DeviceName),
+}
+
+/// A host device's name (at most 15 bytes, as the kernel's `IFNAMSIZ` less
+/// its terminator allows), held inline.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DeviceName([u8; 16]);
+
+impl DeviceName {
+    /// None if the name is longer than a device's can be.
+    pub fn new(name: &str) -> Option<DeviceName> {
+        let mut b = [0u8; 16];
+        (name.len() < 16).then(|| {
+            b[..name.len()].copy_from_slice(name.as_bytes());
+            DeviceName(b)
+        })
+    }
+
+    pub fn as_str(&self) -> &str {
+        let n = self.0.iter().position(|&c| c == 0).unwrap_or(16);
+        std::str::from_utf8(&self.0[..n]).unwrap_or("?")
+    }
+}
+
+impl std::fmt::Display for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for DeviceName {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
 }
 
 impl DemuxKey {
@@ -132,9 +166,13 @@ pub struct RxCx<'a> {
 /// Something a dispatcher reads frames from: one socket of a carrier, or a
 /// link's own stream or device.
 pub trait LinkSource: Send + Sync {
-    /// The descriptors to watch, with their epoll events, and a number that
-    /// changes whenever they do.
-    fn watch(&self) -> (u64, Vec<(RawFd, u32)>);
+    /// A number that changes whenever `watch` would answer otherwise (asked
+    /// after every read: cheap, and never allocating).
+    fn generation(&self) -> u64 {
+        0
+    }
+    /// The descriptors to watch, with their epoll events.
+    fn watch(&self) -> Vec<(RawFd, u32)>;
     /// Which of `n` dispatchers reads it.
     fn owner(&self, n: usize) -> usize;
     /// Whether a VMM-driven pass reads it without waiting for its event
@@ -424,33 +462,33 @@ impl TxQueue {
     /// Queues a datagram made of `parts` for `ep`; `gso`: it may share a
     /// GSO message with its neighbours. A full batch is sent first.
     pub fn push(&mut self, ep: &Arc<UdpEndpoint>, parts: &[&[u8]], to: SocketAddr, slot: u32, gso: bool) {
-        let len = parts.iter().map(|p| p.len()).sum();
-        let i = self.batch_with_room(ep, len);
-        self.batches[i].1.push(parts, to, slot, gso);
+        let i = self.batch_of(ep);
+        if !self.batches[i].1.push(parts, to, slot, gso) {
+            self.flush_one(i);
+            self.batches[i].1.push(parts, to, slot, gso);
+        }
     }
 
     /// Queues a datagram of up to `max` bytes for `ep` that `make` writes in
     /// place (a sealed link seals straight into the batch); `make` says its
     /// length, 0 if it queued nothing. The length.
     pub fn push_with(&mut self, ep: &Arc<UdpEndpoint>, max: usize, to: SocketAddr, slot: u32, gso: bool, make: impl FnOnce(&mut [u8]) -> usize) -> usize {
-        let i = self.batch_with_room(ep, max);
+        let i = self.batch_of(ep);
+        if !self.batches[i].1.room(max) {
+            self.flush_one(i);
+        }
         self.batches[i].1.push_with(max, to, slot, gso, make)
     }
 
-    /// The batch of `ep`, flushed first if a datagram of `len` bytes would
-    /// not fit.
-    fn batch_with_room(&mut self, ep: &Arc<UdpEndpoint>, len: usize) -> usize {
-        let i = match self.batches.iter().position(|(e, _)| Arc::ptr_eq(e, ep)) {
+    /// The batch of `ep`'s datagrams.
+    fn batch_of(&mut self, ep: &Arc<UdpEndpoint>) -> usize {
+        match self.batches.iter().position(|(e, _)| Arc::ptr_eq(e, ep)) {
             Some(i) => i,
             None => {
                 self.batches.push((ep.clone(), TxBatch::default()));
                 self.batches.len() - 1
             }
-        };
-        if !self.batches[i].1.room(len) {
-            self.flush_one(i);
         }
-        i
     }
 
     fn flush_one(&mut self, i: usize) {

@@ -33,7 +33,7 @@ pub struct Snapshot {
     link_slot: HashMap<u32, u32>,
     /// Links' slots by the keys they declared on their carriers; None where
     /// two declared one (it names neither).
-    demux: HashMap<(CarrierKey, DemuxKey), Option<u32>>,
+    demux: HashMap<(CarrierKey, DemuxKey), Option<u32>, ahash::RandomState>,
     /// The kernel fast path is on: dispatchers install the answers it can
     /// carry.
     pub fast_on: bool,
@@ -61,7 +61,7 @@ impl Snapshot {
         iface_dispatch: Vec<IfaceDispatch>,
         fast_on: bool,
     ) -> Snapshot {
-        let mut demux: HashMap<(CarrierKey, DemuxKey), Option<u32>> = HashMap::new();
+        let mut demux: HashMap<(CarrierKey, DemuxKey), Option<u32>, ahash::RandomState> = HashMap::default();
         for (slot, l) in links.iter().enumerate() {
             for key in l.transport.demux() {
                 demux.entry(key).and_modify(|e| *e = None).or_insert(Some(slot as u32));
@@ -102,7 +102,7 @@ impl Snapshot {
 impl LinkLookup for Snapshot {
     #[inline]
     fn demux(&self, carrier: &CarrierKey, key: &DemuxKey) -> Option<u32> {
-        self.demux.get(&(*carrier, key.clone())).copied().flatten()
+        self.demux.get(&(*carrier, *key)).copied().flatten()
     }
 
     #[inline]

@@ -40,9 +40,9 @@ impl StreamSource {
 }
 
 impl LinkSource for StreamSource {
-    /// The event fd, and the live connection (with EPOLLOUT while frames
-    /// wait for it); changes with the connection and the waiting.
-    fn watch(&self) -> (u64, Vec<(RawFd, u32)>) {
+    /// Follows the link's live connection (a new one: the partial frame of
+    /// the old is dropped) and whether frames wait for the socket.
+    fn generation(&self) -> u64 {
         let mut r = self.read.lock().unwrap_or_else(|p| p.into_inner());
         let live = self.link.conn();
         if r.conn.as_ref().map(|c| c.id) != live.as_ref().map(|c| c.id) {
@@ -52,6 +52,13 @@ impl LinkSource for StreamSource {
             r.conn = live;
         }
         r.want_out = r.conn.is_some() && self.link.has_pending();
+        r.conn.as_ref().map_or(0, |c| c.id << 1) | r.want_out as u64
+    }
+
+    /// The event fd, and the live connection (with EPOLLOUT while frames
+    /// wait for it).
+    fn watch(&self) -> Vec<(RawFd, u32)> {
+        let r = self.read.lock().unwrap_or_else(|p| p.into_inner());
         let mut fds = vec![(self.link.event_fd(), libc::EPOLLIN as u32)];
         if let Some(c) = &r.conn {
             let mut ev = (libc::EPOLLIN | libc::EPOLLRDHUP) as u32;
@@ -60,8 +67,7 @@ impl LinkSource for StreamSource {
             }
             fds.push((c.stream.as_raw_fd(), ev));
         }
-        let gen = r.conn.as_ref().map_or(0, |c| c.id << 1) | r.want_out as u64;
-        (gen, fds)
+        fds
     }
 
     fn owner(&self, n: usize) -> usize {
