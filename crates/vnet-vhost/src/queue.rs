@@ -253,6 +253,7 @@ impl<B: DirtyLog> Ring<B> {
     /// Pops the next chain and reads its descriptors into `segs` (the
     /// readable ones for transmit, the writable ones for receive), within
     /// the budget. `None`: nothing waits, or the pass's budget is spent.
+    #[inline]
     fn walk(&mut self, writable: bool) -> Option<Walk> {
         let Ring { queue, mem, segs, .. } = self;
         let mem = mem.as_deref()?;
@@ -460,6 +461,7 @@ impl<B: DirtyLog> Ring<B> {
     /// posted room enough (nothing is taken then, unless it posted chains
     /// with no writable byte: those go back with length 0, and so does
     /// what was taken with them).
+    #[inline]
     pub fn put_frame(&mut self, vnet: &VnetHdr, parts: &[&[u8]], hdr_len: usize, mergeable: bool) -> io::Result<()> {
         if !self.running() || !self.memory_sound() {
             return Err(io::Error::from_raw_os_error(libc::ENETDOWN));
