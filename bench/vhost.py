@@ -152,8 +152,9 @@ class Bench:
         # never against shrinking: vnetd takes it only with unsealed-memory.
         c1 = mesh_config(1, by_host, attach={"pa": f"vhost-user {self.sa} unsealed-memory"}) + "SET datapath user\n"
         c2 = mesh_config(2, by_host, attach={"pb": f"vhost-user {self.sb} unsealed-memory"}) + "SET datapath user\n"
-        self.d1 = lab.start_vnetd(self.h1, c1, "--cpus", str(CPU_VNETD[0]))
-        self.d2 = lab.start_vnetd(self.h2, c2, "--cpus", str(CPU_VNETD[1]))
+        binary = Path(vnetd_bin) if vnetd_bin else None
+        self.d1 = lab.start_vnetd(self.h1, c1, "--cpus", str(CPU_VNETD[0]), binary=binary)
+        self.d2 = lab.start_vnetd(self.h2, c2, "--cpus", str(CPU_VNETD[1]), binary=binary)
         self.ga = lab.attach_guest(self.h1, "ta", 1)
         self.gb = lab.attach_guest(self.h2, "tb", 2)
 
