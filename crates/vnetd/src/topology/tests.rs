@@ -738,7 +738,7 @@ fn a_tcp_link_to_an_ipv4_mapped_address_is_the_same_peer() {
     assert!(err.contains("198.18.0.4"), "{err}");
 }
 
-/// vnetd's IPv6 UDP socket is IPv6-only (`link/udp.rs`), so datagrams from
+/// vnetd's IPv6 UDP socket is IPv6-only (`sys/udp.rs`), so datagrams from
 /// 198.18.0.2 arrive on the IPv4 socket from `198.18.0.2:port`, never from
 /// `[::ffff:198.18.0.2]:port`. A UDP link added as `::ffff:198.18.0.2` is
 /// accepted (beside a link to 198.18.0.2, too) and sends through the IPv6
