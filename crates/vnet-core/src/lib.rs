@@ -7,6 +7,7 @@
 //! - [`cache`]: the per-thread route cache in front of the table.
 //! - [`command`]: the control language.
 //! - [`setting`]: the dispatcher's tunables (`SET`, `INTERFACE SET`).
+//! - [`render`]: commands written back as canonical lines of the language.
 //! - [`wire`]: VXLAN headers, TCP-link framing, GRO runs.
 //! - [`linkauth`]: the key handshake that opens a TCP link connection (and a
 //!   VTOE shadow connection).
@@ -20,6 +21,7 @@ pub mod counters;
 pub mod linkauth;
 pub mod mac;
 pub mod offload;
+pub mod render;
 pub mod rule;
 pub mod setting;
 pub mod table;
