@@ -297,7 +297,7 @@ class Bed:
         attachments beside its own), the old one started (pinned, if it
         knows how)."""
         self.d1.stop(signal.SIGTERM, timeout=30)
-        self.lab.x(self.h1, CUR / "vnetd", "--cleanup", "--pin-dir", self.lab.pin_dir(self.h1))
+        self.lab.x(self.h1, CUR / "vnetd", "--cleanup", "--pin-dir", self.lab.pin_dir(self.h1), "--state", "none")
         self.d1 = self.start(self.h1, 1, OLD, pinned=BINS["old"]["pins"])
         self.binary = "old"
 

@@ -362,7 +362,7 @@ class Testbed:
             conf = self.lab.tmp / f"{tag}.conf"
             conf.write_text(vnet_config(nl, i, guests, gmtu, self.k_guests[i]))
             cmd = ["ip", "netns", "exec", h, "taskset", "-c", str(self.cpus[i]), str(nl.VNETD),
-                   "--control-unix", str(sock), "--control-tcp", "none", "--config", str(conf),
+                   "--control-unix", str(sock), "--control-tcp", "none", "--config", str(conf), "--state", "none",
                    "--vtoe-socket", str(self.vtoe_socket(i)),
                    "--link-key-dir", str(self.lab.key_dir),
                    # the kernel VXLAN configuration holds 4789 in the same host namespaces

@@ -123,6 +123,18 @@ class Vnetd:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+_flags: dict[tuple[str, str], bool] = {}
+
+
+def takes_flag(binary: Path, flag: str) -> bool:
+    """Whether `binary` (a vnetd build) knows `flag`: its --help says so."""
+    key = (str(binary), flag)
+    if key not in _flags:
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
+        _flags[key] = flag + " " in out or flag + "\n" in out
+    return _flags[key]
+
+
 class Lab:
     def __init__(self, tag: str = "t"):
         self.prefix = f"vn{os.getpid() % 100000}{tag}{next(_counter)}-"
@@ -201,6 +213,10 @@ class Lab:
             cmd += ["--vhost-user-dir", self.tmp]
         if "--pin-dir" not in map(str, args):
             cmd += ["--pin-dir", self.pin_dir(host)]
+        # Each host's run-time state in the lab (a build from before the
+        # state file has no --state).
+        if "--state" not in map(str, args) and takes_flag(binary or VNETD, "--state"):
+            cmd += ["--state", self.state_file(host)]
         if config is not None:
             if not isinstance(config, Path):
                 path = self.tmp / f"{name}-{next(_counter)}.conf"
@@ -217,6 +233,10 @@ class Lab:
             self.wait_ready(d)
         return d
 
+    def state_file(self, host: str) -> Path:
+        """Where `host`'s vnetd records its run-time state (--state)."""
+        return self.tmp / f"{host.removeprefix(self.prefix)}.state"
+
     def pin_dir(self, host: str) -> Path:
         """Where `host`'s vnetd pins its kernel datapath."""
         return self.bpffs / host.removeprefix(self.prefix)
@@ -232,7 +252,7 @@ class Lab:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", host, "strace", "-f", *[str(a) for a in strace_args],
                  str(VNETD), "--control-unix", str(sock), "--link-key-dir", str(self.key_dir), "--config", str(conf),
-                 "--vhost-user-dir", str(self.tmp), "--pin-dir", str(self.pin_dir(host))],
+                 "--vhost-user-dir", str(self.tmp), "--pin-dir", str(self.pin_dir(host)), "--state", str(self.state_file(host))],
                 stdout=lf, stderr=subprocess.STDOUT)
         self.other_procs.append(proc)
         d = Vnetd(self, host, sock, proc, log)
@@ -399,7 +419,8 @@ def udp_rcvbuf_errors(lab: Lab, ns: str) -> int:
 def start_fails(lab: Lab, ns: str, *args, timeout=10) -> str:
     """Starts vnetd in `ns` expecting it to refuse: it must exit 1 with
     exactly one `vnetd: ` line, which is returned."""
-    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *args, check=False, timeout=timeout)
+    state = [] if "--state" in map(str, args) else ["--state", lab.tmp / "x.state"]
+    p = lab.x(ns, VNETD, "--control-unix", lab.tmp / "x.sock", *state, *args, check=False, timeout=timeout)
     assert p.returncode == 1, p
     lines = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]
     assert len(lines) == 1, p.stderr

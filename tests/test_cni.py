@@ -384,7 +384,7 @@ def test_del_after_a_vnetd_restart_before_restore_removes_the_device(lab):
     conf = plugin_conf(lab, "late", d.sock, "10.77.16.0/24")
     ok(cni("ADD", conf, cid="cid1", netns=netns_path(c1)))
     assert d.stop() == 0
-    d2 = lab.start_vnetd(host)
+    d2 = lab.start_vnetd(host, None, "--state", "none")  # as after a reboot: no state
     assert device(lab, c1) is not None and d2.ctl("INTERFACE", "LIST").stdout == ""
     ok(cni("DEL", conf, cid="cid1", netns=netns_path(c1)))
     assert device(lab, c1) is None
@@ -411,7 +411,7 @@ def test_containers_survive_a_vnetd_restart_with_restore(lab):
 
     assert reachable()
     assert d.stop() == 0  # SIGTERM
-    d2 = lab.start_vnetd(host)
+    d2 = lab.start_vnetd(host, None, "--state", "none")  # as after a reboot: no state
     assert d2.ctl("INTERFACE", "LIST").stdout == ""
     restore = [CNI, "restore", "--state-dir", lab.tmp / "state", "--socket", d2.sock]
     out = run(restore).stdout
@@ -439,7 +439,7 @@ def start_vnetd_in(lab: Lab, mnt: MountNs, host: str, config: str) -> netlab.Vne
     with open(log, "a") as lf:
         # nsenter and `ip netns exec` exec: the PID is vnetd's.
         proc = subprocess.Popen([*mnt.prefix(), "ip", "netns", "exec", host, str(VNETD), "--control-unix", str(sock),
-                                 "--link-key-dir", str(lab.key_dir), "--config", str(conf)],
+                                 "--link-key-dir", str(lab.key_dir), "--config", str(conf), "--state", str(lab.state_file(host))],
                                 stdout=lf, stderr=subprocess.STDOUT)
     d = netlab.Vnetd(lab, host, sock, proc, log)
     lab.daemons.append(d)
@@ -787,7 +787,7 @@ def test_restore_after_a_crash_waits_skips_the_gone_and_reports_the_refused(lab)
     lab.other_procs.append(restore)
     time.sleep(1.0)
     assert restore.poll() is None, "restore did not wait for vnetd"
-    d2 = lab.start_vnetd(host)
+    d2 = lab.start_vnetd(host, None, "--state", "none")  # as after a reboot: no state
     out, err = restore.communicate(timeout=40)
     assert restore.returncode == 1, (out, err)
     assert "2 restored, 0 already in vnetd, 1 without a namespace, 1 failed" in out, (out, err)
@@ -931,7 +931,7 @@ def test_concurrent_add_del_gc_and_restore_leave_records_and_vnetd_in_agreement(
         first = list(pool.map(lambda i: cni("ADD", conf, cid=f"cid{i}", netns=netns_path(cs[i])), range(8)))
     assert all(r.rc == 0 for r in first), [r.err for r in first if r.rc]
     assert d.stop() == 0
-    d2 = lab.start_vnetd(host)
+    d2 = lab.start_vnetd(host, None, "--state", "none")  # as after a reboot: no state
 
     keep = list(range(4, 12))
     valid = [{"containerID": f"cid{i}", "ifname": "eth0"} for i in keep]

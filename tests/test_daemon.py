@@ -59,7 +59,7 @@ def test_no_permission_for_tap_is_one_clear_line(lab):
     cfg.write_text("INTERFACE ADD g1 02:00:00:00:00:01\n")
     lab.tmp.chmod(0o755)  # readable by the unprivileged user
     p = lab.x(h, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
-              VNETD, "--config", cfg, "--udp-port", "9200", "--control-tcp", "none", "--control-unix", "none",
+              VNETD, "--config", cfg, "--udp-port", "9200", "--control-tcp", "none", "--control-unix", "none", "--state", "none",
               check=False)
     assert p.returncode == 1
     msg = [l for l in p.stderr.splitlines() if l.startswith("vnetd: ")]

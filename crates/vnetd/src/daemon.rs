@@ -4,7 +4,7 @@
 //! and tearing it all down on SIGTERM. The binary (`main.rs`) only parses
 //! the command line and sets up logging.
 
-use crate::control::access::{Caller, Role, Tokens, UnixPolicy};
+use crate::control::access::{Role, Tokens, UnixPolicy};
 use crate::control::{server, Control};
 use crate::dispatch::{self, Datapath};
 use crate::settings::{self, Settings};
@@ -87,6 +87,15 @@ pub struct Args {
     /// not pinned; the fast path stops when vnetd does.
     #[arg(long, default_value = "/sys/fs/bpf/vnet", value_name = "DIR|none")]
     pub pin_dir: String,
+    /// Where vnetd records what it is told at run time (interfaces, links,
+    /// routes and settings from vnetctl, vnet-agent, the CNI plugin), on
+    /// each committed request; a vnetd started again restores it before it
+    /// touches the kernel datapath, so a restart keeps every guest's
+    /// flows. On a tmpfs by default: a reboot starts afresh. One file per
+    /// vnetd (the unit's RuntimeDirectory, /run/vnet, kept across
+    /// restarts). "none": nothing recorded; only the config is restored.
+    #[arg(long, default_value = "/run/vnet/vnetd.state", value_name = "FILE|none")]
+    pub state: String,
     /// Remove the kernel datapath pinned at --pin-dir (programs detached,
     /// maps freed, the devices vnetd made for it deleted) and exit. vnetd
     /// itself leaves it in place when it stops (SIGTERM), as OVS's kernel
@@ -156,6 +165,14 @@ pub fn run(args: Args) -> Result<()> {
     let pin_dir = (args.pin_dir != "none").then(|| PathBuf::from(&args.pin_dir));
     if args.cleanup {
         let Some(dir) = &pin_dir else { bail!("--cleanup needs a --pin-dir") };
+        // What it would restore goes with it.
+        if args.state != "none" {
+            match std::fs::remove_file(&args.state) {
+                Ok(()) => tracing::info!("removed the state file {}", args.state),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => bail!("cannot remove the state file {}: {e}", args.state),
+            }
+        }
         if !dir.exists() {
             tracing::info!("nothing pinned at {}", dir.display());
             return Ok(());
@@ -192,6 +209,15 @@ pub fn run(args: Args) -> Result<()> {
         None => None,
     };
 
+    // The state file, locked for this vnetd, and what it holds: read
+    // before anything is loaded, restored once the datapath runs.
+    let (journal, records) = match args.state.as_str() {
+        "none" => (None, Vec::new()),
+        p => {
+            let (j, r) = crate::control::journal::Journal::open(std::path::Path::new(p))?;
+            (Some(j), r)
+        }
+    };
     if !(1..=64).contains(&args.dispatchers) {
         bail!("--dispatchers {} is out of range 1..64", args.dispatchers);
     }
@@ -299,7 +325,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         None => None,
     };
-    let ctl = Arc::new(Control::new(dp.clone(), settings, vtoe.clone()));
+    let ctl = Arc::new(Control::new(dp.clone(), settings, vtoe.clone(), journal));
 
     let cleanup = |dp: &Datapath| {
         dp.shutdown();
@@ -313,18 +339,17 @@ pub fn run(args: Args) -> Result<()> {
             let _ = std::fs::remove_file(p);
         }
     };
-    if let (Some(text), Some(path)) = (&config, &args.config) {
-        let t0 = std::time::Instant::now();
-        match ctl.apply_config(path, text, &Caller::config(path)) {
-            Ok(lines) => tracing::info!(
-                "config {}: {} changes applied in {:.3} s",
-                path.display(),
-                lines.len(),
-                t0.elapsed().as_secs_f64()
-            ),
-            Err(e) => {
-                cleanup(&dp);
-                bail!("config {}: {e}", path.display());
+    // What the state file recorded, then the config: in force before
+    // anything is swept from the kernel datapath.
+    let t0 = std::time::Instant::now();
+    let given = args.config.as_deref().zip(config.as_deref());
+    match ctl.start(records, given) {
+        Ok(r) => tracing::info!("in force in {:.3} s ({} change(s) restored from the state file)", t0.elapsed().as_secs_f64(), r.changes),
+        Err(e) => {
+            cleanup(&dp);
+            match &args.config {
+                Some(p) => bail!("config {}: {e}", p.display()),
+                None => bail!("{e}"),
             }
         }
     }

@@ -4,6 +4,7 @@
 //! Output lines are `kind key=value ...`, readable by people and by scripts.
 
 pub mod access;
+pub mod journal;
 pub mod json;
 pub mod server;
 
@@ -15,7 +16,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use access::{Caller, Role};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
-use vnet_core::command::{parse_request, Command, Mode, StatsScope, HELP};
+use std::path::Path;
+use vnet_core::command::{parse_line, parse_request, Command, Mode, StatsScope, HELP};
 
 pub struct Control {
     state: Mutex<State>,
@@ -23,9 +25,6 @@ pub struct Control {
     pub(crate) settings: Settings,
     /// VTOE, when vnetd offers it (--vtoe-socket).
     vtoe: Option<Arc<crate::vtoe::Vtoe>>,
-    /// The config file (--config) and its changes (line number, text) as
-    /// last applied, for `RELOAD`.
-    config: Mutex<Option<(std::path::PathBuf, Vec<(usize, String)>)>>,
 }
 
 /// The control plane's state, behind one lock.
@@ -36,42 +35,166 @@ struct State {
     /// Objects taken out of the topology, with the generation that no longer
     /// has them: torn down once every dispatcher runs that generation.
     retiring: Vec<(u64, Retired)>,
+    /// The config file (--config) and its changes (line number, text) as
+    /// last applied, for `RELOAD`.
+    config: Option<journal::Applied>,
+    /// Where each committed request is recorded (--state), if anywhere.
+    journal: Option<journal::Journal>,
+}
+
+/// What a start restored from the state file.
+#[derive(Default, Debug)]
+pub struct Restored {
+    /// Changes restored, and those skipped (each said in the log).
+    pub changes: usize,
+    pub skipped: usize,
 }
 
 impl Control {
-    pub fn new(dp: Arc<Datapath>, settings: Settings, vtoe: Option<Arc<crate::vtoe::Vtoe>>) -> Control {
-        let mut state = State::default();
+    pub fn new(dp: Arc<Datapath>, settings: Settings, vtoe: Option<Arc<crate::vtoe::Vtoe>>, journal: Option<journal::Journal>) -> Control {
+        let mut state = State { journal, ..State::default() };
         state.topo.kernel = dp.fast.as_ref().map(|f| f.kernel.clone());
         // Ids are recorded only where something outlives vnetd that names them.
         state.topo.ids = crate::topology::Ids::new(state.topo.kernel.clone().filter(|k| k.pin_dir().is_some()));
-        Control { state: Mutex::new(state), dp, settings, vtoe, config: Mutex::new(None) }
+        Control { state: Mutex::new(state), dp, settings, vtoe }
     }
 
-    /// Applies the config file (at start), and remembers what it holds for
-    /// `RELOAD`.
-    pub fn apply_config(&self, path: &std::path::Path, text: &str, caller: &Caller) -> Result<Vec<String>, String> {
-        let mut config = self.config.lock().unwrap_or_else(|p| p.into_inner());
-        let out = self.execute(text, caller)?;
-        *config = Some((path.to_path_buf(), config_changes(text)));
-        Ok(out)
+    /// vnetd's start: restores what the state file recorded (`records`),
+    /// then puts the config file (`config`: its path and text) in force:
+    /// if the state says which of its lines were applied, only the
+    /// difference (as `RELOAD`), else all of it. All before anything is
+    /// swept from the kernel datapath or anyone is answered.
+    pub fn start(&self, records: Vec<journal::Record>, config: Option<(&Path, &str)>) -> Result<Restored, String> {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
+        let restored = if records.is_empty() { Restored::default() } else { self.restore(state, records) };
+        match config {
+            Some((path, text)) => {
+                let caller = Caller::config(path);
+                match state.config.take() {
+                    Some((_, applied)) => {
+                        for l in self.reload_locked(state, &caller, path, text, applied)? {
+                            tracing::info!("config: {l}");
+                        }
+                    }
+                    None => {
+                        let lines = self.execute_locked(state, text, &caller)?;
+                        tracing::info!("config {}: {} changes applied", path.display(), lines.len());
+                        state.config = Some((path.to_path_buf(), config_changes(text)));
+                    }
+                }
+            }
+            // Started without one: what an earlier config made stays, as
+            // anything made at run time does.
+            None => state.config = None,
+        }
+        // A new snapshot: the file holds what is in force now, and nothing
+        // that failed to restore.
+        let script = state.topo.script();
+        if let Some(j) = &mut state.journal {
+            if let Err(e) = j.compact(state.config.as_ref(), &script) {
+                tracing::error!("state file {}: cannot write it: {e:#}", j.path().display());
+            }
+        }
+        Ok(restored)
+    }
+
+    /// Restores the state file's records into the topology, committed as
+    /// one change: a snapshot line by line (a line that fails, say an
+    /// interface whose namespace is gone, is skipped and said), a request
+    /// whole or not at all, as it was applied.
+    fn restore(&self, state: &mut State, records: Vec<journal::Record>) -> Restored {
+        let mut work = state.topo.clone();
+        let mut r = Restored::default();
+        let skip = |line: &str, why: &str, r: &mut Restored| {
+            r.skipped += 1;
+            tracing::warn!("state: not restored: {line}: {why}");
+        };
+        let parse = |l: &str| match parse_line(l) {
+            Ok(Some(c)) if c.mutates() && c != Command::Reload => Ok(c),
+            Ok(_) => Err("not a change".to_string()),
+            Err(e) => Err(e),
+        };
+        for rec in records {
+            match rec {
+                journal::Record::Snapshot(lines) => {
+                    for l in &lines {
+                        let cmd = match parse(l) {
+                            Ok(c) => c,
+                            Err(e) => {
+                                skip(l, &e, &mut r);
+                                continue;
+                            }
+                        };
+                        // A route that cannot be added changes nothing (its
+                        // checks come first): no copy to fall back to, which
+                        // would cost a table's size per route.
+                        let before = (!matches!(cmd, Command::RouteAdd(..))).then(|| work.clone());
+                        match work.apply(&cmd, &self.settings, &*self.dp) {
+                            Ok(_) => r.changes += 1,
+                            Err(e) => {
+                                if let Some(b) = before {
+                                    work = b;
+                                }
+                                skip(l, &e, &mut r);
+                            }
+                        }
+                    }
+                    work.ids.commit();
+                }
+                journal::Record::Request(lines) => {
+                    let before = work.clone();
+                    let applied: Result<usize, String> = lines.iter().try_fold(0, |n, l| {
+                        let cmd = parse(l).map_err(|e| format!("{l}: {e}"))?;
+                        work.apply(&cmd, &self.settings, &*self.dp).map_err(|e| format!("{l}: {e}"))?;
+                        Ok(n + 1)
+                    });
+                    match applied {
+                        Ok(n) => {
+                            r.changes += n;
+                            work.ids.commit();
+                        }
+                        Err(e) => {
+                            work = before;
+                            r.skipped += lines.len();
+                            tracing::warn!("state: a request of {} change(s) not restored: {e}", lines.len());
+                        }
+                    }
+                }
+                journal::Record::Config(applied) => state.config = Some(applied),
+            }
+        }
+        let path = state.journal.as_ref().map_or(String::new(), |j| j.path().display().to_string());
+        tracing::info!("state {path}: restored {} change(s), {} not", r.changes, r.skipped);
+        if r.changes > 0 || r.skipped > 0 {
+            self.commit(state, work);
+        }
+        r
     }
 
     /// `RELOAD`: reads the config file again and applies, all or nothing,
-    /// the difference from what was applied last: what lines now gone had
-    /// added is deleted (routes first, then links and interfaces), and new
-    /// lines are applied in the file's order. Lines still there are left
-    /// alone, and so is everything the config did not make (interfaces of
-    /// the CNI plugin, the agent's links and routes). A removed SET line
-    /// leaves its setting as it is.
+    /// the difference from what was applied last.
     fn reload(&self, caller: &Caller) -> Result<Vec<String>, String> {
-        let mut config = self.config.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((path, applied)) = config.as_ref() else {
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
+        let Some((path, applied)) = state.config.clone() else {
             return Err("line 1: vnetd was started without --config: there is nothing to reload: RELOAD".into());
         };
-        let text = std::fs::read_to_string(path).map_err(|e| format!("line 1: cannot read {}: {e}: RELOAD", path.display()))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("line 1: cannot read {}: {e}: RELOAD", path.display()))?;
+        self.reload_locked(state, caller, &path, &text, applied)
+    }
+
+    /// Applies config `text`, all or nothing, as the difference from the
+    /// changes `applied` last: what lines now gone had added is deleted
+    /// (routes first, then links and interfaces), and new lines are applied
+    /// in the file's order. Lines still there are left alone, and so is
+    /// everything the config did not make (interfaces of the CNI plugin,
+    /// the agent's links and routes). A removed SET line leaves its setting
+    /// as it is.
+    fn reload_locked(&self, state: &mut State, caller: &Caller, path: &Path, text: &str, applied: Vec<(usize, String)>) -> Result<Vec<String>, String> {
         // A config that does not parse changes nothing.
-        parse_request(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let now = config_changes(&text);
+        parse_request(text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let now = config_changes(text);
         let (was, is): (HashSet<&str>, HashSet<&str>) =
             (applied.iter().map(|(_, l)| l.as_str()).collect(), now.iter().map(|(_, l)| l.as_str()).collect());
         let gone: Vec<&str> = applied.iter().map(|(_, l)| l.as_str()).filter(|l| !is.contains(l)).collect();
@@ -107,7 +230,7 @@ impl Control {
             let who = Caller { role: caller.role, who: format!("{caller} reloading {}", path.display()) };
             let text: Vec<&str> = request.iter().map(|(l, _)| *l).collect();
             // A refusal names the request's line: say which line of the file that is.
-            let applied = self.execute(&text.join("\n"), &who).map_err(|e| {
+            let applied = self.execute_locked(state, &text.join("\n"), &who).map_err(|e| {
                 let at = e.strip_prefix("line ").and_then(|r| r.split_once(": ")).and_then(|(n, why)| Some((n.parse::<usize>().ok()?, why)));
                 match at.and_then(|(n, why)| Some((&request.get(n.checked_sub(1)?)?.1, why))) {
                     Some((origin, why)) => format!("{}: {origin}: {why}", path.display()),
@@ -116,11 +239,15 @@ impl Control {
             })?;
             out.extend(applied);
         }
-        let path = path.clone();
-        *config = Some((path, now));
+        let now = (path.to_path_buf(), now);
+        if let Some(j) = &mut state.journal {
+            if let Err(e) = j.config(&now) {
+                tracing::error!("{e:#}");
+            }
+        }
+        state.config = Some(now);
         Ok(out)
     }
-
     /// Tears down, here on the control thread, the retired objects no
     /// dispatcher uses any more; the others wait for the next request.
     fn tear_down_retired(&self, retiring: &mut Vec<(u64, Retired)>) {
@@ -209,61 +336,93 @@ impl Control {
             }
         }
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let state = &mut *guard;
+        self.apply_locked(&mut guard, request, &cmds, caller)
+    }
+
+    /// Parses and applies a request under the state's lock (the config's).
+    fn execute_locked(&self, state: &mut State, request: &str, caller: &Caller) -> Result<Vec<String>, String> {
+        let cmds = parse_request(request).map_err(|e| e.to_string())?;
+        self.apply_locked(state, request, &cmds, caller)
+    }
+
+    /// Executes a request whose caller may make it, under the state's lock:
+    /// all or nothing; what it changed is in force, and recorded in the
+    /// state file, when it returns.
+    fn apply_locked(&self, state: &mut State, request: &str, cmds: &[(usize, Command)], caller: &Caller) -> Result<Vec<String>, String> {
+        let line_text = |line: usize| request.lines().nth(line - 1).unwrap_or("").trim();
         self.tear_down_retired(&mut state.retiring);
         let mut work = state.topo.clone();
         let mut out = Vec::new();
-        let mut changed = false;
-        for (line, cmd) in &cmds {
+        // The changes as the state file records them: canonical, and naming
+        // objects, not ids (which a restore need not give again).
+        let mut record = Vec::new();
+        for (line, cmd) in cmds {
             if cmd.mutates() {
+                let canonical = work.canonical(cmd).to_string();
                 let msg = work
                     .apply(cmd, &self.settings, &*self.dp)
                     .map_err(|reason| format!("line {line}: {reason}: {}", line_text(*line)))?;
                 out.push(msg);
-                changed = true;
+                record.push(canonical);
             } else {
                 self.report(cmd, &work, &mut out);
             }
         }
-        if changed {
-            state.generation += 1;
-            let generation = state.generation;
-            // Publishing commits the request (the snapshot settles which
-            // persistent TAPs stay) and waits until every dispatcher runs it.
-            work.ids.commit();
-            self.dp.publish(work.snapshot(generation));
-            // Every dispatcher runs the new table: none installs an old
-            // answer any more. Take back the kernel's entries it changed.
-            if let Some(fast) = &self.dp.fast {
-                let snap = self.dp.snapshot();
-                if let Err(e) = fast.kernel.set_enabled(snap.fast_on) {
-                    tracing::error!("fast path: cannot switch it: {e:#}");
+        if !record.is_empty() {
+            self.commit(state, work);
+            log_changes(caller, cmds, line_text);
+            if let Some(j) = &mut state.journal {
+                if let Err(e) = j.request(&record) {
+                    tracing::error!("{e:#}: the change is in force, but a restart would not restore it");
                 }
-                if snap.fast_on {
-                    fast.revalidate(&snap);
-                } else {
-                    fast.kernel.clear_flows();
-                }
-                for r in &work.removed_routes {
-                    fast.forget_route(*r);
+                if j.due() {
+                    let script = state.topo.script();
+                    if let Err(e) = j.compact(state.config.as_ref(), &script) {
+                        tracing::error!("state file {}: cannot write a snapshot: {e:#}", j.path().display());
+                    }
                 }
             }
-            // Offloaded connections the change no longer carries end now.
-            if let Some(v) = &self.vtoe {
-                v.revalidate(&self.dp.snapshot());
-            }
-            // New TCP links start connecting once they are in force.
-            for l in work.links.values() {
-                l.transport.in_force();
-            }
-            work.removed_routes.clear();
-            self.settings.changes.bump();
-            state.retiring.extend(std::mem::take(&mut work.retired).into_iter().map(|r| (generation, r)));
-            state.topo = work;
-            self.tear_down_retired(&mut state.retiring);
-            log_changes(caller, &cmds, line_text);
         }
         Ok(out)
+    }
+
+    /// Puts a changed topology in force: publishes it (the snapshot settles
+    /// which persistent TAPs stay) once every dispatcher runs it, takes
+    /// back the kernel's entries it changed, and tears down what it retired.
+    fn commit(&self, state: &mut State, mut work: Topology) {
+        state.generation += 1;
+        let generation = state.generation;
+        work.ids.commit();
+        self.dp.publish(work.snapshot(generation));
+        // Every dispatcher runs the new table: none installs an old
+        // answer any more. Take back the kernel's entries it changed.
+        if let Some(fast) = &self.dp.fast {
+            let snap = self.dp.snapshot();
+            if let Err(e) = fast.kernel.set_enabled(snap.fast_on) {
+                tracing::error!("fast path: cannot switch it: {e:#}");
+            }
+            if snap.fast_on {
+                fast.revalidate(&snap);
+            } else {
+                fast.kernel.clear_flows();
+            }
+            for r in &work.removed_routes {
+                fast.forget_route(*r);
+            }
+        }
+        // Offloaded connections the change no longer carries end now.
+        if let Some(v) = &self.vtoe {
+            v.revalidate(&self.dp.snapshot());
+        }
+        // New TCP links start connecting once they are in force.
+        for l in work.links.values() {
+            l.transport.in_force();
+        }
+        work.removed_routes.clear();
+        self.settings.changes.bump();
+        state.retiring.extend(std::mem::take(&mut work.retired).into_iter().map(|r| (generation, r)));
+        state.topo = work;
+        self.tear_down_retired(&mut state.retiring);
     }
 
     fn report(&self, cmd: &Command, t: &Topology, out: &mut Vec<String>) {

@@ -26,6 +26,7 @@
 mod factory;
 mod ids;
 mod objects;
+mod script;
 mod snapshot;
 
 use crate::nic::NicSpec;
@@ -76,6 +77,9 @@ pub struct Topology {
     pub retired: Vec<Retired>,
     /// Ids given and to give (kept across restarts with a pinned fast path).
     pub ids: Ids,
+    /// The `INTERFACE ADD` or `LINK ADD` that made each interface and link
+    /// (canonical): what the state file's snapshot says (`script`).
+    made_by: HashMap<Port, Command>,
     /// The kernel fast path's programs, if they loaded (whether or not the
     /// fast path is on): guest ports attach to them.
     pub kernel: Option<Arc<vnet_fastpath::Kernel>>,
@@ -162,6 +166,18 @@ impl Topology {
                 };
                 let nic = factory::nic(&spec)?;
                 let idx = self.insert_interface_as(id, name, *mac, mtu, *attach, netns.clone(), network.clone(), nic);
+                // As made: the MTU it has now, whatever --default-mtu is next time.
+                let made = Command::IfaceAdd {
+                    name: name.clone(),
+                    mac: *mac,
+                    mtu: Some(mtu),
+                    attach: *attach,
+                    netns: netns.clone(),
+                    socket: socket.clone(),
+                    network: network.clone(),
+                    ifname: ifname.clone(),
+                };
+                self.made_by.insert(Port::Interface(idx), made);
                 let how = if *attach == Attach::default() { String::new() } else { format!(" {}", attach.word()) };
                 Ok(format!("added interface {idx} {name} {mac} mtu {mtu}{how}"))
             }
@@ -171,13 +187,16 @@ impl Topology {
                     .clear_routes_using(Port::Interface(idx))
                     .map_err(|users| format!("interface {name} is used by routes {users} (delete them first)"))?;
                 let iface = self.ifaces.remove(&idx).expect("found above");
+                self.made_by.remove(&Port::Interface(idx));
                 self.ids.forget(IdKind::Iface, &iface.name);
                 self.iface_settings.remove(&idx);
                 self.retired.push(Retired::Iface(iface, *detach));
                 Ok(format!("{} interface {idx} {name}{managed}", if *detach { "detached" } else { "deleted" }))
             }
             Command::LinkAdd { ip, port, proto, name, mtu, vtoe } => {
-                self.add_link(*ip, *port, proto, name.clone(), *mtu, vtoe.as_deref(), settings, env)
+                let (idx, msg) = self.add_link(*ip, *port, proto, name.clone(), *mtu, vtoe.as_deref(), settings, env)?;
+                self.made_by.insert(Port::Link(idx), cmd.clone());
+                Ok(msg)
             }
             Command::LinkDel(r) => {
                 let (idx, name) = self.find_link(r).map(|l| (l.id, l.name.clone()))?;
@@ -185,6 +204,7 @@ impl Topology {
                     .clear_routes_using(Port::Link(idx))
                     .map_err(|users| format!("link {name} is used by routes {users} (delete them first)"))?;
                 let link = self.links.remove(&idx).expect("found above");
+                self.made_by.remove(&Port::Link(idx));
                 self.ids.forget(IdKind::Link, &link.name);
                 self.retired.push(Retired::Link(link));
                 Ok(format!("deleted link {idx} {name}{managed}"))
@@ -251,7 +271,7 @@ impl Topology {
         vtoe: Option<&str>,
         settings: &Settings,
         env: &dyn LinkEnv,
-    ) -> Result<String, String> {
+    ) -> Result<(u32, String), String> {
         // An IPv4-mapped IPv6 address is the IPv4 peer: one link per peer,
         // sent from and matched on the IPv4 socket.
         let ip = ip.map(|ip| ip.to_canonical());
@@ -293,7 +313,7 @@ impl Topology {
         let shown = remote.map_or(String::new(), |r| format!(" {r}"));
         let shown_vtoe = if vtoe.is_some() { " vtoe" } else { "" };
         let idx = self.insert_link_as(id, &name, proto, transport, remote, mtu, overhead, fast, vtoe);
-        Ok(format!("added link {idx} {name} {kind}{shown} mtu {mtu}{shown_vtoe}"))
+        Ok((idx, format!("added link {idx} {name} {kind}{shown} mtu {mtu}{shown_vtoe}")))
     }
 
     /// Adds an interface whose NIC is made, under the next id; the checks
