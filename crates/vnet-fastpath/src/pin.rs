@@ -70,6 +70,20 @@ fn is_bpffs(p: &Path) -> bool {
     nix::sys::statfs::statfs(p).map(|s| s.filesystem_type().0 as i64 == BPF_FS_MAGIC).unwrap_or(false)
 }
 
+/// Whether no process but this one is in this process's mount namespace:
+/// then what it mounts goes when it exits (`ip netns exec` makes such a
+/// namespace for the program it runs). Unknown (no /proc) counts as shared.
+fn mount_namespace_is_ours_alone() -> bool {
+    let Ok(mine) = std::fs::read_link("/proc/self/ns/mnt") else { return false };
+    let me = std::process::id().to_string();
+    let Ok(procs) = std::fs::read_dir("/proc") else { return false };
+    !procs.flatten().any(|e| {
+        let name = e.file_name();
+        let pid = name.to_string_lossy();
+        pid.bytes().all(|b| b.is_ascii_digit()) && pid != me.as_str() && std::fs::read_link(e.path().join("ns/mnt")).is_ok_and(|ns| ns == mine)
+    })
+}
+
 /// Makes sure `dir` is on a bpf filesystem: under /sys/fs/bpf, bpffs is
 /// mounted there if nobody has (as Cilium does); anywhere else it must be
 /// already.
@@ -89,6 +103,15 @@ fn ensure_bpffs(dir: &Path) -> Result<()> {
         nix::mount::mount(Some("bpf"), base, Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
             .with_context(|| format!("no bpf filesystem at {BPFFS}, and cannot mount one"))?;
         tracing::info!("mounted a bpf filesystem at {BPFFS} (nobody had)");
+        if mount_namespace_is_ours_alone() {
+            tracing::warn!(
+                "the bpf filesystem vnetd mounted at {BPFFS} is in a mount namespace no other process shares \
+                 (vnetd runs under `ip netns exec`, or in a unit or container with private mounts): it goes when \
+                 vnetd exits, and the pinned datapath with it, so guests' flows stop while vnetd is away. Mount \
+                 bpffs where the host sees it (`mount -t bpf bpf {BPFFS}` in the host's mount namespace), or give \
+                 --pin-dir a folder on a bpf filesystem that outlives vnetd"
+            );
+        }
         return Ok(());
     }
     bail!("{} is not on a bpf filesystem (mount -t bpf bpf <dir>, or give a folder under {BPFFS})", dir.display())
