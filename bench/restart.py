@@ -15,6 +15,11 @@ while a probe stream crosses it, one guest kind at a time:
 
   veth          veth guests g1 (h1) <-> g2 (h2), carried by the kernel fast
                 path (pinned in bpffs: it should not notice vnetd going)
+  managed       veth guests g9 (h1) <-> g10 (h2), g9 attached at run time
+                (not in h1's config: as the CNI plugin and vnet-agent attach
+                guests on a managed host), so only vnetd's state file
+                (--state) brings it back; a build without one has it
+                attached again by a request once it answers
   tap           persistent TAP guests g3 (h1) <-> g4 (h2) that vnetd made in
                 the guests' namespaces (`INTERFACE ADD .. netns ..`), user path
   vhost         a QEMU VM (TCG) on h1 on a vhost-user NIC that vnetd serves
@@ -78,7 +83,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-KINDS = ["veth", "tap", "vhost", "vhost-client"]
+KINDS = ["veth", "managed", "tap", "vhost", "vhost-client"]
 EVENTS = ["kill", "upgrade", "term"]
 
 
@@ -114,7 +119,7 @@ CUR_SRC = Path(ARGS.bin or os.environ.get("VNET_BIN") or REPO / "target" / "rele
 BINS = {"current": snapshot(CUR_SRC, WORK / "current")}
 os.environ["VNET_BIN"] = str(WORK / "current")
 sys.path.insert(0, str(REPO / "tests"))
-from netlab import Lab, Vnetd, guest_mac, mesh_config  # noqa: E402
+from netlab import Lab, Vnetd, guest_mac, mesh_config, takes_flag  # noqa: E402
 from vm import guest  # noqa: E402
 from vm.guest import Console  # noqa: E402
 
@@ -217,7 +222,7 @@ class Bed:
         self.ns = {}
         by_host, attach = {1: [], 2: []}, {}
         vm_mac = {"vhost": "52:54:00:00:00:05", "vhost-client": "52:54:00:00:00:07"}
-        pairs = {"veth": (1, 2), "tap": (3, 4), "vhost": (5, 6), "vhost-client": (7, 8)}
+        pairs = {"veth": (1, 2), "tap": (3, 4), "vhost": (5, 6), "vhost-client": (7, 8), "managed": (9, 10)}
         for k in kinds:
             a, b = pairs[k]
             for n, h in ((a, 1), (b, 2)):
@@ -227,16 +232,24 @@ class Bed:
                     continue
                 self.ns[n] = lab.guest_ns(f"g{n}")
                 by_host[h].append((f"g{n}", guest_mac(n)))
-                attach[f"g{n}"] = f"netns {self.ns[n]}" + (" veth" if k == "veth" else "")
+                attach[f"g{n}"] = f"netns {self.ns[n]}" + (" veth" if k in ("veth", "managed") else "")
         self.conf = {}
         for h in (1, 2):
             self.conf[h] = lab.tmp / f"h{h}.conf"
             self.conf[h].write_text(mesh_config(h, by_host, mtu=1458, attach=attach))
+        # The managed guest's lines leave h1's config for a request made
+        # at run time.
+        self.runtime = ""
+        if "managed" in kinds:
+            full = self.conf[1].read_text().splitlines()
+            self.runtime = "".join(l + "\n" for l in full if guest_mac(9) in l or " g9 " in l)
+            self.conf[1].write_text("".join(l + "\n" for l in full if not (guest_mac(9) in l or " g9 " in l)))
         self.consoles = {}
         # QEMU serves vm7's socket: it must be there before vnetd connects.
         if "vhost-client" in kinds:
             self.boot_vm(7, vm_mac["vhost-client"], server=True)
         self.d1 = self.start(self.h1, 1, CUR, pinned=True)
+        self.attach_runtime(self.d1)
         self.d2 = self.start(self.h2, 2, CUR, pinned=True)
         if "vhost" in kinds:
             self.boot_vm(5, vm_mac["vhost"], server=False)
@@ -246,13 +259,20 @@ class Bed:
         for n, c in self.consoles.items():
             c.wait_for("VNET-IDLE", timeout=120)
         # (namespace of the prober, address it probes)
-        self.probe = {"veth": (self.ns.get(1), "198.19.0.2"), "tap": (self.ns.get(3), "198.19.0.4"),
+        self.probe = {"veth": (self.ns.get(1), "198.19.0.2"), "managed": (self.ns.get(9), "198.19.0.10"),
+                      "tap": (self.ns.get(3), "198.19.0.4"),
                       "vhost": (self.ns.get(6), "198.19.0.5"), "vhost-client": (self.ns.get(8), "198.19.0.7")}
         # The kind's NIC on h1 (vnetd's interface name).
-        self.nic = {"veth": "g1", "tap": "g3", "vhost": "vm5", "vhost-client": "vm7"}
+        self.nic = {"veth": "g1", "managed": "g9", "tap": "g3", "vhost": "vm5", "vhost-client": "vm7"}
         # The probing guest's device (in the namespace of self.probe).
-        self.probe_dev = {"veth": "g1", "tap": "g3", "vhost": "g6", "vhost-client": "g8"}
+        self.probe_dev = {"veth": "g1", "managed": "g9", "tap": "g3", "vhost": "g6", "vhost-client": "g8"}
         self.binary = "current"
+
+    def attach_runtime(self, d: Vnetd):
+        """The managed guest attached by a request (when `d` does not have
+        it already: restored from its state file)."""
+        if self.runtime and "name=g9 " not in d.ctl("INTERFACE", "LIST").stdout:
+            d.ctl_file(self.runtime)
 
     def boot_vm(self, n: int, mac: str, server: bool):
         cmd = guest.qemu_vhost_user_command(self.lab.tmp / f"vm{n}.sock", mac, f"198.19.0.{n}/24", VM_SCRIPT,
@@ -271,6 +291,8 @@ class Bed:
                "--vhost-user-dir", lab.tmp, "--config", self.conf[h]]
         if pinned:
             cmd += ["--pin-dir", lab.pin_dir(host)]
+        if takes_flag(binary / "vnetd", "--state"):
+            cmd += ["--state", lab.state_file(host)]
         with open(log, "a") as lf:
             proc = subprocess.Popen(["ip", "netns", "exec", host, *map(str, cmd)], stdout=lf, stderr=subprocess.STDOUT)
         d = Vnetd(lab, host, sock, proc, log)
@@ -299,6 +321,7 @@ class Bed:
         self.d1.stop(signal.SIGTERM, timeout=30)
         self.lab.x(self.h1, CUR / "vnetd", "--cleanup", "--pin-dir", self.lab.pin_dir(self.h1), "--state", "none")
         self.d1 = self.start(self.h1, 1, OLD, pinned=BINS["old"]["pins"])
+        self.attach_runtime(self.d1)
         self.binary = "old"
 
     def restart(self, event: str, down: float) -> dict:
