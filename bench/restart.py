@@ -10,6 +10,10 @@ interleaved run. Two hosts; vnetd on host 1 is
   term      SIGTERMed and the same build started again at once (what
             `systemctl restart` does; an upgrade between two builds that both
             pin the kernel datapath)
+  takeover  the same build started with --takeover while the running one
+            goes on: the running one hands over its kept descriptors (the
+            TAPs' files, the link sockets) and exits (an upgrade by
+            hand-over, docs/operations.md)
 
 while a probe stream crosses it, one guest kind at a time:
 
@@ -84,7 +88,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 KINDS = ["veth", "managed", "tap", "vhost", "vhost-client"]
-EVENTS = ["kill", "upgrade", "term"]
+EVENTS = ["kill", "upgrade", "term", "takeover"]
 
 
 def snapshot(src: Path, dest: Path) -> dict:
@@ -280,7 +284,7 @@ class Bed:
         vm = self.lab.popen(self.h1, *cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
         self.consoles[n] = Console(vm)
 
-    def start(self, host: str, h: int, binary: Path, pinned: bool, wait=True) -> Vnetd:
+    def start(self, host: str, h: int, binary: Path, pinned: bool, wait=True, extra=()) -> Vnetd:
         """vnetd from `binary` on `host` with its config (as Lab.start_vnetd,
         but `--pin-dir` only for a build that pins: the old one may not
         know the option)."""
@@ -293,6 +297,7 @@ class Bed:
             cmd += ["--pin-dir", lab.pin_dir(host)]
         if takes_flag(binary / "vnetd", "--state"):
             cmd += ["--state", lab.state_file(host)]
+        cmd += list(extra)
         with open(log, "a") as lf:
             proc = subprocess.Popen(["ip", "netns", "exec", host, *map(str, cmd)], stdout=lf, stderr=subprocess.STDOUT)
         d = Vnetd(lab, host, sock, proc, log)
@@ -327,6 +332,23 @@ class Bed:
     def restart(self, event: str, down: float) -> dict:
         """The event on vnetd h1; returns its times (CLOCK_MONOTONIC)."""
         t_stop = time.monotonic()
+        if event == "takeover":
+            old = self.d1
+            d = self.start(self.h1, 1, CUR, pinned=True, wait=False, extra=["--takeover"])
+            t_spawn = time.monotonic()
+            old.proc.wait(timeout=30)
+            old.stopped_with = signal.SIGTERM
+            t_exit = time.monotonic()
+            while not ask(d.sock):
+                if d.proc.poll() is not None:
+                    raise RuntimeError(f"vnetd h1 exited {d.proc.returncode} at the takeover:\n{d.log_text()}")
+                if time.monotonic() - t_spawn > 30:
+                    raise RuntimeError(f"vnetd h1 not back in 30 s:\n{d.log_text()}")
+                time.sleep(0.002)
+            t_back, wall_back = time.monotonic(), time.time()
+            self.d1, self.binary = d, "current"
+            return {"t_stop": t_stop, "t_exit": t_exit, "t_spawn": t_spawn, "t_back": t_back, "wall_back": wall_back,
+                    "old_exit": old.proc.returncode, "vnetd": d}
         if event == "kill":
             self.d1.stop(signal.SIGKILL)
             time.sleep(max(0.0, down - (time.monotonic() - t_stop)))

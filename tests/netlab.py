@@ -201,9 +201,13 @@ class Lab:
 
     # ---- vnetd ----
 
-    def start_vnetd(self, host: str, config: str | Path | None = None, *args, wait=True, binary: Path = None) -> Vnetd:
+    def start_vnetd(self, host: str, config: str | Path | None = None, *args, wait=True, binary: Path = None,
+                    env: dict | None = None, listen_fds: list[tuple[str, int]] | None = None) -> Vnetd:
         """vnetd on `host` (`binary`: another build's, e.g. an earlier
-        commit's), with `config` (text, or a file) and more arguments."""
+        commit's), with `config` (text, or a file) and more arguments;
+        `env`: more environment; `listen_fds`: descriptors passed as systemd
+        passes its descriptor store (at 3.., LISTEN_FDS, LISTEN_FDNAMES,
+        LISTEN_PID: vnetd's, as `ip netns exec` execs it)."""
         name = host.removeprefix(self.prefix)
         sock = self.tmp / f"{name}.sock"
         log = self.tmp / f"{name}-vnetd-{next(_counter)}.log"
@@ -223,9 +227,25 @@ class Lab:
                 path.write_text(config)
                 config = path
             cmd += ["--config", config]
+        argv = ["ip", "netns", "exec", host, *[str(c) for c in cmd]]
+        environ = dict(os.environ, **(env or {}))
+        moves = None
+        if listen_fds:
+            environ.update(LISTEN_FDS=str(len(listen_fds)), LISTEN_FDNAMES=":".join(n for n, _ in listen_fds))
+            argv = ["sh", "-c", 'LISTEN_PID=$$; export LISTEN_PID; exec "$@"', "sh", *argv]
+            srcs = [fd for _, fd in listen_fds]
+
+            def moves():  # in the child: the descriptors at 3.., nothing else
+                high = []
+                for i, fd in enumerate(srcs):
+                    os.dup2(fd, 400 + i)
+                    high.append(400 + i)
+                for i, fd in enumerate(high):
+                    os.dup2(fd, 3 + i)
+                os.closerange(3 + len(srcs), 65536)
         with open(log, "a") as lf:  # O_APPEND: lines written by others are not overwritten
-            proc = subprocess.Popen(["ip", "netns", "exec", host, *[str(c) for c in cmd]],
-                                    stdout=lf, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, env=environ,
+                                    close_fds=moves is None, preexec_fn=moves)
         d = Vnetd(self, host, sock, proc, log)
         d.config = config
         self.daemons.append(d)

@@ -6,6 +6,7 @@ the check: pings counted, long-lived TCP connections used after each event
 (a broken one fails the test, as in Cilium's NoInterruptedConnections)."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -475,3 +476,176 @@ def test_with_no_bpffs_vnetd_mounts_one_and_says_when_its_pins_die_with_it(lab):
     assert "pinned at /sys/fs/bpf/vnet" in log and "no other process shares" in log, log
     assert d1.stats()["interface g1"]["fast_in_frames"] >= 3  # the first went by vnetd
     assert "no other process shares" not in d2.log_text()
+
+
+def tap_mesh(lab):
+    """Two hosts with a TAP guest each (`netns`: vnetd holds the TAP's file
+    side: the user path). Returns (hosts, daemons, guests)."""
+    hosts = {h: lab.add_host(h) for h in (1, 2)}
+    ns = {n: lab.ns(f"g{n}") for n in (1, 2)}
+    by_host = {h: [(f"g{h}", guest_mac(h))] for h in (1, 2)}
+    attach = {f"g{n}": f"netns {ns[n]}" for n in (1, 2)}
+    d = {h: lab.start_vnetd(hosts[h], mesh_config(h, by_host, attach=attach)) for h in (1, 2)}
+    g = {}
+    for n in (1, 2):
+        lab.x(ns[n], "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+        lab.x(ns[n], "ip", "addr", "add", f"{overlay_ip(n)}/24", "dev", f"g{n}")
+        lab.x(ns[n], "ip", "link", "set", f"g{n}", "up")
+        g[n] = Guest(ns=ns[n], tap=f"g{n}", mac=guest_mac(n), ip=overlay_ip(n), host=hosts[n])
+    return hosts, d, g
+
+
+def test_a_takeover_hands_a_tap_guests_queue_and_the_link_socket_to_the_new_vnetd(lab):
+    """An upgrade by hand-over (`vnetd --takeover` started while the old one
+    runs): the old one stops reading, sends the TAP's descriptor and its
+    link sockets, and exits; the new one starts with them. A TAP guest on
+    the user path (every frame through vnetd) under a 1000/s ping loses at
+    most 1 (issue 43's bound); its TAP never loses its carrier, so it keeps
+    its neighbours. The same ping across a SIGTERM restart loses the frames
+    of the gap (the TAP has no reader: ~80 at main).
+    Catches: descriptors not handed over or not taken (the TAP loses its
+    reader: carrier down, every frame of the gap dropped), taken before
+    the old one stopped reading (two readers), the new one starting before
+    the old released its locks (refused)."""
+    hosts, d, g = tap_mesh(lab)
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    ping = lab.popen(g[1].ns, "ping", "-q", "-i", "0.001", "-c", "3000", "-W", "1", g[2].ip,
+                     stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    d1 = lab.start_vnetd(hosts[1], d[1].config, "--takeover")
+    assert d[1].proc.wait(timeout=10) == 0
+    d[1].stopped_with = signal.SIGTERM
+    out = ping.communicate(timeout=60)[0]
+    got = int(out.split(" received")[0].rsplit(None, 1)[1])
+    log = d1.log_text()
+    assert got >= 2999, out + log
+    assert "descriptor(s) taken from vnetd" in log and "kept descriptor(s) nothing here took" not in log, log
+    assert "hand-over: a new vnetd takes over" in d[1].log_text()
+    assert "NO-CARRIER" not in lab.x(g[1].ns, "ip", "link", "show", "g1").stdout
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+
+
+def test_a_takeover_refused_leaves_the_running_vnetd_and_falls_back_to_a_restart(lab):
+    """The hand-over's rules, from both ends. A running vnetd asked by a
+    build of another hand-over protocol answers NO with the reason and goes
+    on as it was (it answers, its guests' frames flow). A new vnetd told NO
+    by the one running (here a stand-in that refuses, as an older build
+    would) stops it with SIGTERM, waits until it is gone, and starts as
+    after a restart.
+    Catches: a refusal that stops the running vnetd anyway, a new vnetd
+    that starts beside the old one (two on one state file) or gives up."""
+    import socket as so
+    hosts, d, g = tap_mesh(lab)
+    path = str(lab.state_file(hosts[1])) + ".handover"
+    c = so.socket(so.AF_UNIX, so.SOCK_SEQPACKET)
+    c.connect(path)
+    c.send(b"TAKEOVER 99")
+    assert c.recv(512) == b"NO protocol 99 (this vnetd speaks 1)"
+    c.close()
+    assert d[1].proc.poll() is None and "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    # A stand-in for a running vnetd that will not hand over.
+    d[1].stop(signal.SIGTERM)
+    stand_in = lab.popen(hosts[1], "python3", "-c", f"""
+import os, signal, socket, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (open({str(lab.tmp / 'stand-in.term')!r}, 'w').close(), sys.exit(0)))
+l = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try: os.unlink({path!r})
+except FileNotFoundError: pass
+l.bind({path!r}); l.listen(1); print('listening', flush=True)
+c, _ = l.accept(); c.recv(64); c.send(b"NO protocol 1 (this vnetd speaks 0)")
+time.sleep(60)
+""", stdout=subprocess.PIPE, text=True)
+    assert stand_in.stdout.readline().strip() == "listening"
+    d1 = lab.start_vnetd(hosts[1], d[1].config, "--takeover")
+    assert stand_in.wait(timeout=10) == 0 and (lab.tmp / "stand-in.term").exists()
+    assert "will not hand over (protocol 1 (this vnetd speaks 0)): restarting it instead" in d1.log_text()
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+
+
+class FdStore:
+    """systemd's descriptor store, as the service manager keeps it for a
+    unit: vnetd is told of a datagram socket (NOTIFY_SOCKET) and sends it
+    `FDSTORE=1` / `FDNAME=<name>` with a descriptor, or `FDSTOREREMOVE=1`;
+    the store keeps them by name and passes them to the next vnetd as
+    systemd does (LISTEN_FDS, LISTEN_FDNAMES)."""
+
+    def __init__(self, lab):
+        import socket as so
+        import threading
+        self.path = lab.tmp / f"notify-{time.monotonic_ns()}.sock"
+        self.sock = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
+        self.sock.bind(str(self.path))
+        self.fds: dict[str, int] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        import array
+        import socket as so
+        while True:
+            try:
+                msg, anc, _, _ = self.sock.recvmsg(4096, so.CMSG_SPACE(16 * 4))
+            except OSError:
+                return
+            fds = array.array("i")
+            for level, kind, data in anc:
+                if level == so.SOL_SOCKET and kind == so.SCM_RIGHTS:
+                    fds.frombytes(data[:len(data) - len(data) % 4])
+            fields = dict(l.split("=", 1) for l in msg.decode().splitlines() if "=" in l)
+            with self.lock:
+                name = fields.get("FDNAME", "stored")
+                if fields.get("FDSTORE") == "1" and fds:
+                    if name in self.fds:
+                        os.close(self.fds.pop(name))
+                    self.fds[name] = fds[0]
+                    for extra in fds[1:]:
+                        os.close(extra)
+                elif fields.get("FDSTOREREMOVE") == "1" and name in self.fds:
+                    os.close(self.fds.pop(name))
+                else:
+                    for fd in fds:
+                        os.close(fd)
+
+    def names(self) -> list[str]:
+        with self.lock:
+            return sorted(self.fds)
+
+    def listen_fds(self) -> list[tuple[str, int]]:
+        with self.lock:
+            return sorted(self.fds.items())
+
+
+def test_under_systemds_descriptor_store_a_tap_guest_loses_nothing_across_a_sigkill(lab):
+    """vnetd under a service manager's descriptor store (FDSTORE=1, as
+    dist/systemd/vnetd.service asks for): it stores each persistent TAP's
+    file and its link sockets as it makes them. SIGKILLed under a 1000/s
+    ping between TAP guests (user path: every frame through vnetd) and
+    started again 0.5 s later with the stored descriptors (LISTEN_FDS), it
+    takes them instead of opening new ones: the TAP never lost its reader
+    nor the port its socket, so what arrived meanwhile waited in their
+    queues and is forwarded late, not lost (at most 5). A TAP deleted by
+    INTERFACE DEL is removed from the store (FDSTOREREMOVE).
+    Catches: descriptors not stored, stored under names the next vnetd
+    does not take (the frames of the downtime lost: ~500), a deleted TAP
+    kept in the store."""
+    store = FdStore(lab)
+    hosts, d, g = tap_mesh(lab)
+    d[1].stop(signal.SIGTERM)
+    d1 = lab.start_vnetd(hosts[1], d[1].config, env={"NOTIFY_SOCKET": str(store.path)})
+    assert wait_until(lambda: "tap g1" in store.names() and any(n.startswith("udp ") for n in store.names()), timeout=5), store.names()
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    ping = lab.popen(g[1].ns, "ping", "-q", "-i", "0.001", "-c", "3000", "-W", "2", g[2].ip,
+                     stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    d1.stop(signal.SIGKILL)
+    time.sleep(0.5)
+    d1 = lab.start_vnetd(hosts[1], d[1].config, env={"NOTIFY_SOCKET": str(store.path)}, listen_fds=store.listen_fds())
+    out = ping.communicate(timeout=60)[0]
+    got = int(out.split(" received")[0].rsplit(None, 1)[1])
+    log = d1.log_text()
+    assert "descriptor(s) from systemd's store" in log and "nothing here took" not in log, log
+    assert got >= 2995, out
+    d1.ctl("ROUTE", "DEL", "any", guest_mac(1), "interface", guest_mac(1), "any")
+    d1.ctl("ROUTE", "DEL", "any", "ff:ff:ff:ff:ff:ff", "interface", guest_mac(1), "any")
+    d1.ctl("INTERFACE", "DEL", "g1")
+    assert wait_until(lambda: "tap g1" not in store.names(), timeout=5), store.names()

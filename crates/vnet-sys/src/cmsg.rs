@@ -95,8 +95,13 @@ pub fn put(h: &mut libc::msghdr, space: &mut Space, level: i32, ty: i32, data: &
 
 /// Sends one byte with the descriptor `fd` over the Unix socket `sock`.
 pub fn send_fd(sock: RawFd, fd: RawFd) -> io::Result<()> {
-    let byte = [0u8; 1];
-    let mut iov = libc::iovec { iov_base: byte.as_ptr() as *mut libc::c_void, iov_len: 1 };
+    send_with_fd(sock, &[0u8], fd)
+}
+
+/// Sends `bytes` (one message on a SOCK_SEQPACKET socket) with the
+/// descriptor `fd` over the Unix socket `sock`.
+pub fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<()> {
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() };
     let mut space: Space = [0; 8];
     // SAFETY: msghdr is plain data; all-zero is valid.
     let mut h: libc::msghdr = unsafe { std::mem::zeroed() };

@@ -96,6 +96,14 @@ pub struct Args {
     /// restarts). "none": nothing recorded; only the config is restored.
     #[arg(long, default_value = "/run/vnet/vnetd.state", value_name = "FILE|none")]
     pub state: String,
+    /// Take over from the vnetd running with the same --state (an
+    /// upgrade): it hands over its TAPs' descriptors and link sockets and
+    /// exits, and this one starts with them, so no guest loses a frame the
+    /// kernel could queue. A vnetd that will not hand over is stopped
+    /// (SIGTERM) and this one starts as after a restart; with none
+    /// running, it just starts.
+    #[arg(long)]
+    pub takeover: bool,
     /// Remove the kernel datapath pinned at --pin-dir (programs detached,
     /// maps freed, the devices vnetd made for it deleted) and exit. vnetd
     /// itself leaves it in place when it stops (SIGTERM), as OVS's kernel
@@ -209,6 +217,19 @@ pub fn run(args: Args) -> Result<()> {
         None => None,
     };
 
+    // Descriptors the previous vnetd kept for this one: from systemd's
+    // store, or handed over by the running one (--takeover), which has
+    // exited when this returns.
+    let from_systemd = crate::sys::keep::from_systemd();
+    if from_systemd > 0 {
+        tracing::info!("{from_systemd} descriptor(s) from systemd's store");
+    }
+    if args.takeover {
+        if args.state == "none" {
+            bail!("--takeover finds the running vnetd by its --state file: give it");
+        }
+        crate::handover::take_over(&crate::handover::path(std::path::Path::new(&args.state)), std::time::Duration::from_secs(30))?;
+    }
     // The state file, locked for this vnetd, and what it holds: read
     // before anything is loaded, restored once the datapath runs.
     let (journal, records) = match args.state.as_str() {
@@ -358,6 +379,10 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(f) = &dp.fast {
         f.finish_start(&dp.snapshot(), adopted_flows);
     }
+    let unused = crate::sys::keep::rest();
+    if !unused.is_empty() {
+        tracing::info!("{} kept descriptor(s) nothing here took, closed: {}", unused.len(), unused.join(", "));
+    }
     if let (Some(l), Some(tokens)) = (tcp_listener, tokens) {
         server::spawn_tcp(ctl.clone(), l, tokens);
     }
@@ -383,6 +408,16 @@ pub fn run(args: Args) -> Result<()> {
         tracing::warn!("cannot tell systemd vnetd is ready: {e}");
     }
 
+    // A successor may take over (--takeover): it finds this vnetd by its
+    // state file.
+    if args.state != "none" {
+        let path = crate::handover::path(std::path::Path::new(&args.state));
+        if let Err(e) = crate::handover::listen(&path, || {
+            let _ = signal_hook::low_level::raise(SIGTERM);
+        }) {
+            tracing::warn!("no hand-over at upgrades: {e:#}");
+        }
+    }
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!("signal {sig}: shutting down");
@@ -390,6 +425,12 @@ pub fn run(args: Args) -> Result<()> {
     }
     cleanup(&dp);
     let joined: Vec<_> = dispatchers.into_iter().map(|h| h.join()).collect();
+    // Nothing reads the TAPs and sockets any more: a successor taking
+    // over gets them now, and sees the connection close when this process
+    // has exited (its locks free).
+    if let Some(conn) = crate::handover::serve() {
+        std::mem::forget(conn);
+    }
     ctl.shutdown();
     for j in joined {
         match j {

@@ -16,12 +16,14 @@
 //! - `dispatch`: the user-level datapath (dispatcher threads, the forwarder);
 //! - `vtoe`: virtual TCP offload;
 //! - `control`: the control language's server and executor; `metrics`;
+//! - `handover`: an upgrade's hand-over of kept descriptors (`sys::keep`);
 //! - `daemon`: start and stop.
 
 pub mod control;
 pub mod daemon;
 pub mod dispatch;
 pub mod fast;
+pub mod handover;
 pub mod link;
 pub mod metrics;
 pub mod nic;

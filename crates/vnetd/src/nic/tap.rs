@@ -14,11 +14,11 @@
 
 use super::{parse_received, Received, VirtualNic};
 use crate::sys::netdev::{configure, ifindex, ifname_bytes, open_netns, send_vnet, set_up, IfReqFlags};
-use crate::sys::rtnl;
+use crate::sys::{keep, rtnl};
 use anyhow::{anyhow, bail, Context, Result};
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use vnet_core::offload::VnetHdr;
@@ -53,6 +53,9 @@ pub struct Tap {
     /// Remove a persistent device when this descriptor closes (its interface
     /// was deleted, or the request that made it failed).
     remove_on_close: AtomicBool,
+    /// A persistent TAP's descriptor, offered to the next vnetd
+    /// (`sys::keep`): its queue and carrier outlive this one.
+    offer: Option<keep::Offer>,
 }
 
 impl Tap {
@@ -99,19 +102,27 @@ impl Tap {
     /// taken over stays. Returns the TAP and whether it already existed.
     pub fn create_persistent(name: &str, mtu: u32, mac: Mac) -> Result<(Tap, bool)> {
         let existing = rtnl::device(name).with_context(|| format!("cannot look up {name}"))?;
+        let key = format!("tap {name}");
         if let Some(d) = existing {
             if !d.is_vnetds() {
                 bail!(not_vnetds(name));
             }
-            let mut tap = Tap::open(name, IFF_VNET_HDR)?;
+            // The previous vnetd's own descriptor, if it kept it for us:
+            // the device never lost its reader (frames waited in its queue).
+            let mut tap = match keep::take(&key).map(File::from).filter(|f| device_name(f).is_ok_and(|n| n == name)) {
+                Some(file) => Tap { file, persistent: false, remove_on_close: AtomicBool::new(false), offer: None },
+                None => Tap::open(name, IFF_VNET_HDR)?,
+            };
             tap.enable_offloads(name)?;
             tap.persistent = true;
+            tap.offer = Some(keep::offer(key, tap.file.as_fd()));
             return Ok((tap, true));
         }
         let mut tap = Tap::open(name, IFF_VNET_HDR | IFF_TUN_EXCL)?;
         tap.make_persistent(name)?;
         tap.enable_offloads(name)?;
         configure(name, mtu, Some(mac)).with_context(|| format!("cannot configure TAP {name}"))?;
+        tap.offer = Some(keep::offer(key, tap.file.as_fd()));
         Ok((tap, false))
     }
 
@@ -203,7 +214,7 @@ impl Tap {
             };
             bail!("cannot create TAP {name}: {e}{hint}");
         }
-        Ok(Tap { file, persistent: false, remove_on_close: AtomicBool::new(false) })
+        Ok(Tap { file, persistent: false, remove_on_close: AtomicBool::new(false), offer: None })
     }
 
     /// Reads one frame with its virtio-net header; `WouldBlock` when none is
@@ -227,6 +238,10 @@ impl Drop for Tap {
             // SAFETY: TUNSETPERSIST takes an int argument; the device goes
             // when the descriptor closes right after.
             unsafe { libc::ioctl(self.file.as_raw_fd(), TUNSETPERSIST, 0 as libc::c_ulong) };
+            // Nothing for a next vnetd to take.
+            if let Some(o) = &self.offer {
+                o.withdraw();
+            }
         }
     }
 }
@@ -313,13 +328,7 @@ impl Tap {
         }
         // SAFETY: the ioctl returned a descriptor we own.
         let ns = unsafe { OwnedFd::from_raw_fd(ns) };
-        let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-        // SAFETY: TUNGETIFF fills an ifreq.
-        if unsafe { libc::ioctl(self.file.as_raw_fd(), libc::TUNGETIFF as libc::c_ulong, &mut ifr) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let name: Vec<u8> = ifr.ifr_name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
-        let name = String::from_utf8_lossy(&name).into_owned();
+        let name = device_name(&self.file)?;
         std::thread::scope(|scope| {
             scope
                 .spawn(|| {
@@ -333,6 +342,19 @@ impl Tap {
                 .unwrap_or_else(|_| Err(io::Error::other("thread panicked")))
         })
     }
+}
+
+/// The name of the TAP device `file` is attached to (TUNGETIFF): an error
+/// if it is not a TAP's descriptor.
+fn device_name(file: &File) -> io::Result<String> {
+    // SAFETY: ifreq is plain data; all-zero is valid.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    // SAFETY: TUNGETIFF fills an ifreq.
+    if unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNGETIFF as libc::c_ulong, &mut ifr) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let name: Vec<u8> = ifr.ifr_name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    Ok(String::from_utf8_lossy(&name).into_owned())
 }
 
 /// The refusal for an existing device that vnetd may not take over.

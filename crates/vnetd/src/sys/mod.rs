@@ -1,6 +1,7 @@
 //! The operating system, as vnetd uses it: netlink (`rtnl`), network
 //! devices and namespaces (`netdev`), packet sockets (`packet`), the UDP
-//! sockets links share and their batches (`udp`), threads (`thread`), and
+//! sockets links share and their batches (`udp`), threads (`thread`), the
+//! descriptors that outlive a vnetd (`keep`), and
 //! from `vnet-sys` the plumbing the vtoe runner shares (`epoll`, `eventfd`,
 //! `cmsg`).
 //!
@@ -8,6 +9,7 @@
 //! every other part may use it. What is unsafe about the OS stays here, in
 //! functions that are safe to call.
 
+pub mod keep;
 pub mod netdev;
 pub mod packet;
 pub mod rtnl;

@@ -12,7 +12,7 @@ use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::io::{self, IoSlice};
 use std::mem::{size_of, zeroed};
 use std::net::{SocketAddr, UdpSocket};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::Arc;
 use super::netdev::setsockopt_int;
 use vnet_sys::cmsg;
@@ -38,6 +38,8 @@ pub struct UdpEndpoint {
     socket: UdpSocket,
     local: SocketAddr,
     gro: bool,
+    /// Offered to the next vnetd (`keep`): the port is never left unbound.
+    _offer: Option<super::keep::Offer>,
 }
 
 /// Socket buffer size asked for: big buffers absorb bursts between
@@ -54,16 +56,61 @@ impl UdpEndpoint {
     /// (the peer's address and port), so each peer's frames stay in order
     /// on one thread. The first one also sends. A port another socket
     /// already holds is refused, as for one socket.
+    ///
+    /// A group on a fixed port is kept for the next vnetd (`keep`), and
+    /// taken from the previous one's when it kept one of `n` sockets.
     pub fn bind_group(addr: SocketAddr, n: usize) -> Result<Vec<Arc<UdpEndpoint>>> {
+        let n = n.max(1);
+        let mut group = match Self::kept(addr, n) {
+            Some(g) => g,
+            None => Self::bind_new(addr, n)?,
+        };
+        if addr.port() != 0 {
+            for (i, ep) in group.iter_mut().enumerate() {
+                let offer = super::keep::offer(kept_name(addr, i, n), ep.socket.as_fd());
+                ep._offer = Some(offer);
+            }
+        }
+        Ok(group.into_iter().map(Arc::new).collect())
+    }
+
+    /// The previous vnetd's group on `addr`, if it kept all `n` sockets of
+    /// one (any other it kept there is closed, so the port is free).
+    fn kept(addr: SocketAddr, n: usize) -> Option<Vec<UdpEndpoint>> {
+        let mut got = super::keep::take_all(kept_name(addr, 0, 0).trim_end_matches("0/0"));
+        // By index ("<i>/<n>" ends each name).
+        got.sort_by_key(|(name, _)| name.rsplit(' ').next().and_then(|x| x.split('/').next()?.parse::<usize>().ok()));
+        let whole = got.len() == n && got.iter().enumerate().all(|(i, (name, _))| *name == kept_name(addr, i, n));
+        if !whole {
+            if !got.is_empty() {
+                tracing::info!("{} kept socket(s) on {addr} are not a group of {n}: bound anew", got.len());
+            }
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        for (_, fd) in got {
+            let socket = UdpSocket::from(fd);
+            match socket.local_addr() {
+                Ok(local) if local == addr => {
+                    let gro = setsockopt_int(socket.as_raw_fd(), libc::IPPROTO_UDP, UDP_GRO, 1).is_ok();
+                    out.push(UdpEndpoint { socket, local, gro, _offer: None });
+                }
+                _ => return None,
+            }
+        }
+        Some(out)
+    }
+
+    fn bind_new(addr: SocketAddr, n: usize) -> Result<Vec<UdpEndpoint>> {
         if n <= 1 {
-            return Ok(vec![Arc::new(Self::bind(addr)?)]);
+            return Ok(vec![Self::bind(addr)?]);
         }
         // Joining a reuse group never fails for the same user, so check
         // first that nobody holds the port.
         let probe = Self::bind(addr)?;
         let addr = probe.local_addr();
         drop(probe);
-        (0..n).map(|_| Self::bind_with(addr, true).map(Arc::new)).collect()
+        (0..n).map(|_| Self::bind_with(addr, true)).collect()
     }
 
     fn bind_with(addr: SocketAddr, reuse_port: bool) -> Result<UdpEndpoint> {
@@ -89,7 +136,7 @@ impl UdpEndpoint {
         })?;
         let socket: UdpSocket = sock.into();
         let local = socket.local_addr()?;
-        Ok(UdpEndpoint { socket, local, gro })
+        Ok(UdpEndpoint { socket, local, gro, _offer: None })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -241,6 +288,12 @@ impl UdpEndpoint {
 /// its datagrams must go one by one.
 pub fn gso_refusal(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EIO) | Some(libc::EINVAL))
+}
+
+/// The name socket `i` of a group of `n` on `addr` is kept under
+/// (`keep`): no ':' (systemd's descriptor names may have none).
+fn kept_name(addr: SocketAddr, i: usize, n: usize) -> String {
+    format!("udp {} {} {i}/{n}", addr.ip().to_string().replace(':', "-"), addr.port())
 }
 
 impl AsRawFd for UdpEndpoint {

@@ -1,0 +1,113 @@
+//! Descriptors that outlive a vnetd: a TAP's file (its queue, its carrier)
+//! and the link sockets (their port, their queued datagrams), by name
+//! (`tap <device>`, `udp <address> <i>/<n>`).
+//!
+//! While vnetd holds one, it is *offered* (`offer`): listed for a successor
+//! that takes vnetd over at an upgrade (`handover`), and, under systemd,
+//! put in the unit's descriptor store (`FDSTORE=1`, `FDNAME=<name>`),
+//! which gives it back to the next vnetd after a restart or a crash
+//! (`LISTEN_FDS`). A starting vnetd is *given* what its predecessor or
+//! systemd kept (`give`), and whatever opens a TAP or binds a socket
+//! *takes* the one of its name (`take`) instead of opening a new one: the
+//! device never loses its reader's file, so frames wait in its queue
+//! rather than being dropped, and the socket never leaves its port.
+//! What nobody takes by the end of the start is closed and said (`rest`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::Mutex;
+
+/// Offered: name -> the holder's descriptor (valid while its `Offer` lives).
+static OFFERED: Mutex<BTreeMap<String, RawFd>> = Mutex::new(BTreeMap::new());
+/// Given to this vnetd, not yet taken.
+static GIVEN: Mutex<Option<HashMap<String, OwnedFd>>> = Mutex::new(None);
+
+fn under_systemd() -> bool {
+    std::env::var_os("NOTIFY_SOCKET").is_some()
+}
+
+/// A descriptor offered under a name, while its holder lives.
+pub struct Offer {
+    name: String,
+}
+
+/// Offers `fd` (which the caller holds for as long as the `Offer`) as
+/// `name`.
+pub fn offer(name: String, fd: BorrowedFd) -> Offer {
+    if under_systemd() {
+        let state = [sd_notify::NotifyState::FdStore, sd_notify::NotifyState::FdName(&name)];
+        if let Err(e) = sd_notify::notify_with_fds(&state, &[fd]) {
+            tracing::warn!("cannot keep {name} in systemd's descriptor store: {e}");
+        }
+    }
+    lock(&OFFERED).insert(name.clone(), fd.as_raw_fd());
+    Offer { name }
+}
+
+impl Offer {
+    /// The object goes for good (its interface deleted): systemd forgets
+    /// the descriptor too. Without this, dropping an offer (vnetd stopping)
+    /// leaves it in systemd's store for the next vnetd.
+    pub fn withdraw(&self) {
+        if under_systemd() {
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::FdStoreRemove, sd_notify::NotifyState::FdName(&self.name)]);
+        }
+    }
+}
+
+impl Drop for Offer {
+    fn drop(&mut self) {
+        lock(&OFFERED).remove(&self.name);
+    }
+}
+
+/// What is offered now: (name, descriptor). The descriptors stay the
+/// holders'; valid while nothing is torn down (the hand-over sends them
+/// once the dispatchers stopped, before the topology goes).
+pub fn offered() -> Vec<(String, RawFd)> {
+    lock(&OFFERED).iter().map(|(n, fd)| (n.clone(), *fd)).collect()
+}
+
+/// Descriptors this vnetd was given, by name.
+pub fn give(fds: impl IntoIterator<Item = (String, OwnedFd)>) {
+    lock(&GIVEN).get_or_insert_with(HashMap::new).extend(fds);
+}
+
+/// Systemd's descriptor store, as it hands it to a starting vnetd
+/// (`LISTEN_FDS`, `LISTEN_FDNAMES`): given. Returns how many.
+pub fn from_systemd() -> usize {
+    let Ok(fds) = sd_notify::listen_fds_with_names() else { return 0 };
+    let fds: Vec<(String, OwnedFd)> = fds
+        .map(|(fd, name)| {
+            // SAFETY: systemd passed this descriptor to this process for it to own.
+            (name, unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+        })
+        .collect();
+    let n = fds.len();
+    give(fds);
+    n
+}
+
+/// The descriptor given as `name`, if any: the caller's from now on.
+pub fn take(name: &str) -> Option<OwnedFd> {
+    lock(&GIVEN).as_mut()?.remove(name)
+}
+
+/// Every given descriptor whose name starts with `prefix`: the caller's.
+pub fn take_all(prefix: &str) -> Vec<(String, OwnedFd)> {
+    let mut g = lock(&GIVEN);
+    let Some(m) = g.as_mut() else { return Vec::new() };
+    let names: Vec<String> = m.keys().filter(|n| n.starts_with(prefix)).cloned().collect();
+    names.into_iter().filter_map(|n| m.remove(&n).map(|fd| (n, fd))).collect()
+}
+
+/// What was given and nobody took (closed now): their names.
+pub fn rest() -> Vec<String> {
+    let mut names: Vec<String> = lock(&GIVEN).take().map(|m| m.into_keys().collect()).unwrap_or_default();
+    names.sort();
+    names
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
