@@ -38,8 +38,15 @@ vnet_core::counter_set! {
         /// Interrupts not sent because the guest's call eventfd was full
         /// (an interrupt was pending anyway).
         interrupts_pending as "vhost_interrupts_pending",
-        /// Frames written into the guest's receive buffers.
+        /// Frames written into the guest's receive buffers, or held for them
+        /// (`rx_held_*`).
         rx_frames as "vhost_rx_frames",
+        /// Frames that arrived while the receive ring was not running, held
+        /// for it (`held`), and of those: written once it started, and
+        /// expired or not writable then (dropped).
+        rx_held_frames as "vhost_rx_held_frames",
+        rx_held_delivered as "vhost_rx_held_delivered",
+        rx_held_expired as "vhost_rx_held_expired",
         /// Times a long burst was made visible to the guest before its end
         /// (every `PUBLISH_EVERY` frames).
         rx_mid_burst as "vhost_rx_mid_burst_publishes",

@@ -331,6 +331,10 @@ impl<B: DirtyLog> Device<B> {
     /// Writes one frame into the held receive ring; its length.
     fn put(&self, rx: &mut Ring<B>, to: &Receiving, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
         if !rx.running() {
+            // Held for the ring's start, within bounds (`held`).
+            if rx.held.hold(std::time::Instant::now(), vnet, parts, &self.counters) {
+                return Ok(parts.iter().map(|p| p.len()).sum());
+            }
             return Err(io::Error::from_raw_os_error(libc::ENETDOWN));
         }
         rx.put_frame(vnet, parts, to.hdr_len, to.mergeable)?;
@@ -348,6 +352,34 @@ impl<B: DirtyLog> Device<B> {
             }
         }
         Ok(len)
+    }
+
+    /// The receive ring `rx` just started: the frames held for it are
+    /// written (those not expired; one the guest has no room for is
+    /// dropped, counted as expired), made visible, and the guest told.
+    pub(crate) fn release_held(&self, rx: &mut Ring<B>) {
+        if rx.held.is_empty() {
+            return;
+        }
+        let to = self.receiving();
+        let frames = rx.held.take(std::time::Instant::now(), &self.counters);
+        let mut n = 0;
+        for (_, vnet, bytes) in &frames {
+            match rx.put_frame(vnet, &[bytes], to.hdr_len, to.mergeable) {
+                Ok(()) => n += 1,
+                Err(_) => {
+                    self.counters.rx_held_expired.fetch_add(1, Relaxed);
+                }
+            }
+        }
+        if n > 0 {
+            // (Counted in rx_frames when they were held.)
+            self.counters.rx_held_delivered.fetch_add(n, Relaxed);
+            rx.publish_used();
+            if rx.guest_wants_interrupt() && rx.signal() {
+                self.counters.rx_interrupts.fetch_add(1, Relaxed);
+            }
+        }
     }
 
     /// Guest-driven (kicks on) or VMM-driven (polled).

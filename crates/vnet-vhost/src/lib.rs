@@ -22,6 +22,8 @@
 //!   headers are a copy vnetd owns ([`HeadCopy`]): the forwarder routes and
 //!   writes checksums on that copy alone, so a guest cannot change what was
 //!   routed, and nothing vnetd writes lands in guest memory.
+//! - [`held`]: frames for a receive ring that is not running yet (a
+//!   frontend reconnecting), held within bounds until it starts.
 //! - [`irq`]: when the guest is interrupted (event index, and VNET/P+'s
 //!   optimistic interrupts), as decisions.
 //! - [`device`]: one NIC's two rings, features and counters, as the
@@ -33,6 +35,7 @@ pub mod device;
 pub mod dirty;
 pub mod fault;
 pub mod frame;
+pub mod held;
 pub mod irq;
 pub mod memory;
 pub mod notify;

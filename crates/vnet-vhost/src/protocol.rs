@@ -106,6 +106,9 @@ impl<B: DirtyLog> Frontend<B> {
             if index as usize == TX {
                 self.shared.poke();
             }
+            if index as usize == RX {
+                self.shared.release_held(r);
+            }
         }
     }
 }
@@ -282,6 +285,10 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
             // kicks were consumed then, so the dispatcher is told to look.
             if index as usize == TX && r.running() {
                 self.shared.poke();
+            }
+            // Frames held for the guest while it was disabled.
+            if index as usize == RX && r.running() {
+                self.shared.release_held(&mut r);
             }
         }
         Ok(())

@@ -111,6 +111,9 @@ pub struct Ring<B: DirtyLog = ()> {
     counters: Arc<Counters>,
     /// Optimistic interrupts' state (the receive queue's).
     pub irq: crate::irq::IrqState,
+    /// Frames for the guest held while the ring is not running (the
+    /// receive queue's); kept across a reset: that is when they wait.
+    pub held: crate::held::Held,
 }
 
 /// One chain, read.
@@ -142,6 +145,7 @@ impl<B: DirtyLog> Ring<B> {
             chains: Vec::with_capacity(MAX_BUFFERS),
             counters,
             irq: Default::default(),
+            held: Default::default(),
         }
     }
 
