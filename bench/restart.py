@@ -115,7 +115,8 @@ AP.add_argument("--kinds", default=",".join(KINDS))
 AP.add_argument("--events", default=",".join(EVENTS))
 AP.add_argument("--bin", help="the current vnetd/vnetctl (default: $VNET_BIN, else target/release)")
 AP.add_argument("--old-bin", help="the old vnetd for `upgrade` (default: scripts/build-previous --previous)")
-AP.add_argument("--previous", default="HEAD~1", help="the commit whose build is the old binary (default HEAD~1)")
+AP.add_argument("--previous", default="", help="the commit whose build is the old binary (default: scripts/build-previous's, "
+                "the one before the newest change to vnetd's sources)")
 AP.add_argument("--out", default=str(BENCH / "results"), help="where the report goes (default bench/results)")
 ARGS = AP.parse_args()
 WORK = Path(tempfile.mkdtemp(prefix="vnet-restart-bench-"))
@@ -589,7 +590,7 @@ def summarize(rows: list[dict], kinds: list[str], events: list[str], columns=COL
 def old_binary(a) -> Path:
     if a.old_bin:
         return Path(a.old_bin)
-    p = subprocess.run([REPO / "scripts" / "build-previous", a.previous], capture_output=True, text=True)
+    p = subprocess.run([REPO / "scripts" / "build-previous", *([a.previous] if a.previous else [])], capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"scripts/build-previous {a.previous} failed:\n{p.stderr}")
     return Path(p.stdout.strip().splitlines()[-1])
@@ -608,7 +609,7 @@ def main():
         src = old_binary(a)
         BINS["old"] = snapshot(src, OLD)
         if not a.old_bin:
-            prev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", a.previous],
+            prev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", src.name],
                                   capture_output=True, text=True).stdout.strip()
         BINS["old"]["pins"] = "--pin-dir" in subprocess.run([OLD / "vnetd", "--help"], capture_output=True,
                                                             text=True).stdout

@@ -422,6 +422,7 @@ def test_install_units_verify_and_docs_generate(tmp_path):
 
 def test_sd_notify_ready_means_ready_and_json_logs(lab):
     """READY=1 comes once the config is in force and the socket answers;
+    before it, the descriptors it keeps go to the store (FDSTORE=1);
     STOPPING=1 at SIGTERM; with --log-format json every log line is JSON."""
     h1 = lab.add_host(1)
     n1 = lab.guest_ns("c1")
@@ -437,8 +438,14 @@ def test_sd_notify_ready_means_ready_and_json_logs(lab):
                                  "--log-format", "json"], stdout=lf, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, NOTIFY_SOCKET=str(notify)))
     lab.other_procs.append(proc)
-    msg = rx.recv(4096).decode()
-    assert "READY=1" in msg.split("\n"), msg
+    # Descriptors it keeps for its next start go to the store first
+    # (FDSTORE=1, docs/operations.md "Kept descriptors"): its link socket.
+    stored = []
+    while "READY=1" not in (msg := rx.recv(4096).decode()).split("\n"):
+        fields = dict(l.split("=", 1) for l in msg.split("\n") if "=" in l)
+        assert fields.get("FDSTORE") == "1" and fields.get("FDNAME"), msg
+        stored.append(fields["FDNAME"])
+    assert "udp 0.0.0.0 9000 0/1" in stored, stored
     # At READY, without waiting: the socket answers and the config is in force.
     listing = run([VNETCTL, "--socket", sock, "INTERFACE", "LIST"]).stdout
     assert "name=g1" in listing
