@@ -36,6 +36,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use vnet_fastpath::{Kernel, NextHop};
+use crate::sys::eventfd::EventFd;
 
 /// How often the hops are read again when the neighbour table is quiet.
 pub const REFRESH: Duration = Duration::from_secs(1);
@@ -55,9 +56,11 @@ crate::stats::counter_set! {
     }
 }
 
-/// The keeper thread; stopped when dropped.
+/// The keeper thread; stopped when dropped (woken at once: vnetd's stop
+/// waits for it).
 pub struct Keeper {
     stop: Option<Sender<()>>,
+    wake: Arc<EventFd>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -65,21 +68,24 @@ impl Keeper {
     pub fn start(kernel: &Arc<Kernel>, counters: Arc<Counters>) -> std::io::Result<Keeper> {
         let (stop, stopped) = std::sync::mpsc::channel();
         let kernel = Arc::downgrade(kernel);
-        let thread = std::thread::Builder::new().name("next-hops".into()).spawn(move || run(kernel, counters, stopped))?;
-        Ok(Keeper { stop: Some(stop), thread: Some(thread) })
+        let wake = Arc::new(EventFd::new()?);
+        let w = wake.clone();
+        let thread = std::thread::Builder::new().name("next-hops".into()).spawn(move || run(kernel, counters, stopped, &w))?;
+        Ok(Keeper { stop: Some(stop), wake, thread: Some(thread) })
     }
 }
 
 impl Drop for Keeper {
     fn drop(&mut self) {
         self.stop.take();
+        let _ = self.wake.notify();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>) {
+fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>, wake: &EventFd) {
     let rtnl = match Rtnl::open() {
         Ok(r) => r,
         Err(e) => {
@@ -105,7 +111,7 @@ fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>) {
             Err(RecvTimeoutError::Timeout) => {}
             _ => return,
         }
-        if !wait(events.as_ref(), &watched, &stop, REFRESH - SETTLE, &mut buf) {
+        if !wait(events.as_ref(), &watched, &stop, wake, REFRESH - SETTLE, &mut buf) {
             return;
         }
     }
@@ -130,8 +136,8 @@ struct Watch {
 }
 
 /// Waits until an event about a watched neighbour, `most` passing, or the
-/// stop (false). Slices of 200 ms, so a stop is seen soon.
-fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<()>, most: Duration, buf: &mut [u8]) -> bool {
+/// stop (false: `wake` tells it at once).
+fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<()>, wake: &EventFd, most: Duration, buf: &mut [u8]) -> bool {
     use std::os::fd::AsFd;
     let deadline = std::time::Instant::now() + most;
     loop {
@@ -144,13 +150,16 @@ fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<(
             return true;
         }
         let slice = (deadline - now).min(Duration::from_millis(200));
+        let ms = nix::poll::PollTimeout::try_from(slice.as_millis() as i32).unwrap_or(nix::poll::PollTimeout::NONE);
         let Some(s) = events else {
-            std::thread::sleep(slice);
+            let mut fds = [nix::poll::PollFd::new(wake.as_fd(), nix::poll::PollFlags::POLLIN)];
+            let _ = nix::poll::poll(&mut fds, ms);
             continue;
         };
-        let mut fds = [nix::poll::PollFd::new(s.as_fd(), nix::poll::PollFlags::POLLIN)];
-        let ms = nix::poll::PollTimeout::try_from(slice.as_millis() as i32).unwrap_or(nix::poll::PollTimeout::NONE);
-        if matches!(nix::poll::poll(&mut fds, ms), Ok(n) if n > 0) {
+        let mut fds = [nix::poll::PollFd::new(s.as_fd(), nix::poll::PollFlags::POLLIN), nix::poll::PollFd::new(wake.as_fd(), nix::poll::PollFlags::POLLIN)];
+        let ready = nix::poll::poll(&mut fds, ms);
+        let socket_ready = fds[0].revents().is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
+        if matches!(ready, Ok(n) if n > 0) && socket_ready {
             // Drain: one pass answers every event so far.
             let mut any = false;
             loop {
