@@ -697,3 +697,34 @@ def test_a_qemu_tap_guests_kernel_flows_go_on_while_vnetd_is_away(lab):
     assert "1000 packets transmitted, 1000 received" in out, out
     assert d2.stats()["fastpath"]["hit_net"] >= hits + 900
     vm.kill()
+
+
+def test_the_config_owns_its_own_lines_and_the_state_file_the_rest(lab):
+    """A host with a config (and a route line in it) and things added at
+    run time (a route marked as vnet-agent's, two settings). While vnetd is
+    down its config is edited: that route line removed, a setting added
+    that was also set at run time. The start applies the config whole, as it was written, and then
+    restores from the state file only what the config does not own: the
+    removed route is gone, the config's setting wins over the run-time one,
+    the run-time route and the other run-time setting are back.
+    Catches: a config edit undone by the state file (or refused against
+    it), run-time objects lost because a config is given."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    gone = f"ROUTE ADD any {guest_mac(66)} edge {underlay_ip(2)} any"
+    text = d[1].config.read_text()
+    d[1].config.write_text(text + gone + "\n")
+    d1 = restart(lab, d[1], signal.SIGTERM, down=0)
+    assert guest_mac(66) in d1.ctl("ROUTE", "LIST").stdout
+    extra = f"any {guest_mac(77)} edge {underlay_ip(2)} any"
+    d1.ctl("ROUTE", "ADD", *extra.split(), "owner", "agent")
+    d1.ctl("SET", "quota", "17")
+    d1.ctl("SET", "sleep-us", "99")
+    d1.stop(signal.SIGTERM)
+    d1.config.write_text(text + "SET quota 8\n")
+    d1 = lab.start_vnetd(hosts[1], d1.config)
+    routes = d1.ctl("ROUTE", "LIST").stdout
+    assert f"{extra} owner agent" in routes and guest_mac(66) not in routes, routes
+    show = d1.ctl("SHOW").stdout
+    assert " quota=8 " in show and " sleep-us=99 " in show, show
+    assert "left to the config" in d1.log_text()
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout

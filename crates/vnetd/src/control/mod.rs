@@ -45,9 +45,11 @@ struct State {
 /// What a start restored from the state file.
 #[derive(Default, Debug)]
 pub struct Restored {
-    /// Changes restored, and those skipped (each said in the log).
+    /// Changes restored, those skipped (each said in the log), and those
+    /// left to the config (its own objects and settings).
     pub changes: usize,
     pub skipped: usize,
+    pub config: usize,
 }
 
 impl Control {
@@ -59,35 +61,35 @@ impl Control {
         Control { state: Mutex::new(state), dp, settings, vtoe }
     }
 
-    /// vnetd's start: restores what the state file recorded (`records`),
-    /// then puts the config file (`config`: its path and text) in force:
-    /// if the state says which of its lines were applied, only the
-    /// difference (as `RELOAD`), else all of it. All before anything is
-    /// swept from the kernel datapath or anyone is answered.
+    /// vnetd's start, before anything is swept from the kernel datapath or
+    /// anyone is answered: the config file (`config`: its path and text)
+    /// applied whole, as always; then what the state file recorded
+    /// (`records`) that is not the config's. The config is authoritative
+    /// for the objects its lines made when vnetd last ran (and for the
+    /// settings it gives now): their lines in the state are left to it, so
+    /// a line edited or removed while vnetd was down takes effect as
+    /// written. Everything else — what vnetctl, vnet-agent and the CNI
+    /// plugin added at run time — is restored.
     pub fn start(&self, records: Vec<journal::Record>, config: Option<(&Path, &str)>) -> Result<Restored, String> {
         let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let state = &mut *guard;
-        let restored = if records.is_empty() { Restored::default() } else { self.restore(state, records) };
-        match config {
-            Some((path, text)) => {
-                let caller = Caller::config(path);
-                match state.config.take() {
-                    Some((_, applied)) => {
-                        for l in self.reload_locked(state, &caller, path, text, applied)? {
-                            tracing::info!("config: {l}");
-                        }
-                    }
-                    None => {
-                        let lines = self.execute_locked(state, text, &caller)?;
-                        tracing::info!("config {}: {} changes applied", path.display(), lines.len());
-                        state.config = Some((path.to_path_buf(), config_changes(text)));
-                    }
-                }
-            }
-            // Started without one: what an earlier config made stays, as
-            // anything made at run time does.
-            None => state.config = None,
+        let commands = |lines: &mut dyn Iterator<Item = &str>| -> Vec<Command> { lines.filter_map(|l| parse_line(l).ok().flatten()).collect() };
+        // What the config in force last time made.
+        let last = records.iter().rev().find_map(|r| match r {
+            journal::Record::Config((_, lines)) => Some(lines.iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>()),
+            _ => None,
+        });
+        let mut owned: HashSet<String> = commands(&mut last.unwrap_or_default().into_iter()).iter().flat_map(config_keys).collect();
+        state.config = None;
+        if let Some((path, text)) = config {
+            let lines = self.execute_locked(state, text, &Caller::config(path))?;
+            tracing::info!("config {}: {} changes applied", path.display(), lines.len());
+            let now = config_changes(text);
+            // The settings it gives now are its own.
+            owned.extend(commands(&mut now.iter().map(|(_, l)| l.as_str())).iter().filter(|c| matches!(c, Command::Set(_))).flat_map(config_keys));
+            state.config = Some((path.to_path_buf(), now));
         }
+        let restored = if records.is_empty() { Restored::default() } else { self.restore(state, records, &owned) };
         // A new snapshot: the file holds what is in force now, and nothing
         // that failed to restore.
         let script = state.topo.script();
@@ -102,8 +104,9 @@ impl Control {
     /// Restores the state file's records into the topology, committed as
     /// one change: a snapshot line by line (a line that fails, say an
     /// interface whose namespace is gone, is skipped and said), a request
-    /// whole or not at all, as it was applied.
-    fn restore(&self, state: &mut State, records: Vec<journal::Record>) -> Restored {
+    /// whole or not at all, as it was applied; lines about what the config
+    /// owns (`owned`, by `config_keys`) are left out.
+    fn restore(&self, state: &mut State, records: Vec<journal::Record>, owned: &HashSet<String>) -> Restored {
         let mut work = state.topo.clone();
         let mut r = Restored::default();
         let skip = |line: &str, why: &str, r: &mut Restored| {
@@ -115,11 +118,16 @@ impl Control {
             Ok(_) => Err("not a change".to_string()),
             Err(e) => Err(e),
         };
+        let config_owns = |c: &Command| config_keys(c).iter().any(|k| owned.contains(k));
         for rec in records {
             match rec {
                 journal::Record::Snapshot(lines) => {
                     for l in &lines {
                         let cmd = match parse(l) {
+                            Ok(c) if config_owns(&c) => {
+                                r.config += 1;
+                                continue;
+                            }
                             Ok(c) => c,
                             Err(e) => {
                                 skip(l, &e, &mut r);
@@ -144,14 +152,20 @@ impl Control {
                 }
                 journal::Record::Request(lines) => {
                     let before = work.clone();
+                    let mut mine = 0;
                     let applied: Result<usize, String> = lines.iter().try_fold(0, |n, l| {
                         let cmd = parse(l).map_err(|e| format!("{l}: {e}"))?;
+                        if config_owns(&cmd) {
+                            mine += 1;
+                            return Ok(n);
+                        }
                         work.apply(&cmd, &self.settings, &*self.dp).map_err(|e| format!("{l}: {e}"))?;
                         Ok(n + 1)
                     });
                     match applied {
                         Ok(n) => {
                             r.changes += n;
+                            r.config += mine;
                             work.ids.commit();
                         }
                         Err(e) => {
@@ -161,11 +175,11 @@ impl Control {
                         }
                     }
                 }
-                journal::Record::Config(applied) => state.config = Some(applied),
+                journal::Record::Config(_) => {}
             }
         }
         let path = state.journal.as_ref().map_or(String::new(), |j| j.path().display().to_string());
-        tracing::info!("state {path}: restored {} change(s), {} not", r.changes, r.skipped);
+        tracing::info!("state {path}: restored {} change(s), {} not, {} left to the config", r.changes, r.skipped, r.config);
         if r.changes > 0 || r.skipped > 0 {
             self.commit(state, work);
         }
@@ -562,6 +576,27 @@ impl Control {
     /// Drops of one reason over the whole daemon (for the log at exit).
     pub fn total_drops(&self, why: DropReason) -> u64 {
         self.dp.total_drops(why)
+    }
+}
+
+/// What a change is about, as the config owns it: an interface (by name
+/// and by MAC), a link (by name), a route (by rule), a setting (by key),
+/// an interface's own setting (by interface and key).
+fn config_keys(c: &Command) -> Vec<String> {
+    use vnet_core::command::{IfaceRef, LinkRef, RouteRef};
+    let iface = |r: &IfaceRef| match r {
+        IfaceRef::Name(n) => format!("iface {n}"),
+        IfaceRef::Mac(m) => format!("mac {m}"),
+    };
+    match c {
+        Command::IfaceAdd { name, mac, .. } => vec![format!("iface {name}"), format!("mac {mac}")],
+        Command::IfaceDel(r, _) => vec![iface(r)],
+        Command::IfaceSet(r, s) => vec![format!("{} {}", iface(r), s.key_value().0)],
+        Command::LinkAdd { .. } => c.undo().map(|u| vec![format!("link {}", u.trim_start_matches("LINK DEL "))]).unwrap_or_default(),
+        Command::LinkDel(LinkRef::Name(n)) => vec![format!("link {n}")],
+        Command::RouteAdd(spec, _) | Command::RouteDel(RouteRef::Rule(spec)) => vec![format!("route {spec}")],
+        Command::Set(s) => vec![format!("set {}", s.key_value().0)],
+        _ => Vec::new(),
     }
 }
 
