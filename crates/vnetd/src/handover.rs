@@ -153,7 +153,9 @@ pub fn take_over(path: &Path, timeout: Duration) -> Result<()> {
     }
     let n = given.len();
     keep::give(given);
-    // The old vnetd has gone once the connection closes.
+    // The old vnetd is exiting once the connection closes, and has let go
+    // of its locks once it is gone (a process closes its descriptors in
+    // their order as it exits: the connection may close before a lock).
     loop {
         match recv(&c, &mut buf) {
             Ok((m, _)) if m.is_empty() => break,
@@ -162,6 +164,7 @@ pub fn take_over(path: &Path, timeout: Duration) -> Result<()> {
             Err(e) => bail!("--takeover: vnetd {old} did not exit: {e}"),
         }
     }
+    wait_gone(old, timeout)?;
     tracing::info!("--takeover: {n} descriptor(s) taken from vnetd {old}, which stopped in {:.3} s", t0.elapsed().as_secs_f64());
     Ok(())
 }
