@@ -169,19 +169,24 @@ pub fn take_over(path: &Path, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Waits until process `pid` is gone.
+/// Waits until process `pid` is gone: no longer there, or a zombie whose
+/// every thread has exited (a process's descriptors, and the locks on
+/// them, go with its last thread; its leader may be a zombie before that).
 fn wait_gone(pid: i32, timeout: Duration) -> Result<()> {
     let t0 = Instant::now();
-    while Path::new(&format!("/proc/{pid}")).exists() {
-        // A zombie (not reaped by its parent) has stopped too.
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        if state.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')) {
-            break;
+    loop {
+        let stat = match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(s) => s,
+            Err(_) => return Ok(()),
+        };
+        let zombie = stat.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z'));
+        let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.count()).unwrap_or(0);
+        if zombie && threads <= 1 {
+            return Ok(());
         }
         if t0.elapsed() > timeout {
             bail!("--takeover: vnetd {pid} did not stop in {timeout:?}");
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(2));
     }
-    Ok(())
 }
