@@ -26,6 +26,8 @@
 //!   frontend reconnecting), held within bounds until it starts.
 //! - [`irq`]: when the guest is interrupted (event index, and VNET/P+'s
 //!   optimistic interrupts), as decisions.
+//! - [`state`]: a connected device's state, exported by a vnetd handing it
+//!   over at an upgrade and imported (through the same checks) by the next.
 //! - [`device`]: one NIC's two rings, features and counters, as the
 //!   dispatcher uses them; [`protocol`]: what each vhost-user message does
 //!   to the device (the `vhost` crate reads and answers the messages).
@@ -41,6 +43,7 @@ pub mod memory;
 pub mod notify;
 pub mod protocol;
 pub mod queue;
+pub mod state;
 
 pub use counters::Counters;
 pub use device::{Device, Taken};
@@ -50,3 +53,4 @@ pub use irq::IrqPolicy;
 pub use memory::{GuestMemory, MemoryPolicy};
 pub use protocol::Frontend;
 pub use queue::{Budget, Health, Popped, Ring};
+pub use state::Exported;

@@ -75,6 +75,12 @@ impl Notifier {
         }
     }
 
+    /// Its descriptor (to hand the device over to another vnetd).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.0.as_fd()
+    }
+
     /// Whether the last interrupt is still unread by the frontend (the
     /// eventfd readable): another would only add to its counter.
     pub fn pending(&self) -> bool {

@@ -31,20 +31,25 @@ use vm_memory::GuestAddress;
 
 /// One frontend connection's view of the device.
 pub struct Frontend<B: DirtyLog = ()> {
-    shared: Arc<Device<B>>,
-    acked: u64,
+    pub(crate) shared: Arc<Device<B>>,
+    pub(crate) acked: u64,
+    /// The protocol features the frontend acknowledged.
+    pub(crate) protocol: u64,
     /// The memory table in force: ring addresses come as the frontend's
     /// addresses, translated through it.
-    mem: Option<Arc<GuestMemory<B>>>,
+    pub(crate) mem: Option<Arc<GuestMemory<B>>>,
+    /// That table as the frontend gave it, with its files (for a hand-over
+    /// to the next vnetd: `state`).
+    pub(crate) table: Vec<(VhostUserMemoryRegion, File)>,
     /// The frontend's dirty-page log (`SET_LOG_BASE`), and whether it asks
     /// for writes to be logged now (`VHOST_F_LOG_ALL` acknowledged).
-    log: Option<Arc<LogMap>>,
-    logging: bool,
+    pub(crate) log: Option<Arc<LogMap>>,
+    pub(crate) logging: bool,
 }
 
 impl<B: DirtyLog> Frontend<B> {
     pub fn new(shared: Arc<Device<B>>) -> Frontend<B> {
-        let mut f = Frontend { shared, acked: 0, mem: None, log: None, logging: false };
+        let mut f = Frontend { shared, acked: 0, protocol: 0, mem: None, table: Vec::new(), log: None, logging: false };
         f.reset();
         f
     }
@@ -54,6 +59,8 @@ impl<B: DirtyLog> Frontend<B> {
     pub fn reset(&mut self) {
         self.logging = false;
         self.log = None;
+        self.table.clear();
+        self.mem = None;
         self.apply_log();
         for i in [RX, TX] {
             let mut r = self.shared.ring(i);
@@ -97,7 +104,7 @@ impl<B: DirtyLog> Frontend<B> {
 
     /// A ring that has all it needs starts; the dispatcher is told so it
     /// looks at frames the guest queued before.
-    fn start(&self, index: u32, r: &mut Ring<B>) {
+    pub(crate) fn start(&self, index: u32, r: &mut Ring<B>) {
         if r.running() || !r.try_start() {
             return;
         }
@@ -162,6 +169,7 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         if postcopy.is_some() {
             return Err(Error::InvalidParam);
         }
+        let copies: Vec<File> = files.iter().filter_map(|f| f.try_clone().ok()).collect();
         let mem = match GuestMemory::map(ctx, files, self.shared.memory) {
             Ok(m) => m,
             Err(e) => {
@@ -172,6 +180,7 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         };
         // The new memory logs from its first write, before a ring has it.
         drop(mem.set_log(self.log_in_force()));
+        self.table = if copies.len() == ctx.len() { ctx.iter().copied().zip(copies).collect() } else { Vec::new() };
         self.mem = Some(mem.clone());
         for i in [RX, TX] {
             self.shared.ring(i).mem = Some(mem.clone());
@@ -267,7 +276,8 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         Ok(VhostUserProtocolFeatures::REPLY_ACK | log)
     }
 
-    fn set_protocol_features(&mut self, _features: u64) -> Result<()> {
+    fn set_protocol_features(&mut self, features: u64) -> Result<()> {
+        self.protocol = features;
         Ok(())
     }
 
