@@ -277,6 +277,8 @@ pub fn run(args: Args) -> Result<()> {
     };
     let mut dp = Datapath::new(args.udp_bind, args.dispatchers, &args.cpus)?;
     dp.sched = args.dispatcher_sched;
+    // Link sockets are read once the links are in force (`Control::start`).
+    dp.close_links();
     let mut adopted_flows = 0;
     dp.fast = match vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port) {
         // Two vnetds on one datapath: refused, not run without a fast path.

@@ -108,8 +108,20 @@ pub fn serve() -> Option<OwnedFd> {
             Err(e) => tracing::warn!("hand-over: cannot send {name}: {e}"),
         }
     }
+    // Objects written out now (vhost-user devices): their descriptors,
+    // then their state.
+    let mut states = 0;
+    for (name, x) in keep::exported() {
+        let all = x.fds.iter().all(|(n, fd)| crate::sys::cmsg::send_with_fd(c.as_raw_fd(), format!("fd {name} {n}").as_bytes(), fd.as_raw_fd()).is_ok());
+        if all && send(&c, &format!("state {name}\n{}", x.state)).is_ok() {
+            states += 1;
+            sent += x.fds.len();
+        } else {
+            tracing::warn!("hand-over: cannot send {name}");
+        }
+    }
     let _ = send(&c, "END");
-    tracing::info!("hand-over: {sent} descriptor(s) sent");
+    tracing::info!("hand-over: {sent} descriptor(s) sent, {states} device state(s)");
     Some(c)
 }
 
@@ -126,7 +138,7 @@ pub fn take_over(path: &Path, timeout: Duration) -> Result<()> {
     let old = socket::getsockopt(&c, socket::sockopt::PeerCredentials).map(|c| c.pid())?;
     socket::setsockopt(&c, socket::sockopt::ReceiveTimeout, &nix::sys::time::TimeVal::new(timeout.as_secs() as i64, 0))?;
     send(&c, &format!("TAKEOVER {PROTOCOL}"))?;
-    let mut buf = [0u8; 512];
+    let mut buf = vec![0u8; 16384];
     let (answer, _) = recv(&c, &mut buf).context("--takeover: no answer")?;
     if let Some(why) = answer.strip_prefix("NO ") {
         tracing::warn!("--takeover: vnetd {old} will not hand over ({why}): restarting it instead (SIGTERM)");
@@ -142,6 +154,10 @@ pub fn take_over(path: &Path, timeout: Duration) -> Result<()> {
         let (msg, mut fds) = recv(&c, &mut buf).context("--takeover: the hand-over broke off")?;
         if msg == "END" {
             break;
+        }
+        if let Some((name, state)) = msg.strip_prefix("state ").and_then(|m| m.split_once('\n')) {
+            keep::give_state(name.to_string(), state.to_string());
+            continue;
         }
         if msg.is_empty() {
             bail!("--takeover: vnetd {old} closed the hand-over before its end");

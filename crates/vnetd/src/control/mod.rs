@@ -90,6 +90,11 @@ impl Control {
             state.config = Some((path.to_path_buf(), now));
         }
         let restored = if records.is_empty() { Restored::default() } else { self.restore(state, records, &owned) };
+        // The links are in force: their sockets are read from now on (what
+        // waited in one kept from the vnetd before is read now, by them).
+        self.dp.open_links();
+        state.generation += 1;
+        self.dp.publish(state.topo.snapshot(state.generation));
         // A new snapshot: the file holds what is in force now, and nothing
         // that failed to restore.
         let script = state.topo.script();

@@ -45,6 +45,10 @@ pub struct Datapath {
     /// its snapshot: each dispatcher unparks it once it does.
     publisher: std::sync::Mutex<Option<std::thread::Thread>>,
     stop: AtomicBool,
+    /// Link sockets are read (`link_sources`): not while vnetd starts, until
+    /// its links are in force (`open_links`), so that what waited in a
+    /// socket kept from the vnetd before is not taken for unknown senders.
+    links_open: AtomicBool,
     /// The kernel fast path, if it loaded.
     pub fast: Option<Arc<crate::fast::FastPath>>,
     /// How dispatcher threads are scheduled.
@@ -87,6 +91,7 @@ impl Datapath {
             workers,
             publisher: std::sync::Mutex::new(None),
             stop: AtomicBool::new(false),
+            links_open: AtomicBool::new(true),
             fast: None,
             sched: Sched::Realtime,
             me: OnceLock::new(),
@@ -120,6 +125,9 @@ impl Datapath {
     pub(crate) fn link_sources(&self, me: usize, snap: &Snapshot) -> Vec<Arc<dyn LinkSource>> {
         let n = self.workers.len();
         let mut v: Vec<Arc<dyn LinkSource>> = Vec::new();
+        if !self.links_open.load(Ordering::Acquire) {
+            return v;
+        }
         for c in self.carriers.all().iter() {
             v.extend(c.sources().into_iter().filter(|s| s.owner(n) == me));
         }
@@ -131,6 +139,16 @@ impl Datapath {
             }
         }
         v
+    }
+
+    /// Link sockets are not read until `open_links` (vnetd's start).
+    pub fn close_links(&mut self) {
+        *self.links_open.get_mut() = false;
+    }
+
+    /// Link sockets are read from the next snapshot on.
+    pub fn open_links(&self) {
+        self.links_open.store(true, Ordering::Release);
     }
 
     pub fn worker_count(&self) -> usize {

@@ -30,6 +30,8 @@ use std::time::{Duration, Instant};
 use vhost::vhost_user::{BackendReqHandler, Error as VhostError};
 use vnet_core::offload::VnetHdr;
 use crate::stats::Changes;
+use crate::sys::eventfd::EventFd;
+use crate::sys::keep;
 use vnet_vhost::{Device, DirtyPages, Frontend, MemoryPolicy, Taken};
 
 /// The device, its guest memory logging writes while a VMM migrates the VM.
@@ -60,6 +62,15 @@ struct Control {
     budget: Mutex<(u32, Instant)>,
     /// A report held back (over the budget) waits for the gap's end.
     deferred: AtomicBool,
+    /// A hand-over (`handover`): the protocol thread is asked to stop
+    /// reading the connection (`park`) and says it has (`parked`); once
+    /// the state is written out (`handed`), the connection is the next
+    /// vnetd's: never shut down here.
+    park: EventFd,
+    parked: AtomicBool,
+    handed: AtomicBool,
+    /// The connection's frontend, while one is connected.
+    frontend: Mutex<Option<Arc<Mutex<Frontend<DirtyPages>>>>>,
 }
 
 /// Ring starts and stops reported per device: a burst of this many, then
@@ -115,6 +126,8 @@ pub struct VhostUserNic {
     /// NIC goes if it is still the same file.
     made: Option<(Arc<SocketDir>, String, (u64, u64))>,
     _listener: Option<UnixListener>,
+    /// The device's state, for a successor that takes vnetd over.
+    _offer: keep::Offer,
 }
 
 /// Where a NIC's socket is: `--vhost-user-dir` and a plain name in it.
@@ -148,18 +161,113 @@ impl VhostUserNic {
             changes,
             budget: Mutex::new((REPORT_BURST, Instant::now())),
             deferred: AtomicBool::new(false),
+            park: EventFd::new().context("eventfd")?,
+            parked: AtomicBool::new(false),
+            handed: AtomicBool::new(false),
+            frontend: Mutex::new(None),
+        });
+        // The previous vnetd's connection and device, if it handed them
+        // over: served from where it stopped, the frontend none the wiser.
+        let key = format!("vhost {name}");
+        let adopted = keep::take_state(&key).and_then(|(state, mut fds)| {
+            let conn = fds.remove("conn")?;
+            match Frontend::import(shared.clone(), &state, fds) {
+                Ok((fe, acked, protocol)) => Some((UnixStream::from(conn), fe, acked, protocol)),
+                Err(e) => {
+                    tracing::warn!("vhost-user {name}: the previous vnetd's device not taken ({e}); its frontend reconnects");
+                    None
+                }
+            }
         });
         let (s, c) = (shared.clone(), control.clone());
         let l = listener.as_ref().map(|l| l.try_clone()).transpose().context("listener")?;
         let d = dir.clone();
         std::thread::Builder::new()
             .name(format!("vhost-{name}"))
-            .spawn(move || match l {
-                Some(l) => serve(&s, &c, &l),
-                None => connect_loop(&s, &c, &d, &file),
+            .spawn(move || {
+                if let Some(a) = adopted {
+                    run_adopted(&s, &c, a);
+                }
+                match l {
+                    Some(l) => serve(&s, &c, &l),
+                    None => connect_loop(&s, &c, &d, &file),
+                }
             })
             .context("cannot start the vhost-user thread")?;
-        Ok(VhostUserNic { shared, control, path, role, made, _listener: listener })
+        let (s, c) = (shared.clone(), control.clone());
+        let offer = keep::offer_export(key, Arc::new(move || export(&s, &c)));
+        Ok(VhostUserNic { shared, control, path, role, made, _listener: listener, _offer: offer })
+    }
+}
+
+/// The device's state for a successor (a hand-over): the protocol thread
+/// stops reading the connection first, so nothing the frontend sends from
+/// now on is read by this vnetd.
+fn export(shared: &Arc<Dev>, control: &Arc<Control>) -> Option<keep::Exported> {
+    if !shared.connected.load(Relaxed) {
+        return None;
+    }
+    let _ = control.park.notify();
+    let t0 = Instant::now();
+    while !control.parked.load(Relaxed) {
+        if t0.elapsed() > Duration::from_secs(1) {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let fe = control.frontend.lock().unwrap().clone()?;
+    let x = fe.lock().unwrap().export()?;
+    let conn = control.conn.lock().unwrap().as_ref()?.try_clone().ok()?;
+    let mut fds = x.fds;
+    fds.push(("conn".into(), OwnedFd::from(conn)));
+    control.handed.store(true, Relaxed);
+    Some(keep::Exported { state: x.text, fds })
+}
+
+/// Serves a connection the previous vnetd handed over, its device already
+/// set up (`Frontend::import`). The `vhost` crate's handler keeps what was
+/// negotiated (features, protocol features: replies and acks depend on
+/// them) where nothing can set it but the messages themselves: so it is
+/// made on a socket pair, told them there as the frontend told them, and
+/// then its socket is made the frontend's connection (dup2 onto its
+/// descriptor), from which it reads on.
+fn run_adopted(shared: &Arc<Dev>, control: &Arc<Control>, (conn, fe, acked, protocol): (UnixStream, Frontend<DirtyPages>, u64, u64)) {
+    let fe = Arc::new(Mutex::new(fe));
+    let handler = (|| -> io::Result<BackendReqHandler<Mutex<Frontend<DirtyPages>>>> {
+        let (a, mut b) = UnixStream::pair()?;
+        let a_fd = a.as_raw_fd();
+        let mut handler = BackendReqHandler::from_stream(a, fe.clone());
+        let msg = |code: u32, value: Option<u64>| -> Vec<u8> {
+            let mut m = Vec::with_capacity(20);
+            m.extend_from_slice(&code.to_le_bytes());
+            m.extend_from_slice(&1u32.to_le_bytes()); // version 1
+            m.extend_from_slice(&(if value.is_some() { 8u32 } else { 0 }).to_le_bytes());
+            if let Some(v) = value {
+                m.extend_from_slice(&v.to_le_bytes());
+            }
+            m
+        };
+        // GET_FEATURES, SET_FEATURES, GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES.
+        use std::io::Write;
+        for m in [msg(1, None), msg(2, Some(acked)), msg(15, None), msg(16, Some(protocol))] {
+            b.write_all(&m)?;
+        }
+        for _ in 0..4 {
+            handler.handle_request().map_err(|e| io::Error::other(format!("{e}")))?;
+        }
+        // SAFETY: dup2 onto the descriptor the handler reads, which this
+        // function made and nothing else uses: it now reads the frontend.
+        if unsafe { libc::dup2(conn.as_raw_fd(), a_fd) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(handler)
+    })();
+    match handler {
+        Ok(h) => {
+            tracing::info!("vhost-user frontend taken over from the previous vnetd: connected, rings as they were");
+            serve_handler(shared, control, conn, h, fe);
+        }
+        Err(e) => tracing::warn!("vhost-user: cannot take the previous vnetd's connection over ({e}); its frontend reconnects"),
     }
 }
 
@@ -314,18 +422,40 @@ fn fstat(fd: RawFd) -> Result<libc::stat> {
 
 /// Serves one frontend connection until it ends (or vnetd stops it).
 fn run_connection(shared: &Arc<Dev>, control: &Arc<Control>, stream: UnixStream) {
-    if let Ok(c) = stream.try_clone() {
-        *control.conn.lock().unwrap() = Some(c);
-    }
+    let Ok(conn) = stream.try_clone() else { return };
+    let fe = Arc::new(Mutex::new(Frontend::new(shared.clone())));
+    let handler = BackendReqHandler::from_stream(stream, fe.clone());
+    shared.counters.connects.fetch_add(1, Relaxed);
+    tracing::info!("vhost-user frontend connected");
+    serve_handler(shared, control, conn, handler, fe);
+}
+
+/// Serves the frontend on `conn` with `handler` until it goes (or vnetd
+/// stops it, or hands it over: then it stops reading and stays parked).
+fn serve_handler(shared: &Arc<Dev>, control: &Arc<Control>, conn: UnixStream, mut handler: BackendReqHandler<Mutex<Frontend<DirtyPages>>>, fe: Arc<Mutex<Frontend<DirtyPages>>>) {
+    let conn_fd = conn.as_raw_fd();
+    *control.conn.lock().unwrap() = Some(conn);
     if control.stop.load(Relaxed) {
         return;
     }
-    let fe = Arc::new(Mutex::new(Frontend::new(shared.clone())));
-    let mut handler = BackendReqHandler::from_stream(stream, fe.clone());
-    shared.counters.connects.fetch_add(1, Relaxed);
+    *control.frontend.lock().unwrap() = Some(fe.clone());
     shared.connected.store(true, Relaxed);
-    tracing::info!("vhost-user frontend connected");
+    // A device taken over runs from the start.
+    control.report(shared);
     loop {
+        // A message, or a hand-over: then this vnetd reads no more of it.
+        let mut fds = [libc::pollfd { fd: conn_fd, events: libc::POLLIN, revents: 0 }, libc::pollfd { fd: control.park.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+        // SAFETY: poll(2) on two descriptors this thread holds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        }
+        if fds[1].revents != 0 {
+            control.parked.store(true, Relaxed);
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
         match handler.handle_request() {
             Ok(()) => {}
             // The device refused one request; the frontend was told.
@@ -342,6 +472,7 @@ fn run_connection(shared: &Arc<Dev>, control: &Arc<Control>, stream: UnixStream)
         control.report(shared);
     }
     shared.connected.store(false, Relaxed);
+    *control.frontend.lock().unwrap() = None;
     fe.lock().unwrap().reset();
     control.report(shared);
     *control.conn.lock().unwrap() = None;
@@ -384,8 +515,11 @@ fn connect_loop(shared: &Arc<Dev>, control: &Arc<Control>, dir: &SocketDir, name
 impl Drop for VhostUserNic {
     fn drop(&mut self) {
         self.control.stop.store(true, Relaxed);
+        // A connection handed over is the next vnetd's: only closed here.
         if let Some(c) = self.control.conn.lock().unwrap().take() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
+            if !self.control.handed.load(Relaxed) {
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            }
         }
         if let Some(l) = self.control.listener {
             // SAFETY: shutdown(2) on our listening socket wakes its accept.

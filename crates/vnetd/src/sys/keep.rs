@@ -21,14 +21,57 @@ use std::sync::Mutex;
 static OFFERED: Mutex<BTreeMap<String, RawFd>> = Mutex::new(BTreeMap::new());
 /// Given to this vnetd, not yet taken.
 static GIVEN: Mutex<Option<HashMap<String, OwnedFd>>> = Mutex::new(None);
+/// Objects whose state is written out only when a successor takes over
+/// (a vhost-user device: its rings, memory and connection), by name.
+static EXPORTS: Mutex<BTreeMap<String, Export>> = Mutex::new(BTreeMap::new());
+/// States given to this vnetd, not yet taken.
+static STATES: Mutex<Option<HashMap<String, String>>> = Mutex::new(None);
+
+/// What an object hands over: a line of state and its descriptors by name.
+pub struct Exported {
+    pub state: String,
+    pub fds: Vec<(String, OwnedFd)>,
+}
+
+/// Writes an object's state out for a successor (called once, at the
+/// hand-over, with every dispatcher stopped); None: not handed over.
+pub type Export = std::sync::Arc<dyn Fn() -> Option<Exported> + Send + Sync>;
 
 fn under_systemd() -> bool {
     std::env::var_os("NOTIFY_SOCKET").is_some()
 }
 
-/// A descriptor offered under a name, while its holder lives.
+/// A descriptor (or an export) offered under a name, while its holder
+/// lives.
 pub struct Offer {
     name: String,
+}
+
+/// Offers an object's state, written out by `export` at a hand-over, as
+/// `name` (its descriptors then named `<name> <their names>`).
+pub fn offer_export(name: String, export: Export) -> Offer {
+    lock(&EXPORTS).insert(name.clone(), export);
+    Offer { name }
+}
+
+/// Every offered object's state, written out now (a hand-over).
+pub fn exported() -> Vec<(String, Exported)> {
+    let all: Vec<(String, Export)> = lock(&EXPORTS).iter().map(|(n, e)| (n.clone(), e.clone())).collect();
+    all.into_iter().filter_map(|(n, e)| e().map(|x| (n, x))).collect()
+}
+
+/// A state this vnetd was given.
+pub fn give_state(name: String, state: String) {
+    lock(&STATES).get_or_insert_with(HashMap::new).insert(name, state);
+}
+
+/// The state given as `name`, if any, and the descriptors given with it
+/// (`<name> <fd name>`), by their own names.
+pub fn take_state(name: &str) -> Option<(String, HashMap<String, OwnedFd>)> {
+    let state = lock(&STATES).as_mut()?.remove(name)?;
+    let prefix = format!("{name} ");
+    let fds = take_all(&prefix).into_iter().map(|(n, fd)| (n[prefix.len()..].to_string(), fd)).collect();
+    Some((state, fds))
 }
 
 /// Offers `fd` (which the caller holds for as long as the `Offer`) as
@@ -58,6 +101,7 @@ impl Offer {
 impl Drop for Offer {
     fn drop(&mut self) {
         lock(&OFFERED).remove(&self.name);
+        lock(&EXPORTS).remove(&self.name);
     }
 }
 
@@ -104,6 +148,7 @@ pub fn take_all(prefix: &str) -> Vec<(String, OwnedFd)> {
 /// What was given and nobody took (closed now): their names.
 pub fn rest() -> Vec<String> {
     let mut names: Vec<String> = lock(&GIVEN).take().map(|m| m.into_keys().collect()).unwrap_or_default();
+    names.extend(lock(&STATES).take().map(|m| m.into_keys().map(|n| format!("{n} (state)")).collect::<Vec<_>>()).unwrap_or_default());
     names.sort();
     names
 }
