@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from netlab import REPO, VNETD, Guest, fast_stats, guest_mac, mesh_config, overlay_ip, run, underlay_ip, veth_mesh, wait_until
+from netlab import REPO, VNETCTL, VNETD, Guest, fast_stats, guest_mac, mesh_config, overlay_ip, run, underlay_ip, veth_mesh, wait_until
 
 CONNS = REPO / "tests" / "tools" / "conns.py"
 
@@ -588,6 +588,7 @@ class FdStore:
         self.sock = so.socket(so.AF_UNIX, so.SOCK_DGRAM)
         self.sock.bind(str(self.path))
         self.fds: dict[str, int] = {}
+        self.main_pids: list[int] = []
         self.lock = threading.Lock()
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -605,6 +606,8 @@ class FdStore:
                     fds.frombytes(data[:len(data) - len(data) % 4])
             fields = dict(l.split("=", 1) for l in msg.decode().splitlines() if "=" in l)
             with self.lock:
+                if "MAINPID" in fields:
+                    self.main_pids.append(int(fields["MAINPID"]))
                 name = fields.get("FDNAME", "stored")
                 if fields.get("FDSTORE") == "1" and fds:
                     if name in self.fds:
@@ -783,3 +786,51 @@ def test_a_takeover_hands_a_vms_vhost_user_connection_over_and_its_link_never_go
     assert new.stats()["interface vm5"]["vhost_connects"] == 0
     assert "3 received" in lab.x(gns, "ping", "-c", "3", "-i", "0.2", vm_ip).stdout
     vm.kill()
+
+
+def test_sigusr2_starts_the_installed_build_which_takes_over_and_becomes_the_main_process(lab):
+    """An upgrade in place, as under systemd (`systemctl kill --kill-who=main
+    -s SIGUSR2 vnetd`, dist/systemd/vnetd.service): vnetd, started by its
+    path, is sent SIGUSR2; it starts the binary at that path with its own
+    arguments and --takeover, hands over to it and exits. The new vnetd
+    tells the service manager it is the main process now (MAINPID, to an
+    emulated notify socket), serves the same control socket, and the TAP
+    guest under a 1000/s ping loses at most 1. With a broken build at the
+    path, the new process fails and the running vnetd goes on, saying so.
+    Catches: SIGUSR2 stopping vnetd, a successor without vnetd's arguments,
+    no MAINPID (systemd would take the old exit for the service's)."""
+    store = FdStore(lab)
+    hosts, d, g = tap_mesh(lab)
+    d[1].stop(signal.SIGTERM)
+    exe = lab.tmp / "bin" / "vnetd"
+    exe.parent.mkdir()
+    exe.symlink_to(VNETD)
+    d1 = lab.start_vnetd(hosts[1], d[1].config, binary=exe, env={"NOTIFY_SOCKET": str(store.path)})
+    assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    # A broken build first: the running vnetd goes on.
+    exe.unlink()
+    exe.write_text("#!/bin/sh\nexit 3\n")
+    exe.chmod(0o755)
+    d1.proc.send_signal(signal.SIGUSR2)
+    assert wait_until(lambda: "before taking over; this one goes on" in d1.log_text(), timeout=10), d1.log_text()
+    assert d1.proc.poll() is None and "3 received" in lab.ping(g[1], g[2], count=3).stdout
+    exe.unlink()
+    exe.symlink_to(VNETD)
+    ping = lab.popen(g[1].ns, "ping", "-q", "-i", "0.001", "-c", "3000", "-W", "1", g[2].ip,
+                     stdout=subprocess.PIPE, text=True)
+    time.sleep(1)
+    d1.proc.send_signal(signal.SIGUSR2)
+    assert d1.proc.wait(timeout=15) == 0
+    d1.stopped_with = signal.SIGTERM
+    started = [l for l in d1.log_text().splitlines() if "SIGUSR2: started" in l]
+    new_pid = int(started[-1].split("(pid ")[1].split(")")[0])
+    try:
+        out = ping.communicate(timeout=60)[0]
+        assert int(out.split(" received")[0].rsplit(None, 1)[1]) >= 2999, out + d1.log_text()
+        assert wait_until(lambda: new_pid in store.main_pids, timeout=5), store.main_pids
+        show = run([VNETCTL, "--socket", d1.sock, "INTERFACE", "LIST"]).stdout
+        assert "name=g1" in show
+        assert "descriptor(s) taken from vnetd" in d1.log_text()
+    finally:
+        os.kill(new_pid, signal.SIGTERM)
+        wait_until(lambda: not os.path.exists(f"/proc/{new_pid}"), timeout=10)

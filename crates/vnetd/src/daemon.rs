@@ -11,7 +11,7 @@ use crate::settings::{self, Settings};
 use crate::{fast, metrics, stats, vtoe};
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR2};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -420,10 +420,23 @@ pub fn run(args: Args) -> Result<()> {
             tracing::warn!("no hand-over at upgrades: {e:#}");
         }
     }
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
-    if let Some(sig) = signals.forever().next() {
+    // A vnetd that took over under systemd is the unit's main process
+    // from now on (the unit's NotifyAccess=all lets it say so).
+    if args.takeover {
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::MainPid(std::process::id())]);
+    }
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGUSR2])?;
+    for sig in signals.forever() {
+        if sig == SIGUSR2 {
+            // An upgrade in place: the binary at vnetd's own path (the new
+            // build, once installed) started with --takeover; this vnetd
+            // hands over to it, or goes on if it fails to start.
+            successor(&args.state);
+            continue;
+        }
         tracing::info!("signal {sig}: shutting down");
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        break;
     }
     cleanup(&dp);
     let joined: Vec<_> = dispatchers.into_iter().map(|h| h.join()).collect();
@@ -447,6 +460,39 @@ pub fn run(args: Args) -> Result<()> {
         ctl.total_drops(stats::DropReason::UnknownSender)
     );
     Ok(())
+}
+
+/// SIGUSR2: starts the binary at this vnetd's path with this vnetd's
+/// arguments and `--takeover` (nginx's binary upgrade, and systemd's: the
+/// new process is in the unit's cgroup and tells systemd it is the main
+/// one). Its exit is reaped and logged should it fail before taking over.
+fn successor(state: &str) {
+    if state == "none" {
+        tracing::warn!("SIGUSR2: no hand-over without --state; restart vnetd instead");
+        return;
+    }
+    let mut argv = std::env::args_os();
+    let Some(exe) = argv.next() else { return };
+    let args: Vec<std::ffi::OsString> = argv.filter(|a| a != "--takeover").collect();
+    let child = std::process::Command::new(&exe)
+        .args(&args)
+        .arg("--takeover")
+        .env_remove("LISTEN_FDS")
+        .env_remove("LISTEN_FDNAMES")
+        .env_remove("LISTEN_PID")
+        .stdin(std::process::Stdio::null())
+        .spawn();
+    match child {
+        Ok(mut c) => {
+            tracing::info!("SIGUSR2: started {} (pid {}) to take over", exe.to_string_lossy(), c.id());
+            let _ = std::thread::Builder::new().name("successor".into()).spawn(move || {
+                if let Ok(status) = c.wait() {
+                    tracing::warn!("the new vnetd exited ({status}) before taking over; this one goes on");
+                }
+            });
+        }
+        Err(e) => tracing::warn!("SIGUSR2: cannot start {}: {e}; this vnetd goes on", exe.to_string_lossy()),
+    }
 }
 
 /// A group given by name or number, as its gid.
