@@ -37,7 +37,11 @@ pub struct Exported {
 impl<B: DirtyLog> Frontend<B> {
     /// The device's state, the rings published first; None if it cannot be
     /// handed over (not set up, or logging dirty pages for a migration).
-    pub fn export(&self) -> Option<Exported> {
+    /// `position`: with each ring's next index (a hand-over, the rings
+    /// stopped); without, for a store that outlives a crash, the next index
+    /// is the used one read back from guest memory then (every chain vnetd
+    /// takes is used at once: nothing is in flight).
+    pub fn export(&self, position: bool) -> Option<Exported> {
         if self.logging || self.log.is_some() || self.table.is_empty() || self.mem.is_none() {
             return None;
         }
@@ -50,15 +54,19 @@ impl<B: DirtyLog> Frontend<B> {
         }
         for i in [RX, TX] {
             let mut r = self.shared.ring(i);
-            r.publish();
+            // The rings stopped (a hand-over): what was done is published
+            // first, so the next index is where the guest sees it.
+            if position {
+                r.publish();
+            }
             let q = &r.queue;
+            let next = if position { q.next_avail().to_string() } else { "-".to_string() };
             words.push(format!(
-                "ring {i} {} {:x} {:x} {:x} {} {} {}",
+                "ring {i} {} {:x} {:x} {:x} {next} {} {}",
                 q.size(),
                 q.desc_table(),
                 q.avail_ring(),
                 q.used_ring(),
-                q.next_avail(),
                 r.enabled as u8,
                 q.ready() as u8
             ));
@@ -101,7 +109,10 @@ impl<B: DirtyLog> Frontend<B> {
                         return Err(format!("no ring {i}"));
                     }
                     let size: u16 = size.parse().map_err(|_| "a ring size")?;
-                    let next: u16 = next.parse().map_err(|_| "a ring index")?;
+                    let next: Option<u16> = match *next {
+                        "-" => None,
+                        n => Some(n.parse().map_err(|_| "a ring index")?),
+                    };
                     rings.push((i, size, hex(desc)?, hex(avail)?, hex(used)?, next, *enabled == "1", *ready == "1"));
                 }
                 _ => return Err(format!("not a device state: {part}")),
@@ -133,7 +144,9 @@ impl<B: DirtyLog> Frontend<B> {
             q.try_set_desc_table_address(GuestAddress(desc)).map_err(|_| "ring address")?;
             q.try_set_avail_ring_address(GuestAddress(avail)).map_err(|_| "ring address")?;
             q.try_set_used_ring_address(GuestAddress(used)).map_err(|_| "ring address")?;
-            q.set_next_avail(next);
+            if let Some(n) = next {
+                q.set_next_avail(n);
+            }
             if let Some(file) = take(&format!("call {i}")) {
                 r.call = Some(Notifier::new(file).map_err(|e| format!("call {i}: {e:?}"))?);
             }
@@ -146,6 +159,11 @@ impl<B: DirtyLog> Frontend<B> {
             }
             if ready {
                 f.start(i as u32, &mut r);
+                if next.is_none() {
+                    // After a crash: on from the last chain used.
+                    let used = r.queue.next_used();
+                    r.queue.set_next_avail(used);
+                }
             }
         }
         Ok((f, acked, protocol))

@@ -71,6 +71,59 @@ struct Control {
     handed: AtomicBool,
     /// The connection's frontend, while one is connected.
     frontend: Mutex<Option<Arc<Mutex<Frontend<DirtyPages>>>>>,
+    /// `vhost <name>`: what the device is kept as (`keep`), and under
+    /// systemd what its descriptor store holds of it now (the state's text
+    /// and the names stored).
+    key: String,
+    stored: Mutex<Option<(String, Vec<String>)>>,
+}
+
+/// Under systemd: the device as it is set up now in the unit's descriptor
+/// store (its connection, memory files, ring eventfds and state, the next
+/// indexes left to be read back from guest memory), so that a vnetd
+/// started after a crash serves the same connection on and QEMU never sees
+/// the backend go. Stored again only when the frontend changed the setup.
+fn store(control: &Control, fe: &Mutex<Frontend<DirtyPages>>) {
+    if !keep::systemd() {
+        return;
+    }
+    let Some(x) = fe.lock().unwrap().export(false) else {
+        unstore(control);
+        return;
+    };
+    let mut last = control.stored.lock().unwrap();
+    if last.as_ref().is_some_and(|(t, _)| *t == x.text) {
+        return;
+    }
+    match last.take() {
+        Some((_, names)) => names.iter().for_each(|n| keep::unstore(n)),
+        // What a vnetd before this one stored of it.
+        None => ["conn", "state", "kick 0", "kick 1", "call 0", "call 1", "mem 0", "mem 1", "mem 2", "mem 3", "mem 4", "mem 5", "mem 6", "mem 7"]
+            .iter()
+            .for_each(|n| keep::unstore(&format!("{} {n}", control.key))),
+    }
+    let mut names = Vec::new();
+    for (n, fd) in &x.fds {
+        let full = format!("{} {n}", control.key);
+        keep::store(&full, std::os::fd::AsFd::as_fd(fd));
+        names.push(full);
+    }
+    if let Some(c) = control.conn.lock().unwrap().as_ref() {
+        let full = format!("{} conn", control.key);
+        keep::store(&full, std::os::fd::AsFd::as_fd(c));
+        names.push(full);
+    }
+    keep::store_text(&control.key, &x.text);
+    names.push(format!("{} state", control.key));
+    *last = Some((x.text, names));
+}
+
+/// Under systemd: the device's entries in the descriptor store go (its
+/// connection ended, or was shut down).
+fn unstore(control: &Control) {
+    if let Some((_, names)) = control.stored.lock().unwrap().take() {
+        names.iter().for_each(|n| keep::unstore(n));
+    }
 }
 
 /// Ring starts and stops reported per device: a burst of this many, then
@@ -165,6 +218,8 @@ impl VhostUserNic {
             parked: AtomicBool::new(false),
             handed: AtomicBool::new(false),
             frontend: Mutex::new(None),
+            key: format!("vhost {name}"),
+            stored: Mutex::new(None),
         });
         // The previous vnetd's connection and device, if it handed them
         // over: served from where it stopped, the frontend none the wiser.
@@ -216,7 +271,7 @@ fn export(shared: &Arc<Dev>, control: &Arc<Control>) -> Option<keep::Exported> {
         std::thread::sleep(Duration::from_millis(1));
     }
     let fe = control.frontend.lock().unwrap().clone()?;
-    let x = fe.lock().unwrap().export()?;
+    let x = fe.lock().unwrap().export(true)?;
     let conn = control.conn.lock().unwrap().as_ref()?.try_clone().ok()?;
     let mut fds = x.fds;
     fds.push(("conn".into(), OwnedFd::from(conn)));
@@ -442,6 +497,7 @@ fn serve_handler(shared: &Arc<Dev>, control: &Arc<Control>, conn: UnixStream, mu
     shared.connected.store(true, Relaxed);
     // A device taken over runs from the start.
     control.report(shared);
+    store(control, &fe);
     loop {
         // A message, or a hand-over: then this vnetd reads no more of it.
         let mut fds = [libc::pollfd { fd: conn_fd, events: libc::POLLIN, revents: 0 }, libc::pollfd { fd: control.park.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
@@ -457,7 +513,7 @@ fn serve_handler(shared: &Arc<Dev>, control: &Arc<Control>, conn: UnixStream, mu
             }
         }
         match handler.handle_request() {
-            Ok(()) => {}
+            Ok(()) => store(control, &fe),
             // The device refused one request; the frontend was told.
             Err(e @ (VhostError::InvalidParam | VhostError::InvalidOperation(_) | VhostError::InactiveFeature(_) | VhostError::InactiveOperation(_) | VhostError::ReqHandlerError(_))) => {
                 tracing::debug!("vhost-user request refused: {e}");
@@ -472,6 +528,7 @@ fn serve_handler(shared: &Arc<Dev>, control: &Arc<Control>, conn: UnixStream, mu
         control.report(shared);
     }
     shared.connected.store(false, Relaxed);
+    unstore(control);
     *control.frontend.lock().unwrap() = None;
     fe.lock().unwrap().reset();
     control.report(shared);
@@ -519,6 +576,7 @@ impl Drop for VhostUserNic {
         if let Some(c) = self.control.conn.lock().unwrap().take() {
             if !self.control.handed.load(Relaxed) {
                 let _ = c.shutdown(std::net::Shutdown::Both);
+                unstore(&self.control);
             }
         }
         if let Some(l) = self.control.listener {

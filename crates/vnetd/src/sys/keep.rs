@@ -14,7 +14,7 @@
 //! What nobody takes by the end of the start is closed and said (`rest`).
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Mutex;
 
 /// Offered: name -> the holder's descriptor (valid while its `Offer` lives).
@@ -77,14 +77,44 @@ pub fn take_state(name: &str) -> Option<(String, HashMap<String, OwnedFd>)> {
 /// Offers `fd` (which the caller holds for as long as the `Offer`) as
 /// `name`.
 pub fn offer(name: String, fd: BorrowedFd) -> Offer {
+    store(&name, fd);
+    lock(&OFFERED).insert(name.clone(), fd.as_raw_fd());
+    Offer { name }
+}
+
+/// Under systemd: puts `fd` in the unit's descriptor store as `name`.
+pub fn store(name: &str, fd: BorrowedFd) {
     if under_systemd() {
-        let state = [sd_notify::NotifyState::FdStore, sd_notify::NotifyState::FdName(&name)];
+        let state = [sd_notify::NotifyState::FdStore, sd_notify::NotifyState::FdName(name)];
         if let Err(e) = sd_notify::notify_with_fds(&state, &[fd]) {
             tracing::warn!("cannot keep {name} in systemd's descriptor store: {e}");
         }
     }
-    lock(&OFFERED).insert(name.clone(), fd.as_raw_fd());
-    Offer { name }
+}
+
+/// Under systemd: `text` in the descriptor store as `<name> state` (a
+/// memfd holding it), the state of the object `name` for the next
+/// vnetd (`from_systemd` gives it as a state).
+pub fn store_text(name: &str, text: &str) {
+    if !under_systemd() {
+        return;
+    }
+    let Ok(fd) = nix::sys::memfd::memfd_create(c"vnetd-state", nix::sys::memfd::MemFdCreateFlag::MFD_CLOEXEC) else { return };
+    if nix::unistd::write(&fd, text.as_bytes()).is_ok() {
+        unstore(&format!("{name} state"));
+        store(&format!("{name} state"), fd.as_fd());
+    }
+}
+
+/// Under systemd: what the store holds as `name` goes.
+pub fn unstore(name: &str) {
+    if under_systemd() {
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::FdStoreRemove, sd_notify::NotifyState::FdName(name)]);
+    }
+}
+
+pub fn systemd() -> bool {
+    under_systemd()
 }
 
 impl Offer {
@@ -121,12 +151,23 @@ pub fn give(fds: impl IntoIterator<Item = (String, OwnedFd)>) {
 /// (`LISTEN_FDS`, `LISTEN_FDNAMES`): given. Returns how many.
 pub fn from_systemd() -> usize {
     let Ok(fds) = sd_notify::listen_fds_with_names() else { return 0 };
-    let fds: Vec<(String, OwnedFd)> = fds
-        .map(|(fd, name)| {
-            // SAFETY: systemd passed this descriptor to this process for it to own.
-            (name, unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
-        })
-        .collect();
+    let mut plain = Vec::new();
+    for (fd, name) in fds {
+        // SAFETY: systemd passed this descriptor to this process for it to own.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        // An object's state (`store_text`): its text, given as a state.
+        if let Some(object) = name.strip_suffix(" state") {
+            let mut text = String::new();
+            let mut file = std::fs::File::from(fd);
+            use std::io::{Read, Seek};
+            if file.seek(std::io::SeekFrom::Start(0)).is_ok() && file.read_to_string(&mut text).is_ok() {
+                give_state(object.to_string(), text);
+            }
+            continue;
+        }
+        plain.push((name, fd));
+    }
+    let fds = plain;
     let n = fds.len();
     give(fds);
     n
