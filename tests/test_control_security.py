@@ -242,7 +242,10 @@ def test_half_finished_requests_time_out_and_change_nothing(lab):
     out = s.readline()
     took = time.monotonic() - t0
     assert out == b"ERR request not finished within 30 s; closing the session\n", out
-    assert 29 <= took <= 32, took
+    # 30 s, and not much later: up to 4 s of the server thread's wake-up
+    # on a loaded 2-core machine (32.04 s was seen once, beside the
+    # WireGuard timers' lab).
+    assert 29 <= took <= 34, took
     assert s.readline() == b"", "the session is closed"
     assert links_of(d) == before
 
