@@ -184,6 +184,35 @@ pub const MAX_PREFIX: usize = 16;
 
 /// A link of a UDP-encapsulated kind: a remote address on a carrier's
 /// socket, and a fixed header before each frame.
+/// Opens a run of datagrams that each carry a VNI before their frame
+/// (VXLAN, Geneve): `parse` gives a datagram's VNI and where its frame
+/// starts, or None (malformed); the datagram is the link's whose peer IP
+/// and VNI it carries, or dropped and counted.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+pub fn open_vni_run(
+    carrier: &CarrierKey,
+    links: &dyn super::LinkLookup,
+    st: &crate::stats::ThreadStats,
+    from: SocketAddr,
+    run: &mut [u8],
+    seg: usize,
+    intake: &mut dyn crate::port::Intake,
+    parse: impl Fn(&[u8]) -> Option<(u32, usize)>,
+) {
+    for r in gro_segments(run.len(), seg) {
+        let h = parse(&run[r.clone()]);
+        match h.and_then(|(vni, at)| links.demux(carrier, &DemuxKey::Vni(from.ip(), vni)).map(|s| (s, at))) {
+            Some((slot, at)) => intake.link_frame(slot, run, r.start + at..r.end),
+            None => {
+                st.global.received(r.len());
+                st.drop_at(None, if h.is_some() { DropReason::UnknownSender } else { DropReason::Malformed });
+            }
+        }
+    }
+    intake.end_run(run);
+}
+
 pub struct PrefixedLink {
     ep: Arc<UdpEndpoint>,
     pub remote: SocketAddr,

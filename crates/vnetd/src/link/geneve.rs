@@ -8,15 +8,15 @@
 //! (`malformed`). Interoperates with Open vSwitch's Geneve ports (OVN's
 //! encapsulation).
 
-use super::carriers::PrefixedLink;
+use super::carriers::{open_vni_run, PrefixedLink};
 use super::{CarrierKey, DemuxKey, LinkEnv, LinkKind, LinkLookup, LinkSpec, Made, RunOpener};
 use crate::port::Intake;
 use crate::settings::Settings;
-use crate::stats::{DropReason, ThreadStats};
+use crate::stats::ThreadStats;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use vnet_core::command::{LinkProto, GENEVE_PORT};
-use vnet_core::wire::{geneve_header, gro_segments, parse_geneve};
+use vnet_core::wire::{geneve_header, parse_geneve};
 
 pub const WORD: &str = "geneve";
 
@@ -37,17 +37,7 @@ impl RunOpener for Opener {
         _buf: &mut [u8],
         intake: &mut dyn Intake,
     ) {
-        for r in gro_segments(run.len(), seg) {
-            let h = parse_geneve(&run[r.clone()]);
-            match h.ok().and_then(|(vni, at)| links.demux(carrier, &DemuxKey::Vni(from.ip(), vni)).map(|s| (s, at))) {
-                Some((slot, at)) => intake.link_frame(slot, run, r.start + at..r.end),
-                None => {
-                    st.global.received(r.len());
-                    st.drop_at(None, if h.is_ok() { DropReason::UnknownSender } else { DropReason::Malformed });
-                }
-            }
-        }
-        intake.end_run(run);
+        open_vni_run(carrier, links, st, from, run, seg, intake, |d| parse_geneve(d).ok());
     }
 }
 

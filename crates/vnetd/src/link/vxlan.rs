@@ -5,15 +5,15 @@
 //! kernel's VXLAN sends from ports of its own choosing). Interoperates with
 //! the kernel's VXLAN device.
 
-use super::carriers::PrefixedLink;
+use super::carriers::{open_vni_run, PrefixedLink};
 use super::{CarrierKey, DemuxKey, LinkEnv, LinkKind, LinkLookup, LinkSpec, Made, RunOpener};
 use crate::port::Intake;
 use crate::settings::Settings;
-use crate::stats::{DropReason, ThreadStats};
+use crate::stats::ThreadStats;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use vnet_core::command::{LinkProto, VXLAN_PORT};
-use vnet_core::wire::{gro_segments, parse_vxlan, vxlan_header, VXLAN_HDR_LEN};
+use vnet_core::wire::{parse_vxlan, vxlan_header, VXLAN_HDR_LEN};
 
 pub const WORD: &str = "vxlan";
 
@@ -34,17 +34,7 @@ impl RunOpener for Opener {
         _buf: &mut [u8],
         intake: &mut dyn Intake,
     ) {
-        for r in gro_segments(run.len(), seg) {
-            let vni = parse_vxlan(&run[r.clone()]);
-            match vni.and_then(|v| links.demux(carrier, &DemuxKey::Vni(from.ip(), v))) {
-                Some(slot) => intake.link_frame(slot, run, r.start + VXLAN_HDR_LEN..r.end),
-                None => {
-                    st.global.received(r.len());
-                    st.drop_at(None, if vni.is_some() { DropReason::UnknownSender } else { DropReason::Malformed });
-                }
-            }
-        }
-        intake.end_run(run);
+        open_vni_run(carrier, links, st, from, run, seg, intake, |d| parse_vxlan(d).map(|vni| (vni, VXLAN_HDR_LEN)));
     }
 }
 
