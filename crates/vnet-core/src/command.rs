@@ -212,17 +212,23 @@ impl Command {
     pub fn undo(&self) -> Option<String> {
         match self {
             Command::IfaceAdd { name, .. } => Some(format!("INTERFACE DEL {name}")),
-            Command::LinkAdd { ip, proto, name, .. } => {
-                let name = match (name, ip, proto) {
-                    (Some(n), _, _) => n.clone(),
-                    (None, _, LinkProto::Direct { device }) => device.clone(),
-                    (None, Some(ip), _) => ip.to_string(),
-                    (None, None, _) => return None,
-                };
-                Some(format!("LINK DEL {name}"))
-            }
+            Command::LinkAdd { .. } => Some(format!("LINK DEL {}", self.link_name()?)),
             Command::RouteAdd(rule, _) => Some(format!("ROUTE DEL {rule}")),
             _ => None,
+        }
+    }
+}
+
+impl Command {
+    /// The name of the link a `LINK ADD` makes: the one given, else its
+    /// device (direct) or its peer's address.
+    pub fn link_name(&self) -> Option<String> {
+        let Command::LinkAdd { ip, proto, name, .. } = self else { return None };
+        match (name, ip, proto) {
+            (Some(n), _, _) => Some(n.clone()),
+            (None, _, LinkProto::Direct { device }) => Some(device.clone()),
+            (None, Some(ip), _) => Some(ip.to_string()),
+            (None, None, _) => None,
         }
     }
 }

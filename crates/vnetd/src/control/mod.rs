@@ -597,7 +597,7 @@ fn config_keys(c: &Command) -> Vec<String> {
         Command::IfaceAdd { name, mac, .. } => vec![format!("iface {name}"), format!("mac {mac}")],
         Command::IfaceDel(r, _) => vec![iface(r)],
         Command::IfaceSet(r, s) => vec![format!("{} {}", iface(r), s.key_value().0)],
-        Command::LinkAdd { .. } => c.undo().map(|u| vec![format!("link {}", u.trim_start_matches("LINK DEL "))]).unwrap_or_default(),
+        Command::LinkAdd { .. } => c.link_name().map(|n| vec![format!("link {n}")]).unwrap_or_default(),
         Command::LinkDel(LinkRef::Name(n)) => vec![format!("link {n}")],
         Command::RouteAdd(spec, _) | Command::RouteDel(RouteRef::Rule(spec)) => vec![format!("route {spec}")],
         Command::Set(s) => vec![format!("set {}", s.key_value().0)],

@@ -37,8 +37,11 @@ pub struct Exported {
 /// hand-over, with every dispatcher stopped); None: not handed over.
 pub type Export = std::sync::Arc<dyn Fn() -> Option<Exported> + Send + Sync>;
 
+/// Whether a service manager listens (NOTIFY_SOCKET), looked up once: it is
+/// asked after every vhost-user message.
 fn under_systemd() -> bool {
-    std::env::var_os("NOTIFY_SOCKET").is_some()
+    static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| std::env::var_os("NOTIFY_SOCKET").is_some())
 }
 
 /// A descriptor (or an export) offered under a name, while its holder
