@@ -709,7 +709,9 @@ def test_the_config_owns_its_own_lines_and_the_state_file_the_rest(lab):
     that was also set at run time. The start applies the config whole, as it was written, and then
     restores from the state file only what the config does not own: the
     removed route is gone, the config's setting wins over the run-time one,
-    the run-time route and the other run-time setting are back.
+    the run-time route and the other run-time setting are back; a run-time
+    route the config now adds too is the config's (its state line fails as
+    a duplicate, said in the log).
     Catches: a config edit undone by the state file (or refused against
     it), run-time objects lost because a config is given."""
     hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
@@ -720,13 +722,19 @@ def test_the_config_owns_its_own_lines_and_the_state_file_the_rest(lab):
     assert guest_mac(66) in d1.ctl("ROUTE", "LIST").stdout
     extra = f"any {guest_mac(77)} edge {underlay_ip(2)} any"
     d1.ctl("ROUTE", "ADD", *extra.split(), "owner", "agent")
+    both = f"any {guest_mac(88)} edge {underlay_ip(2)} any"
+    d1.ctl("ROUTE", "ADD", *both.split(), "owner", "agent")
     d1.ctl("SET", "quota", "17")
     d1.ctl("SET", "sleep-us", "99")
     d1.stop(signal.SIGTERM)
-    d1.config.write_text(text + "SET quota 8\n")
+    # A run-time route the config now makes too: the config's.
+    d1.config.write_text(text + "SET quota 8\n" + f"ROUTE ADD {both}\n")
     d1 = lab.start_vnetd(hosts[1], d1.config)
     routes = d1.ctl("ROUTE", "LIST").stdout
     assert f"{extra} owner agent" in routes and guest_mac(66) not in routes, routes
+    assert routes.count(guest_mac(88)) == 1 and f"{both} owner" not in routes, routes
+    said = [l for l in d1.log_text().splitlines() if "not restored" in l and f"ROUTE ADD {both} owner agent" in l]
+    assert said and "the same rule is already route" in said[0], d1.log_text()
     show = d1.ctl("SHOW").stdout
     assert " quota=8 " in show and " sleep-us=99 " in show, show
     assert "left to the config" in d1.log_text()
