@@ -331,8 +331,10 @@ impl<B: DirtyLog> Device<B> {
     /// Writes one frame into the held receive ring; its length.
     fn put(&self, rx: &mut Ring<B>, to: &Receiving, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
         if !rx.running() {
-            // Held for the ring's start, within bounds (`held`).
-            if rx.held.hold(std::time::Instant::now(), vnet, parts, &self.counters) {
+            // Held for the ring's start, within bounds (`held`); a broken
+            // ring is not starting, and holding for it would only fill the
+            // buffers of the frontend's next connection with stale frames.
+            if !rx.broken() && rx.held.hold(std::time::Instant::now(), vnet, parts, &self.counters) {
                 return Ok(parts.iter().map(|p| p.len()).sum());
             }
             return Err(io::Error::from_raw_os_error(libc::ENETDOWN));

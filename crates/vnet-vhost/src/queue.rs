@@ -206,6 +206,13 @@ impl<B: DirtyLog> Ring<B> {
         }
     }
 
+    /// Marked broken (a hostile or faulty driver): until the frontend
+    /// resets it, frames for it are dropped, not held.
+    #[inline]
+    pub fn broken(&self) -> bool {
+        self.health != Health::Ok
+    }
+
     /// Ready to move frames: addresses valid in the guest's memory, a kick
     /// descriptor given, enabled, and not broken.
     #[inline]
