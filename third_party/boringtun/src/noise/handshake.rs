@@ -463,6 +463,23 @@ impl Handshake {
         self.cookies.write_cookie = None;
     }
 
+    /// VNET: the index of the next session and the timestamp of the newest
+    /// initiation taken (TAI64N, 12 bytes), for `Tunn::export_state`.
+    pub(crate) fn export(&self) -> (u32, [u8; 12]) {
+        let mut t = [0u8; 12];
+        t[..8].copy_from_slice(&self.last_handshake_timestamp.secs.to_be_bytes());
+        t[8..].copy_from_slice(&self.last_handshake_timestamp.nano.to_be_bytes());
+        (self.next_index, t)
+    }
+
+    /// VNET: see `export`.
+    pub(crate) fn import(&mut self, next_index: u32, newest: &[u8; 12]) {
+        self.next_index = next_index;
+        if let Ok(t) = Tai64N::parse(newest) {
+            self.last_handshake_timestamp = t;
+        }
+    }
+
     // The index used is 24 bits for peer index, allowing for 16M active peers per server and 8 bits for cyclic session index
     fn inc_index(&mut self) -> u32 {
         let index = self.next_index;

@@ -73,6 +73,21 @@ pub struct Tunn {
     rate_limiter: Arc<RateLimiter>,
 }
 
+/// VNET: a tunnel's state, written out by `Tunn::export_state`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TunnExport {
+    pub sessions: Vec<session::SessionExport>,
+    pub current: usize,
+    pub timers: timers::TimersExport,
+    pub next_index: u32,
+    pub newest_initiation: [u8; 12],
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+}
+
+pub use session::SessionExport;
+pub use timers::TimersExport;
+
 type MessageType = u32;
 const HANDSHAKE_INIT: MessageType = 1;
 const HANDSHAKE_RESP: MessageType = 2;
@@ -224,6 +239,46 @@ impl Tunn {
         };
 
         Ok(tunn)
+    }
+
+    /// VNET: the tunnel's state written out, for another process to go on
+    /// with (`import_state`) without a new handshake: its sessions (keys,
+    /// counters, replay windows), which one is current, its timers, the
+    /// next session index and the newest initiation's timestamp. A handshake
+    /// in progress and the packets waiting for it are not carried.
+    ///
+    /// The caller must send nothing more through this `Tunn` afterwards: the
+    /// other process goes on from these counters (a nonce used twice breaks
+    /// ChaCha20-Poly1305).
+    pub fn export_state(&self) -> TunnExport {
+        let (next_index, newest_initiation) = self.handshake.export();
+        TunnExport {
+            sessions: self.sessions.iter().flatten().map(|s| s.export()).collect(),
+            current: self.current,
+            timers: self.timers.export(),
+            next_index,
+            newest_initiation,
+            tx_bytes: self.tx_bytes as u64,
+            rx_bytes: self.rx_bytes as u64,
+        }
+    }
+
+    /// VNET: goes on from `export_state` (of a `Tunn` between the same two
+    /// keys). Sessions held before are dropped. False (nothing changed) if
+    /// the export does not fit this build.
+    pub fn import_state(&mut self, e: &TunnExport) -> bool {
+        if !self.timers.import(&e.timers) {
+            return false;
+        }
+        self.sessions = Default::default();
+        for s in &e.sessions {
+            self.sessions[s.receiving_index as usize % N_SESSIONS] = Some(session::Session::from_export(s));
+        }
+        self.current = e.current;
+        self.handshake.import(e.next_index, &e.newest_initiation);
+        self.tx_bytes = e.tx_bytes as usize;
+        self.rx_bytes = e.rx_bytes as usize;
+        true
     }
 
     /// Update the private key and clear existing sessions

@@ -14,6 +14,23 @@ pub struct Session {
     sender: LessSafeKey,
     sending_key_counter: AtomicUsize,
     receiving_key_counter: Mutex<ReceivingKeyCounterValidator>,
+    // VNET: the raw keys, kept for `export` (a hand-over to another process).
+    receiving_key: [u8; 32],
+    sending_key: [u8; 32],
+}
+
+/// VNET: a session written out whole, to be carried on by another process
+/// (`Tunn::export_state`): its indices, keys, counters and replay window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionExport {
+    pub receiving_index: u32,
+    pub sending_index: u32,
+    pub receiving_key: [u8; 32],
+    pub sending_key: [u8; 32],
+    pub sending_counter: u64,
+    pub receiving_next: u64,
+    pub receiving_count: u64,
+    pub receiving_bitmap: [u64; N_WORDS as usize],
 }
 
 impl std::fmt::Debug for Session {
@@ -167,7 +184,37 @@ impl Session {
             sender: LessSafeKey::new(UnboundKey::new(&CHACHA20_POLY1305, &sending_key).unwrap()),
             sending_key_counter: AtomicUsize::new(0),
             receiving_key_counter: Mutex::new(Default::default()),
+            receiving_key,
+            sending_key,
         }
+    }
+
+    /// VNET: the session as it stands, for `from_export` in another process.
+    /// The caller must not send on this session after (a nonce would repeat).
+    pub(super) fn export(&self) -> SessionExport {
+        let v = self.receiving_key_counter.lock().clone();
+        SessionExport {
+            receiving_index: self.receiving_index,
+            sending_index: self.sending_index,
+            receiving_key: self.receiving_key,
+            sending_key: self.sending_key,
+            sending_counter: self.sending_key_counter.load(Ordering::SeqCst) as u64,
+            receiving_next: v.next,
+            receiving_count: v.receive_cnt,
+            receiving_bitmap: v.bitmap,
+        }
+    }
+
+    /// VNET: a session carried on from `export`.
+    pub(super) fn from_export(e: &SessionExport) -> Session {
+        let s = Session::new(e.receiving_index, e.sending_index, e.receiving_key, e.sending_key);
+        s.sending_key_counter.store(e.sending_counter as usize, Ordering::SeqCst);
+        *s.receiving_key_counter.lock() = ReceivingKeyCounterValidator {
+            next: e.receiving_next,
+            receive_cnt: e.receiving_count,
+            bitmap: e.receiving_bitmap,
+        };
+        s
     }
 
     pub(super) fn local_index(&self) -> usize {

@@ -65,7 +65,50 @@ pub struct Timers {
     pub(super) should_reset_rr: bool,
 }
 
+/// VNET: the timers written out whole (`Tunn::export_state`): the tunnel's
+/// age and every timer as time since its start, so that another process
+/// goes on with the same timeline (rekey, expiry and keepalive when they
+/// were due).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimersExport {
+    pub is_initiator: bool,
+    pub age: Duration,
+    pub timers: Vec<Duration>,
+    pub session_timers: Vec<Duration>,
+    pub want_keepalive: bool,
+    pub want_handshake: bool,
+}
+
 impl Timers {
+    /// VNET: see `TimersExport`.
+    pub(super) fn export(&self) -> TimersExport {
+        TimersExport {
+            is_initiator: self.is_initiator,
+            age: Instant::now().duration_since(self.time_started),
+            timers: self.timers.to_vec(),
+            session_timers: self.session_timers.to_vec(),
+            want_keepalive: self.want_keepalive,
+            want_handshake: self.want_handshake,
+        }
+    }
+
+    /// VNET: the timeline of `export` taken on; false (nothing changed) if
+    /// it does not fit (another build's timer count, or a start before
+    /// this machine's clock began).
+    pub(super) fn import(&mut self, e: &TimersExport) -> bool {
+        let Some(started) = Instant::now().checked_sub(e.age) else { return false };
+        if e.timers.len() != self.timers.len() || e.session_timers.len() != self.session_timers.len() {
+            return false;
+        }
+        self.time_started = started;
+        self.timers.copy_from_slice(&e.timers);
+        self.session_timers.copy_from_slice(&e.session_timers);
+        self.is_initiator = e.is_initiator;
+        self.want_keepalive = e.want_keepalive;
+        self.want_handshake = e.want_handshake;
+        true
+    }
+
     pub(super) fn new(persistent_keepalive: Option<u16>, reset_rr: bool) -> Timers {
         Timers {
             is_initiator: false,

@@ -57,6 +57,13 @@ impl Instant {
         self.t.duration_since(earlier.t)
     }
 
+    /// VNET: the instant `d` before this one, if the clock reaches back that
+    /// far (the clock is the machine's boot time, the same in every process).
+    #[cfg(unix)]
+    pub fn checked_sub(&self, d: Duration) -> Option<Self> {
+        self.t.checked_sub(d).map(|t| Self { t })
+    }
+
     /// Returns the amount of time elapsed since this instant was created.
     pub fn elapsed(&self) -> Duration {
         Self::now().duration_since(*self)

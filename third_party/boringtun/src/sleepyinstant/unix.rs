@@ -41,6 +41,12 @@ impl Instant {
         }
     }
 
+    /// VNET: the instant `d` before this one, if the clock reaches back that far.
+    pub(crate) fn checked_sub(&self, d: Duration) -> Option<Self> {
+        let t = self.t - TimeSpec::from_duration(d);
+        (t.tv_sec() >= 0).then_some(Self { t })
+    }
+
     pub(crate) fn duration_since(&self, earlier: Instant) -> Duration {
         self.checked_duration_since(earlier)
             .unwrap_or(Duration::ZERO)

@@ -333,6 +333,9 @@ impl Handshaker {
         let (link, c) = (f.link, &f.link.counters);
         let kind = dgram[0];
         let mut g = link.lock();
+        if g.handed_over {
+            return;
+        }
         match g.tunn.decapsulate(Some(from.ip()), dgram, &mut self.out) {
             TunnResult::WriteToNetwork(p) => {
                 // Our response to an initiation that opened (the peer proved
@@ -376,7 +379,7 @@ impl Handshaker {
     /// Sends what waits in `link` for a session, if it has one now, each
     /// frame sealed into this thread's own buffer.
     fn flush(&mut self, hub: &WgHub, link: &WgLink, stats: &Counters, g: &mut Peer) {
-        if g.waiting == 0 {
+        if g.waiting == 0 || g.handed_over {
             return;
         }
         let (mut frames, mut bytes) = (0, 0);
@@ -418,6 +421,9 @@ impl Handshaker {
 
     fn tick_link(&mut self, hub: &WgHub, links: &dyn LinkLookup, link: &WgLink) {
         let mut g = link.lock();
+        if g.handed_over {
+            return;
+        }
         let to = g.endpoint;
         let r = if std::mem::take(&mut g.fresh) {
             // The first handshake, unless a frame started one already.

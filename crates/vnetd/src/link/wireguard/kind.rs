@@ -45,6 +45,7 @@ impl LinkKind for Kind {
         let Some(path) = &settings.wireguard_key_file else { return Ok(()) };
         let keys = WgKeys::load_or_create(path).map_err(|e| format!("--wireguard-key-file: {e}"))?;
         let hub = WgHub::new(keys, path);
+        hub.keep_sessions();
         let port = settings.wireguard_port;
         let families: Vec<IpAddr> = match settings.udp_bind {
             Some(ip) => vec![ip],

@@ -44,6 +44,7 @@
 
 mod handshake;
 mod inner;
+mod kept;
 mod keys;
 mod kind;
 
@@ -119,6 +120,9 @@ counter_set! {
         handshakes_worked,
         /// Seconds the handshake thread has asked for cookies (under load).
         under_load_seconds,
+        /// Links whose session a hand-over carried on (`kept.rs`): no new
+        /// handshake.
+        sessions_taken_over,
     }
 }
 
@@ -146,6 +150,11 @@ pub struct WgHub {
     /// link made to that key so it refuses every initiation not newer.
     accepted: Mutex<HashMap<[u8; 32], [u8; INIT_LEN]>>,
     next_index: AtomicU32,
+    /// Sessions handed over by the vnetd this one took over from, by peer
+    /// key, until a link to that peer is made (`kept.rs`).
+    kept: Mutex<HashMap<[u8; 32], kept::KeptLink>>,
+    /// This hub's state offered for a hand-over, for as long as it lives.
+    offer: Mutex<Option<crate::sys::keep::Offer>>,
     pub counters: HubCounters,
     /// The handshake thread's frame counts (frames it sent that waited for
     /// a session, drops of handshake messages), summed into `STATS global`.
@@ -170,10 +179,22 @@ impl WgHub {
             peers: Mutex::new(Vec::new()),
             accepted: Mutex::new(HashMap::new()),
             next_index: AtomicU32::new(u32::from_ne_bytes(seed)),
+            kept: Mutex::new(HashMap::new()),
+            offer: Mutex::new(None),
             counters: HubCounters::default(),
             stats: Arc::new(ThreadStats::default()),
             key_file: key_file.to_path_buf(),
         })
+    }
+
+    /// Takes on the sessions a predecessor handed over, and offers this
+    /// hub's for a successor (`kept.rs`).
+    pub fn keep_sessions(self: &Arc<Self>) {
+        kept::take(self);
+        let me = Arc::downgrade(self);
+        let export: crate::sys::keep::Export =
+            Arc::new(move || me.upgrade().map(|h| crate::sys::keep::Exported { state: kept::write(&h), fds: Vec::new() }));
+        *self.offer.lock().unwrap_or_else(|p| p.into_inner()) = Some(crate::sys::keep::offer_export(kept::NAME.to_string(), export));
     }
 
     /// Takes a carrier of the WireGuard port (the IPv4 or IPv6 one).
@@ -236,6 +257,9 @@ impl WgHub {
         let mut out = [0u8; MIN_OUT];
         for p in self.live_peers() {
             let mut g = p.lock();
+            if g.handed_over {
+                continue;
+            }
             if let Err(e) = g.tunn.set_static_private(secret.clone(), public, Some(mac1.clone())) {
                 tracing::warn!("WireGuard peer {}: cannot take the new key: {e:?}", vnet_core::command::wireguard_key_text(&p.peer));
                 continue;
@@ -267,11 +291,19 @@ impl WgHub {
             return Err("that is this vnetd's own WireGuard key".into());
         }
         // A 24-bit index of our own (boringtun shifts it left by 8 and
-        // counts sessions in the low byte): what the peer's datagrams name.
-        let index = self.next_index.fetch_add(1, Relaxed) & 0x00ff_ffff;
+        // counts sessions in the low byte): what the peer's datagrams name;
+        // a session handed over keeps its link's.
+        let mut kept = kept::for_link(self, &peer);
+        let index = kept.as_ref().map_or_else(|| self.next_index.fetch_add(1, Relaxed) & 0x00ff_ffff, |k| k.index);
         let mut tunn = Tunn::new(keys.secret.clone(), PublicKey::from(peer), None, None, index, Some(self.mac1.load_full()))
             .map_err(|e| format!("cannot make the WireGuard peer: {e}"))?;
-        self.restore_newest_initiation(&mut tunn, &peer);
+        if kept.as_ref().is_some_and(|k| !tunn.import_state(&k.tunn)) {
+            tracing::warn!(peer = %vnet_core::command::wireguard_key_text(&peer), "hand-over: the WireGuard session does not fit this build: a new handshake");
+            kept = None;
+        }
+        if kept.is_none() {
+            self.restore_newest_initiation(&mut tunn, &peer);
+        }
         let link = Arc::new(WgLink {
             hub: self.clone(),
             peer,
@@ -281,12 +313,13 @@ impl WgHub {
             inner,
             state: Mutex::new(Peer {
                 tunn,
-                endpoint,
+                endpoint: kept.as_ref().map_or(endpoint, |k| k.endpoint),
                 waiting: 0,
-                sessions: 0,
-                fresh: true,
+                sessions: kept.as_ref().map_or(0, |k| k.sessions),
+                fresh: kept.is_none(),
                 flush_asked: false,
                 cookie_retry: None,
+                handed_over: false,
             }),
             counters: WgCounters::default(),
         });
@@ -522,6 +555,9 @@ struct Peer {
     /// When a cookie reply may next make us initiate again at once (rather
     /// than at the 5-s retry): at most once a second.
     cookie_retry: Option<Instant>,
+    /// Its tunnel was written out for a successor (`kept.rs`): nothing
+    /// more is sealed or sent through it here.
+    handed_over: bool,
 }
 
 impl Peer {
@@ -615,6 +651,11 @@ impl WgLink {
         let mut out = Sent::later();
         let mut g = self.lock();
         let to = g.endpoint;
+        if g.handed_over {
+            drop(g);
+            q.plain = plain;
+            return Sent::dropped(DropReason::TxError, count);
+        }
         for k in 0..count {
             if g.waiting >= MAX_WAITING {
                 out.add(Sent::dropped(DropReason::QueueFull, 1));
