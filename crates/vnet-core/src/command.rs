@@ -14,9 +14,12 @@
 //! ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>] [owner <tag>]
 //! ROUTE DEL <route-idx | the rule as added>
 //! ROUTE LIST
+//! NEIGH ADD <ip> <guest-MAC> [owner <tag>]
+//! NEIGH DEL <ip>
+//! NEIGH LIST
 //! STATS [interfaces | links | routes | global | vtoe]
 //! SET <mode | yield | sleep-us | nowork-us | alpha-lower | alpha-upper | window-ms | quota | datapath
-//!      | interrupts | eoc-alpha | eoc-beta | cut-through> <value>
+//!      | interrupts | eoc-alpha | eoc-beta | cut-through | storm-pps> <value>
 //! INTERFACE SET <tap-name | guest-MAC> <mode | alpha-lower | alpha-upper | window-ms> <value | default>
 //! SHOW
 //! HELP
@@ -176,6 +179,14 @@ pub enum Command {
     RouteAdd(RuleSpec, Option<String>),
     RouteDel(RouteRef),
     RouteList,
+    /// `NEIGH ADD <ip> <guest-MAC>`: the guest with that MAC holds that
+    /// address; a local guest's ARP request or neighbour solicitation for
+    /// it is answered on this host (`neigh`).
+    /// `owner <tag>`: who manages the binding (vnet-agent: `agent`), as
+    /// for routes.
+    NeighAdd { ip: IpAddr, mac: Mac, owner: Option<String> },
+    NeighDel(IpAddr),
+    NeighList,
     Stats(StatsScope),
     Show,
     Help,
@@ -202,6 +213,8 @@ impl Command {
                 | Command::LinkDel(_)
                 | Command::RouteAdd(..)
                 | Command::RouteDel(_)
+                | Command::NeighAdd { .. }
+                | Command::NeighDel(_)
                 | Command::Reload
         )
     }
@@ -214,6 +227,7 @@ impl Command {
             Command::IfaceAdd { name, .. } => Some(format!("INTERFACE DEL {name}")),
             Command::LinkAdd { .. } => Some(format!("LINK DEL {}", self.link_name()?)),
             Command::RouteAdd(rule, _) => Some(format!("ROUTE DEL {rule}")),
+            Command::NeighAdd { ip, .. } => Some(format!("NEIGH DEL {ip}")),
             _ => None,
         }
     }
@@ -266,6 +280,12 @@ ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>] [owner <
     src-TYPE: any | interface [<guest-MAC>] | edge [<link-name>]
 ROUTE DEL <route-idx | the rule as added>
 ROUTE LIST
+NEIGH ADD <ip> <guest-MAC> [owner <tag>]             that guest holds that address: a guest's ARP request or
+                                                     neighbour solicitation for it is answered on its own
+                                                     host (if its rules let it reach that MAC), never sent
+                                                     on; what local guests say of themselves is learned
+NEIGH DEL <ip>
+NEIGH LIST                                           the bindings given, then those learned (learned=<iface>)
 STATS [interfaces | links | routes | global | vtoe]
 SET mode <guest-driven | vmm-driven | adaptive>      dispatch mode of every interface
 SET yield <immediate | timed | adaptive>             what an idle poll loop does
@@ -276,6 +296,8 @@ SET datapath <auto | kernel | user>                  the kernel fast path, or vn
 SET interrupts <plain | optimistic>                  how vhost-user NICs interrupt guests (VNET/P+)
 SET eoc-alpha <kB/s> | eoc-beta <kB/s>               optimistic interrupts' density thresholds
 SET cut-through <on | off>                           send vhost-user guests' frames uncopied
+SET storm-pps <frames/s>                             each guest's broadcast and multicast budget (storm
+                                                     control; 0: none); over it, dropped and counted
 SHOW                                                 settings and everything above
 RELOAD                                               apply vnetd's --config file again: what was added by
                                                      lines now gone is deleted, new lines are applied
@@ -377,6 +399,27 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
             Some("list") => no_args(Command::RouteList),
             _ => Err(bad_verb("ROUTE", toks.get(1))),
         },
+        "neigh" | "neighbour" | "neighbor" => match verb.as_deref() {
+            Some("add") => {
+                let (ip, mac, owner) = match args {
+                    [ip, mac] => (ip, mac, None),
+                    [ip, mac, kw, tag] if kw.eq_ignore_ascii_case("owner") => {
+                        check_plain_name(tag, 32, "neighbour owner")?;
+                        (ip, mac, Some(tag.to_string()))
+                    }
+                    _ => return Err("NEIGH ADD needs <ip> <guest-MAC> [owner <tag>]".into()),
+                };
+                let ip = parse_neigh_ip(ip)?;
+                let mac: Mac = mac.parse().map_err(|e| format!("'{mac}': {e}"))?;
+                if mac.is_multicast() || mac == Mac([0; 6]) {
+                    return Err(format!("{mac} is not a guest's MAC"));
+                }
+                Ok(Some(Command::NeighAdd { ip, mac, owner }))
+            }
+            Some("del") | Some("delete") => Ok(Some(Command::NeighDel(parse_neigh_ip(one_arg(args, "an address")?)?))),
+            Some("list") => no_args(Command::NeighList),
+            _ => Err(bad_verb("NEIGH", toks.get(1))),
+        },
         "stats" => {
             let scope = match toks.get(1..).unwrap_or(&[]) {
                 [] => StatsScope::All,
@@ -406,6 +449,21 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
         "begin" | "commit" | "abort" => Err(format!("{first} is only allowed as a line of its own, outside a request")),
         _ => Err(format!("unknown command '{}' (try HELP)", toks.join(" "))),
     }
+}
+
+/// A guest's unicast address (IPv4, or IPv6 not link-local-multicast),
+/// canonical (an IPv4-mapped IPv6 address is the IPv4 one).
+fn parse_neigh_ip(text: &str) -> Result<IpAddr, String> {
+    let ip: IpAddr = text.parse().map_err(|_| format!("'{text}' is not an IP address"))?;
+    let ip = ip.to_canonical();
+    let bad = match ip {
+        IpAddr::V4(a) => a.is_unspecified() || a.is_broadcast() || a.is_multicast() || a.is_loopback(),
+        IpAddr::V6(a) => a.is_unspecified() || a.is_multicast() || a.is_loopback(),
+    };
+    if bad {
+        return Err(format!("{ip} is not a guest's unicast address"));
+    }
+    Ok(ip)
 }
 
 fn bad_verb(noun: &str, got: Option<&&str>) -> String {

@@ -13,6 +13,8 @@
 //!   VTOE shadow connection).
 //! - [`vtoe`]: VTOE's shadow-connection handshake and runner messages.
 //! - [`counters`]: `counter_set!`, counters whose names are written once.
+//! - [`neigh`]: IP-to-MAC bindings, and ARP / neighbour-discovery requests
+//!   answered on the asker's host (the rule every datapath obeys).
 //! - [`offload`]: checksum completion and TCP segmentation for offloaded frames.
 
 pub mod cache;
@@ -20,6 +22,7 @@ pub mod command;
 pub mod counters;
 pub mod linkauth;
 pub mod mac;
+pub mod neigh;
 pub mod offload;
 pub mod render;
 pub mod rule;

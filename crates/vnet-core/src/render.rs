@@ -52,6 +52,7 @@ impl Setting {
             Setting::EocAlpha(v) => ("eoc-alpha", v.to_string()),
             Setting::EocBeta(v) => ("eoc-beta", v.to_string()),
             Setting::CutThrough(v) => ("cut-through", if v { "on" } else { "off" }.into()),
+            Setting::StormPps(v) => ("storm-pps", v.to_string()),
         }
     }
 }
@@ -146,6 +147,12 @@ impl fmt::Display for Command {
             },
             Command::RouteDel(r) => write!(f, "ROUTE DEL {r}"),
             Command::RouteList => f.write_str("ROUTE LIST"),
+            Command::NeighAdd { ip, mac, owner } => match owner {
+                Some(o) => write!(f, "NEIGH ADD {ip} {mac} owner {o}"),
+                None => write!(f, "NEIGH ADD {ip} {mac}"),
+            },
+            Command::NeighDel(ip) => write!(f, "NEIGH DEL {ip}"),
+            Command::NeighList => f.write_str("NEIGH LIST"),
             Command::Stats(scope) => f.write_str(match scope {
                 StatsScope::All => "STATS",
                 StatsScope::Interfaces => "STATS interfaces",
@@ -206,6 +213,12 @@ mod tests {
             "SHOW",
             "RELOAD",
             "WIREGUARD ROTATE",
+            "NEIGH ADD 10.1.0.2 02:00:00:00:00:02",
+            "neigh add ::ffff:10.1.0.3 02:00:00:00:00:03",
+            "NEIGH ADD fd00::2 02:00:00:00:00:02 owner agent",
+            "NEIGH DEL 10.1.0.2",
+            "NEIGH LIST",
+            "SET storm-pps 2000",
         ];
         for l in lines {
             let c = parse_line(l).unwrap_or_else(|e| panic!("{l}: {e}")).unwrap();

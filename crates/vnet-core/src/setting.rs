@@ -191,6 +191,9 @@ pub enum Setting {
     EocBeta(u32),
     /// Cut-through: frames sent from a guest's shared memory without a copy.
     CutThrough(bool),
+    /// Storm control: broadcast and multicast frames each guest may send a
+    /// second (a burst of as many); 0: no limit.
+    StormPps(u32),
 }
 
 impl Setting {
@@ -220,9 +223,10 @@ impl Setting {
                 "off" => false,
                 _ => return Err(format!("'{value}' is not on or off")),
             }),
+            "storm-pps" => Setting::StormPps(num(0, 10_000_000)?),
             _ => {
                 return Err(format!(
-                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms, quota, datapath, interrupts, eoc-alpha, eoc-beta or cut-through)"
+                    "'{key}' is not a setting (want mode, yield, sleep-us, nowork-us, alpha-lower, alpha-upper, window-ms, quota, datapath, interrupts, eoc-alpha, eoc-beta, cut-through or storm-pps)"
                 ))
             }
         })

@@ -7,6 +7,8 @@
 //! - `sys` (the OS: netlink, devices, sockets, epoll), `settings` (what vnetd
 //!   runs by), `stats` (counters): the ground floor;
 //! - `port`: where a frame came from, and what a source hands frames to;
+//!   `guest`: what vnetd keeps of a guest beyond its NIC (broadcast budget,
+//!   learned addresses);
 //! - `nic` (a guest's virtual NIC, one module per kind) and `link` (a path to
 //!   another host, one module per kind, listed in `link::kinds`);
 //! - `topology`: the control plane's state, and the `Snapshot` it publishes
@@ -23,6 +25,7 @@ pub mod control;
 pub mod daemon;
 pub mod dispatch;
 pub mod fast;
+pub mod guest;
 pub mod handover;
 pub mod link;
 pub mod metrics;

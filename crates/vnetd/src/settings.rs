@@ -73,6 +73,9 @@ pub struct DispatchSettings {
     pub eoc_beta: u32,
     /// Frames sent from guests' shared memory uncopied.
     pub cut_through: bool,
+    /// Storm control: broadcast and multicast frames a guest may send a
+    /// second, a burst of as many (0: no limit).
+    pub storm_pps: u32,
 }
 
 impl Default for DispatchSettings {
@@ -96,6 +99,9 @@ impl Default for DispatchSettings {
             eoc_alpha: 1_000,
             eoc_beta: 200_000,
             cut_through: true,
+            // Far above what a guest's ARP, neighbour discovery and DHCP
+            // send; a broadcast storm is cut to it (docs/controller.md).
+            storm_pps: 1000,
         }
     }
 }
@@ -103,7 +109,7 @@ impl Default for DispatchSettings {
 impl DispatchSettings {
     pub fn render(&self) -> String {
         format!(
-            "mode={} yield={} sleep-us={} nowork-us={} alpha-lower={} alpha-upper={} window-ms={} quota={} datapath={} interrupts={} eoc-alpha={} eoc-beta={} cut-through={}",
+            "mode={} yield={} sleep-us={} nowork-us={} alpha-lower={} alpha-upper={} window-ms={} quota={} datapath={} interrupts={} eoc-alpha={} eoc-beta={} cut-through={} storm-pps={}",
             self.mode.name(),
             self.yield_strategy.name(),
             self.sleep_us,
@@ -116,7 +122,8 @@ impl DispatchSettings {
             self.interrupts.name(),
             self.eoc_alpha,
             self.eoc_beta,
-            if self.cut_through { "on" } else { "off" }
+            if self.cut_through { "on" } else { "off" },
+            self.storm_pps
         )
     }
 }

@@ -68,10 +68,16 @@ pub enum DropReason {
     /// Frames that waited for a link's handshake, dropped when it was given
     /// up (its peer never answered).
     Unreachable,
+    /// A guest's broadcast or multicast frame over its budget (`SET
+    /// storm-pps`: storm control).
+    Storm,
+    /// A guest's ARP or neighbour advertisement claiming an address another
+    /// guest holds (`NEIGH`, or learned first from another local guest).
+    Spoofed,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 10] = [
+    pub const ALL: [DropReason; 12] = [
         DropReason::NoRoute,
         DropReason::UnknownSender,
         DropReason::Oversize,
@@ -82,6 +88,8 @@ impl DropReason {
         DropReason::Unauthenticated,
         DropReason::RateLimited,
         DropReason::Unreachable,
+        DropReason::Storm,
+        DropReason::Spoofed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -96,6 +104,8 @@ impl DropReason {
             DropReason::Unauthenticated => "unauthenticated",
             DropReason::RateLimited => "rate_limited",
             DropReason::Unreachable => "unreachable",
+            DropReason::Storm => "storm",
+            DropReason::Spoofed => "spoofed",
         }
     }
 }
@@ -217,6 +227,11 @@ counter_set! {
         fanout_copies,
         /// Entries in the route cache (a gauge; summed over threads).
         cache_entries,
+        /// Guests' ARP requests and neighbour solicitations answered on
+        /// this host (never sent on), and addresses learned from what local
+        /// guests said of themselves (`neigh`).
+        neigh_answered,
+        neigh_learned,
     }
 }
 

@@ -449,6 +449,7 @@ impl Control {
             Command::IfaceList => list_ifaces(t, out),
             Command::LinkList => list_links(t, out),
             Command::RouteList => list_routes(t, out),
+            Command::NeighList => list_neighbours(t, out),
             Command::Stats(scope) => self.stats(*scope, t, out),
             Command::Show => {
                 let udp = self.dp.udp_addrs();
@@ -635,7 +636,25 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
         let netns = format!("{netns} network={}", i.network);
         let nic = i.nic.describe();
         let nic = if nic.is_empty() { nic } else { format!(" {nic}") };
-        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns}{nic} {own}", i.id, i.name, i.mac, i.mtu));
+        let ips = i.learned.list();
+        let ips = if ips.is_empty() { String::new() } else { format!(" ips={}", ips.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",")) };
+        out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns}{nic}{ips} {own}", i.id, i.name, i.mac, i.mtu));
+    }
+}
+
+/// `NEIGH LIST`: the bindings given, then those learned from local guests
+/// (`learned=<interface>`).
+fn list_neighbours(t: &Topology, out: &mut Vec<String>) {
+    for (ip, b) in t.neighbours.sorted() {
+        match b.owner {
+            Some(o) => out.push(format!("neigh {ip} {} owner {o}", b.mac)),
+            None => out.push(format!("neigh {ip} {}", b.mac)),
+        }
+    }
+    for i in t.ifaces.values() {
+        for ip in i.learned.list() {
+            out.push(format!("neigh {ip} {} learned={}", i.mac, i.name));
+        }
     }
 }
 

@@ -15,6 +15,7 @@
 //!
 //! Nothing here depends on which kind a NIC or a link is.
 
+use super::home;
 use crate::fast::{FastPath, InstallBudget};
 use crate::link::{Segments, Sent, TxCtx, TxQueue, SEG_PARTS};
 use crate::settings::irq_policy;
@@ -72,6 +73,8 @@ pub struct Forwarder {
     /// of those holding an interrupt back until this thread is idle.
     touched: Vec<u32>,
     deferred: Vec<u32>,
+    /// An answer to a guest's ARP or neighbour solicitation (`home`).
+    reply: Vec<u8>,
 }
 
 impl Forwarder {
@@ -93,6 +96,7 @@ impl Forwarder {
             budget: InstallBudget::default(),
             touched: Vec::with_capacity(8),
             deferred: Vec::with_capacity(8),
+            reply: Vec::with_capacity(128),
         }
     }
 
@@ -193,6 +197,13 @@ impl Forwarder {
     /// iovec to every kind of destination.
     pub fn from_port_pieces(&mut self, snap: &Snapshot, origin: Slot, head: &mut [u8], rest: &[&[u8]], mut vnet: VnetHdr) {
         let len = head.len() + rest.iter().map(|p| p.len()).sum::<usize>();
+        // A guest's broadcast or multicast: storm control, learning and
+        // local answers first (`home`).
+        if let (Some(b), Slot::Iface(s)) = (head.first(), origin) {
+            if b & 1 != 0 && self.kept_home(snap, s, head, len) {
+                return;
+            }
+        }
         if !self.route(snap, origin, head, len) {
             return;
         }
@@ -201,6 +212,35 @@ impl Forwarder {
             self.deliver(snap, to, head, rest, len, &mut vnet);
         }
         self.hits = hits;
+    }
+
+    /// The guest at `slot`'s broadcast or multicast frame `head` (`len`
+    /// bytes in all), met by `home`: true if it stops here (dropped and
+    /// counted, or answered).
+    #[cold]
+    #[inline(never)]
+    fn kept_home(&mut self, snap: &Snapshot, slot: u32, head: &[u8], len: usize) -> bool {
+        let iface = &snap.ifaces[slot as usize];
+        let port = Port::Interface(iface.id);
+        let cache = &mut self.cache;
+        let reachable = |src: Mac, dst: Mac| !cache.route(&snap.table, port, src, dst).is_empty();
+        let mut reply = std::mem::take(&mut self.reply);
+        let home = home::meet(snap, iface, head, &self.st.dispatch, reachable, &mut reply);
+        let done = match home {
+            home::Home::Route => false,
+            home::Home::Drop(why) => {
+                self.refuse(snap, Slot::Iface(slot), len, why);
+                true
+            }
+            home::Home::Answered => {
+                self.st.received_at(&iface.stats, 1, len);
+                let n = reply.len();
+                self.deliver(snap, Slot::Iface(slot), &mut reply, &[], n, &mut VnetHdr::default());
+                true
+            }
+        };
+        self.reply = reply;
+        done
     }
 
     /// The frame `buf[range]` received on the link at `slot`. Frames of one

@@ -7,6 +7,7 @@
 //! cache, buffers and batches.
 
 pub mod forward;
+pub mod home;
 pub mod rig;
 pub mod worker;
 

@@ -47,6 +47,7 @@ use std::sync::Arc;
 use vnet_core::command::{Attach, Command, Datapath, IfaceRef, IfaceSetting, LinkProto, LinkRef, Mode, RouteRef, Setting};
 use vnet_core::rule::{DstSpec, RuleSpec, SrcSpec};
 use vnet_core::table::{Port, Rule, RouteTable, SrcMatch};
+use vnet_core::neigh::Neighbours;
 use vnet_core::Mac;
 use vnet_fastpath::IdKind;
 
@@ -83,6 +84,9 @@ pub struct Topology {
     /// The kernel fast path's programs, if they loaded (whether or not the
     /// fast path is on): guest ports attach to them.
     pub kernel: Option<Arc<vnet_fastpath::Kernel>>,
+    /// Addresses bound to guests' MACs (`NEIGH ADD`): ARP and neighbour
+    /// solicitations for them are answered on the asker's host.
+    pub neighbours: Neighbours,
 }
 
 impl Topology {
@@ -116,6 +120,7 @@ impl Topology {
                     Setting::EocAlpha(v) => d.eoc_alpha = v,
                     Setting::EocBeta(v) => d.eoc_beta = v,
                     Setting::CutThrough(v) => d.cut_through = v,
+                    Setting::StormPps(v) => d.storm_pps = v,
                 }
                 self.check_thresholds()?;
                 Ok(format!("set {}", self.dispatch.render()))
@@ -166,6 +171,7 @@ impl Topology {
                 };
                 let nic = factory::nic(&spec)?;
                 let idx = self.insert_interface_as(id, name, *mac, mtu, *attach, netns.clone(), network.clone(), nic);
+                self.ifaces[&idx].learned.tell(settings.changes.clone());
                 // As made: the MTU it has now, whatever --default-mtu is next time.
                 let made = Command::IfaceAdd {
                     name: name.clone(),
@@ -235,6 +241,14 @@ impl Topology {
                 let route = self.remove_route(idx);
                 Ok(format!("deleted route {idx} {}", route.spec))
             }
+            Command::NeighAdd { ip, mac, owner } => match self.neighbours.insert(*ip, *mac, owner.clone()) {
+                Some(old) => Ok(format!("neighbour {ip} {mac} (was {old})")),
+                None => Ok(format!("neighbour {ip} {mac}")),
+            },
+            Command::NeighDel(ip) => match self.neighbours.remove(ip) {
+                Some(mac) => Ok(format!("deleted neighbour {ip} {mac}")),
+                None => Err(format!("no neighbour {ip}")),
+            },
             _ => Err("not a state-changing command".into()),
         }
     }
@@ -361,6 +375,8 @@ impl Topology {
                 stats: Counters::default(),
                 running_mode: AtomicU8::new(Mode::GuestDriven as u8),
                 mode_switches: AtomicU64::new(0),
+                storm: Default::default(),
+                learned: Default::default(),
             }),
         );
         idx
@@ -539,7 +555,9 @@ impl Topology {
             .map(|i| self.iface_settings.get(&i.id).copied().unwrap_or_default().effective(&self.dispatch))
             .collect();
         let fast_on = self.kernel.is_some() && self.dispatch.datapath != Datapath::User;
-        Snapshot::build(generation, ifaces, links, self.routes.clone(), self.table.clone(), self.dispatch, iface_dispatch, fast_on)
+        let mut snap = Snapshot::build(generation, ifaces, links, self.routes.clone(), self.table.clone(), self.dispatch, iface_dispatch, fast_on);
+        snap.neighbours = self.neighbours.clone();
+        snap
     }
 }
 

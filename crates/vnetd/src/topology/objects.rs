@@ -30,6 +30,10 @@ pub struct Interface {
     pub running_mode: AtomicU8,
     /// Switches between guest- and VMM-driven so far.
     pub mode_switches: AtomicU64,
+    /// Its broadcast budget, and the addresses it said it holds
+    /// (`guest`; `dispatch::home` uses them).
+    pub storm: crate::guest::StormBucket,
+    pub learned: crate::guest::Learned,
 }
 
 impl Interface {

@@ -46,6 +46,7 @@ impl Topology {
         }
         out.extend(self.links.keys().filter_map(|id| self.made_by.get(&Port::Link(*id))).map(|c| c.to_string()));
         out.extend(self.routes.values().map(|r| Command::RouteAdd(r.spec.clone(), r.owner.clone()).to_string()));
+        out.extend(self.neighbours.sorted().into_iter().map(|(ip, b)| Command::NeighAdd { ip, mac: b.mac, owner: b.owner }.to_string()));
         out
     }
 }
@@ -80,6 +81,7 @@ impl crate::settings::DispatchSettings {
             push(s != Setting::EocAlpha(d.eoc_alpha) && s != Setting::EocBeta(d.eoc_beta), s);
         }
         push(self.cut_through != d.cut_through, Setting::CutThrough(self.cut_through));
+        push(self.storm_pps != d.storm_pps, Setting::StormPps(self.storm_pps));
         out
     }
 }

@@ -37,6 +37,8 @@ pub struct Snapshot {
     /// The kernel fast path is on: dispatchers install the answers it can
     /// carry.
     pub fast_on: bool,
+    /// Addresses bound to guests' MACs (`NEIGH ADD`; `dispatch::home`).
+    pub neighbours: vnet_core::neigh::Neighbours,
 }
 
 pub use crate::port::Slot;
@@ -80,6 +82,7 @@ impl Snapshot {
             dispatch,
             iface_dispatch,
             fast_on,
+            neighbours: Default::default(),
         }
     }
 

@@ -353,7 +353,7 @@ fn a_refused_request_changes_nothing_and_names_its_line() {
                 format!("added interface 1 g2 {M2} mtu 1500"),
                 "added link 1 p2 udp 198.18.0.3:9000 mtu 1500".to_string(),
                 format!("added route 2 any {M2} interface {M2} edge p2"),
-                "set mode=guest-driven yield=adaptive sleep-us=1000 nowork-us=1000 alpha-lower=5 alpha-upper=10000 window-ms=5 quota=64 datapath=auto interrupts=plain eoc-alpha=1000 eoc-beta=200000 cut-through=on"
+                "set mode=guest-driven yield=adaptive sleep-us=1000 nowork-us=1000 alpha-lower=5 alpha-upper=10000 window-ms=5 quota=64 datapath=auto interrupts=plain eoc-alpha=1000 eoc-beta=200000 cut-through=on storm-pps=1000"
                     .to_string(),
                 "interface 0 g1 mode=vmm-driven alpha-lower=default alpha-upper=default window-ms=default".to_string(),
                 format!("deleted route 0 any {M1} interface {M1} any"),
