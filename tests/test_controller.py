@@ -848,3 +848,41 @@ def test_a_hosts_wireguard_key_rotates_under_an_open_tcp_connection(encrypted):
     print(f"{count} echoes across the rotation, longest wait {longest_ms} ms")
     assert longest_ms < 1000, out
     assert o.ping(13, 12) and o.ping(12, 11)
+
+
+def test_guests_addresses_are_published_and_their_arp_is_answered_on_the_askers_host(overlay):
+    """Guest 12 (host 2, network a) pings guest 11: host 2's vnetd learns its
+    address from its ARP request, its agent publishes it with the claim
+    (`ips` in etcd), and every other host with a member of network a binds
+    it (`NEIGH ... owner agent`); host 3 does not bind it for network b's
+    guest, and no host binds its own guests'. Then guest 13 (host 3) asks
+    for guest 12's address 50 times: every request is answered on host 3
+    with guest 12's MAC, and none crosses host 3's underlay."""
+    from test_neigh import ask, arp_on_the_wire
+    from test_wireguard import capture, stop_capture
+    from netlab import Guest
+    o = overlay
+    converged(o)
+    assert o.ping(12, 11)
+    ip12 = overlay_ip(12)
+
+    def published():
+        v = json.loads(o.etcdctl("get", "--prefix", "/vnet/host/h2/guests/", "--print-value-only").stdout.splitlines()[0])
+        return ip12 in v.get("ips", [])
+    assert wait_until(published, timeout=10), o.log(2)
+
+    def bound(i):
+        return f"neigh {ip12} {mac(12)} owner agent" in o.d[i].ctl("NEIGH", "LIST").stdout
+    assert wait_until(lambda: bound(1) and bound(3), timeout=10), (o.log(1), o.log(3))
+    assert not bound(2), "a host binds its own guest's address"
+    pcap = o.lab.tmp / "arp-h3.pcap"
+    cap = capture(o.lab, o.hosts[3], "eth0", pcap, ("udp",))
+    g13 = Guest(ns=o.guest_ns[13], tap="g13", mac=mac(13), ip=overlay_ip(13), host=o.hosts[3])
+    r = ask(o.lab, g13, ip12, n=50)
+    stop_capture(cap)
+    assert r == {"answered": 50, "from": {mac(12): 50}}, r
+    assert arp_on_the_wire(o.lab, pcap) == 0
+    # Guest 23 (network b, host 3) is not answered for network a's guest:
+    # its request is flooded within b and nobody there holds the address.
+    g23 = Guest(ns=o.guest_ns[23], tap="g23", mac=mac(23), ip=overlay_ip(23), host=o.hosts[3])
+    assert ask(o.lab, g23, ip12, n=3)["answered"] == 0

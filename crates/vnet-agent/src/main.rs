@@ -168,6 +168,7 @@ async fn run(args: Args) -> Result<()> {
     let mut last_ifaces: Option<BTreeMap<String, (u32, String)>> = None;
     let mut last_full = Instant::now();
     let mut last_macs: Option<String> = None;
+    let mut last_conflicts: Vec<(std::net::IpAddr, String)> = Vec::new();
     tracing::info!("vnet-agent for host {} ({}:{}), etcd {}", args.host, args.underlay, args.port, args.etcd.endpoints.join(","));
     loop {
         let event = tokio::select! {
@@ -199,14 +200,14 @@ async fn run(args: Args) -> Result<()> {
         // publishes what changed; the links and routes are read and derived
         // only when the overlay or the interfaces changed, and every
         // RESYNC to repair what someone else changed in vnetd.
-        let ifaces = match vnetd.interfaces() {
+        let (ifaces, ips) = match vnetd.interfaces() {
             Ok(i) => i,
             Err(e) => {
                 tracing::warn!("vnetd at {}: {e:#}", args.socket.display());
                 continue;
             }
         };
-        store.publish(&ifaces).await;
+        store.publish(&ifaces, &ips).await;
         let traffic_due = args.traffic_s > 0 && traffic_at.elapsed() >= Duration::from_secs(args.traffic_s);
         let dirty = store.take_dirty();
         if !dirty && !traffic_due && last_ifaces.as_ref() == Some(&ifaces) && last_full.elapsed() < RESYNC {
@@ -233,7 +234,14 @@ async fn run(args: Args) -> Result<()> {
         }
         let held = store.held(&state.ifaces);
         let want = model::derive(&args.host, &model::hosts_for(view.hosts, args.encrypt), view.guests, &held);
-        let changes = model::plan(&want, &state.links, &state.routes, &state.user_routes);
+        let mut changes = model::plan(&want, &state.links, &state.routes, &state.user_routes);
+        changes.extend(model::plan_neigh(&want, &state.neigh, &state.other_neigh));
+        if want.ip_conflicts != last_conflicts {
+            for (ip, mac) in want.ip_conflicts.iter().filter(|c| !last_conflicts.contains(c)) {
+                tracing::warn!("address {ip}: guest {mac} says it holds it, but another guest claimed it first: not bound to {mac}");
+            }
+            last_conflicts = want.ip_conflicts.clone();
+        }
         last_ifaces = Some(ifaces);
         if changes.is_empty() {
             continue;

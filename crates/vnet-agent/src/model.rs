@@ -67,6 +67,11 @@ pub fn check_wireguard_key(key: &str) -> anyhow::Result<()> {
 pub struct Guest {
     pub host: String,
     pub network: String,
+    /// The addresses its holder's record says it holds.
+    pub ips: Vec<IpAddr>,
+    /// The etcd revision its holder's claim was made at: of two guests
+    /// that say they hold one address, the one claimed first has it.
+    pub since: i64,
 }
 
 /// A link the agent wants: its name and the `LINK ADD` arguments.
@@ -93,6 +98,13 @@ pub struct Desired {
     pub links: BTreeSet<LinkWant>,
     /// Rules as `ROUTE LIST` prints them (lower-case MACs, canonical words).
     pub routes: BTreeSet<String>,
+    /// Addresses of remote members of this host's networks, to the MAC
+    /// holding each (`NEIGH ADD ... owner agent`): their ARP requests and
+    /// neighbour solicitations are answered here.
+    pub neigh: BTreeMap<IpAddr, String>,
+    /// Addresses two guests say they hold, the later claim's left out:
+    /// (address, the MAC refused).
+    pub ip_conflicts: Vec<(IpAddr, String)>,
 }
 
 /// Host names become link names (`agent.<host>`) and etcd keys.
@@ -148,7 +160,32 @@ pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String
             e.1.entry(g.host.as_str()).or_default().push(mac.as_str());
         }
     }
+    // Every member's addresses, the first claim of each address holding it.
+    let mut holders: BTreeMap<IpAddr, (i64, &str)> = BTreeMap::new();
+    for (mac, g) in guests {
+        for ip in &g.ips {
+            match holders.get(ip) {
+                Some((since, _)) if *since <= g.since => d.ip_conflicts.push((*ip, mac.clone())),
+                Some((_, other)) => {
+                    d.ip_conflicts.push((*ip, other.to_string()));
+                    holders.insert(*ip, (g.since, mac.as_str()));
+                }
+                None => {
+                    holders.insert(*ip, (g.since, mac.as_str()));
+                }
+            }
+        }
+    }
     for (local_members, remote) in nets.values() {
+        if !local_members.is_empty() {
+            for r in remote.values().flatten() {
+                for ip in &guests[*r].ips {
+                    if holders.get(ip).is_some_and(|(_, m)| m == r) {
+                        d.neigh.insert(*ip, r.to_string());
+                    }
+                }
+            }
+        }
         for host in remote.keys() {
             let h = &hosts[*host];
             let (port, key) = match &h.wireguard {
@@ -173,7 +210,26 @@ pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String
             }
         }
     }
+    d.ip_conflicts.sort();
     d
+}
+
+/// The `NEIGH` changes that take vnetd's bindings of the agent's (`have`:
+/// address → MAC) to `want`'s, leaving every address a user bound
+/// (`users`) alone.
+pub fn plan_neigh(want: &Desired, have: &BTreeMap<IpAddr, String>, users: &BTreeSet<IpAddr>) -> Vec<String> {
+    let mut req = Vec::new();
+    for (ip, mac) in have {
+        if want.neigh.get(ip) != Some(mac) {
+            req.push(format!("NEIGH DEL {ip}"));
+        }
+    }
+    for (ip, mac) in &want.neigh {
+        if have.get(ip) != Some(mac) && !users.contains(ip) {
+            req.push(format!("NEIGH ADD {ip} {mac} owner {OWNER}"));
+        }
+    }
+    req
 }
 
 /// The request that takes vnetd from what it has (`links`: the agent's
@@ -232,7 +288,7 @@ mod tests {
     }
 
     fn guest(host: &str, net: &str) -> Guest {
-        Guest { host: host.into(), network: net.into() }
+        Guest { host: host.into(), network: net.into(), ips: Vec::new(), since: 0 }
     }
 
     const A1: &str = "02:00:00:00:00:a1";
@@ -286,6 +342,31 @@ mod tests {
             let b = [B1, B2].iter().any(|m| r.contains(m));
             assert!(!(a && b), "{r}");
         }
+    }
+
+    #[test]
+    fn remote_members_addresses_are_bound_here_and_a_later_claim_of_one_is_refused() {
+        let mut o = overlay();
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        o.get_mut(A2).unwrap().ips = vec![ip("10.1.0.2"), ip("fd00::a2")];
+        o.get_mut(A2).unwrap().since = 5;
+        o.get_mut(B2).unwrap().ips = vec![ip("10.2.0.2")];
+        // A1 (here) says it holds A2's address too, claimed later: refused.
+        o.get_mut(A1).unwrap().ips = vec![ip("10.1.0.1"), ip("10.1.0.2")];
+        o.get_mut(A1).unwrap().since = 9;
+        let d = derive("h1", &hosts(3), &o, &local("h1"));
+        let want: BTreeMap<IpAddr, String> =
+            [(ip("10.1.0.2"), A2.to_string()), (ip("fd00::a2"), A2.to_string()), (ip("10.2.0.2"), B2.to_string())].into();
+        assert_eq!(d.neigh, want, "remote members of h1's networks, not h1's own");
+        assert_eq!(d.ip_conflicts, vec![(ip("10.1.0.2"), A1.to_string())]);
+        // h2 has network a only: B2's address is not bound there.
+        let d2 = derive("h2", &hosts(3), &o, &local("h2"));
+        assert!(!d2.neigh.contains_key(&ip("10.2.0.2")) && d2.neigh.get(&ip("10.1.0.1")) == Some(&A1.to_string()));
+        // The plan: only what differs, never a user's address.
+        let have: BTreeMap<IpAddr, String> = [(ip("10.1.0.2"), A2.to_string()), (ip("10.9.9.9"), B1.to_string())].into();
+        let users: BTreeSet<IpAddr> = [ip("10.2.0.2")].into();
+        let p = plan_neigh(&d, &have, &users);
+        assert_eq!(p, [format!("NEIGH DEL 10.9.9.9"), format!("NEIGH ADD fd00::a2 {A2} owner agent")]);
     }
 
     #[test]

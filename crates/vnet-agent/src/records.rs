@@ -97,6 +97,30 @@ pub struct GuestValue {
     pub network: String,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub released: bool,
+    /// The addresses the guest holds (what it said of itself to its host's
+    /// vnetd, `INTERFACE LIST`'s `ips=`): other hosts answer ARP and
+    /// neighbour solicitations for them locally (`NEIGH`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ips: Vec<IpAddr>,
+}
+
+/// Addresses a guest may publish at most (vnetd learns no more).
+pub const MAX_IPS: usize = 16;
+
+/// The addresses of a claim that a reader takes: unicast ones, at most
+/// `MAX_IPS` (a bad writer's others are ignored).
+pub fn usable_ips(ips: &[IpAddr]) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = Vec::new();
+    for ip in ips.iter().map(|i| i.to_canonical()) {
+        let unicast = match ip {
+            IpAddr::V4(a) => !(a.is_unspecified() || a.is_broadcast() || a.is_multicast() || a.is_loopback()),
+            IpAddr::V6(a) => !(a.is_unspecified() || a.is_multicast() || a.is_loopback()),
+        };
+        if unicast && !out.contains(&ip) && out.len() < MAX_IPS {
+            out.push(ip);
+        }
+    }
+    out
 }
 
 /// One claim of a MAC as a reader saw it: whose, its network, the
@@ -108,6 +132,7 @@ pub struct ClaimSeen {
     pub create_revision: i64,
     pub mod_revision: i64,
     pub released: bool,
+    pub ips: Vec<IpAddr>,
 }
 
 /// Every claim of one MAC, by (host, epoch).
@@ -206,7 +231,7 @@ mod tests {
     }
 
     fn claim(created: i64, released_at: Option<i64>) -> ClaimSeen {
-        ClaimSeen { network: "a".into(), create_revision: created, mod_revision: released_at.unwrap_or(created), released: released_at.is_some() }
+        ClaimSeen { network: "a".into(), create_revision: created, mod_revision: released_at.unwrap_or(created), released: released_at.is_some(), ips: Vec::new() }
     }
 
     fn claims(list: &[(&str, ClaimSeen)]) -> Claims {

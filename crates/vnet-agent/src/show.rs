@@ -83,7 +83,13 @@ pub async fn show(args: ShowArgs) -> Result<()> {
             }
             Some(Record::Guest(h, m, e)) => {
                 if let (Ok(v), Ok(m), Ok(()), true) = (serde_json::from_slice::<GuestValue>(kv.value()), check_mac(m), check_host_name(h), check_epoch(e)) {
-                    let c = ClaimSeen { network: v.network, create_revision: kv.create_revision(), mod_revision: kv.mod_revision(), released: v.released };
+                    let c = ClaimSeen {
+                        network: v.network,
+                        create_revision: kv.create_revision(),
+                        mod_revision: kv.mod_revision(),
+                        released: v.released,
+                        ips: crate::records::usable_ips(&v.ips),
+                    };
                     claimed.entry(m).or_default().insert((h.to_string(), e.to_string()), c);
                 }
             }

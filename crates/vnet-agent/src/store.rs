@@ -31,7 +31,7 @@
 
 use crate::etcd::{EtcdArgs, OP_TIMEOUT};
 use crate::model::{Guest, Host};
-use crate::records::{can_forget, check_epoch, guest_key, holder, new_epoch, reg_key, traffic_key, ClaimSeen, Claims, GuestValue, HostValue, Holding, Record, Traffic};
+use crate::records::{can_forget, check_epoch, guest_key, holder, new_epoch, reg_key, traffic_key, usable_ips, ClaimSeen, Claims, GuestValue, HostValue, Holding, Record, Traffic};
 use etcd_client::{Client, EventType, GetOptions, LeaseKeeper, LeaseKeepAliveStream, PutOptions, WatchOptions, WatchStream};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -56,6 +56,8 @@ struct Claim {
     since: Instant,
     /// Another claim holds the MAC (logged once).
     waiting: bool,
+    /// The addresses its record says the guest holds.
+    ips: Vec<IpAddr>,
 }
 
 pub struct View<'a> {
@@ -260,7 +262,8 @@ impl Store {
                 (Ok(g), Ok(mac))
                     if crate::model::check_host_name(host).is_ok() && crate::model::check_network(&g.network).is_ok() && check_epoch(epoch) =>
                 {
-                    let c = ClaimSeen { network: g.network, create_revision, mod_revision, released: g.released };
+                    let ips = usable_ips(&g.ips);
+                    let c = ClaimSeen { network: g.network, create_revision, mod_revision, released: g.released, ips };
                     self.claimed.entry(mac).or_default().insert((host.to_string(), epoch.to_string()), c);
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a guest entry"),
@@ -302,7 +305,8 @@ impl Store {
             let newest = claims.iter().filter(|((h, _), c)| *h == me && !c.released).max_by_key(|(_, c)| c.create_revision);
             if let Some(((_, epoch), c)) = newest {
                 let since = Instant::now().checked_sub(self.handover).unwrap_or_else(Instant::now);
-                self.claims.insert(mac.clone(), Claim { iface: u32::MAX, network: c.network.clone(), epoch: Some(epoch.clone()), since, waiting: false });
+                let ips = c.ips.clone();
+                self.claims.insert(mac.clone(), Claim { iface: u32::MAX, network: c.network.clone(), epoch: Some(epoch.clone()), since, waiting: false, ips });
             }
         }
     }
@@ -336,7 +340,10 @@ impl Store {
                 }
                 Holding::Free => continue,
             };
-            self.routed.insert(mac.clone(), Guest { host: holder_host.to_string(), network: first.network.clone() });
+            self.routed.insert(
+                mac.clone(),
+                Guest { host: holder_host.to_string(), network: first.network.clone(), ips: first.ips.clone(), since: first.create_revision },
+            );
             for ((host, _), c) in claims.iter().filter(|(_, c)| !c.released && *c != first) {
                 let w = (mac.clone(), host.clone(), c.create_revision);
                 if !self.seen_waiting.contains(&w) {
@@ -428,7 +435,7 @@ impl Store {
     /// interfaces gone, makes again a claim that missed a hand-over by a
     /// moment, and forgets released claims no reader needs. Only while etcd
     /// answers; otherwise next time.
-    pub async fn publish(&mut self, local: &BTreeMap<String, (u32, String)>) {
+    pub async fn publish(&mut self, local: &BTreeMap<String, (u32, String)>, ips: &BTreeMap<String, Vec<IpAddr>>) {
         if self.lease.is_none() || self.revision.is_none() {
             return;
         }
@@ -451,7 +458,7 @@ impl Store {
             let c = self
                 .claims
                 .entry(mac.clone())
-                .or_insert_with(|| Claim { iface: *id, network: network.clone(), epoch: None, since: now, waiting: false });
+                .or_insert_with(|| Claim { iface: *id, network: network.clone(), epoch: None, since: now, waiting: false, ips: Vec::new() });
             // An interface added again (or renumbered by a restarted vnetd)
             // keeps its claim, and with it its place.
             c.iface = *id;
@@ -478,18 +485,32 @@ impl Store {
                 }
             }
             let c = self.claims.get_mut(mac).expect("inserted above");
-            if c.epoch.is_some() {
+            let now_ips = ips.get(mac).map_or_else(Vec::new, |i| usable_ips(i));
+            if let Some(epoch) = c.epoch.clone() {
+                if c.ips != now_ips {
+                    // The guest holds other addresses now: its record says
+                    // so (one write; the claim keeps its place).
+                    let v = serde_json::to_string(&GuestValue { network: c.network.clone(), released: false, ips: now_ips.clone() }).expect("plain struct");
+                    match self.client.as_mut().expect("connected").put(guest_key(&prefix, &host, mac, &epoch), v, None).await {
+                        Ok(_) => {
+                            tracing::info!("guest {mac}: holds {}", now_ips.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
+                            c.ips = now_ips;
+                        }
+                        Err(e) => tracing::warn!("etcd: cannot publish guest {mac}'s addresses: {e}"),
+                    }
+                }
                 continue;
             }
             let epoch = new_epoch();
-            let v = serde_json::to_string(&GuestValue { network: c.network.clone(), released: false }).expect("plain struct");
+            c.ips = now_ips;
+            let v = serde_json::to_string(&GuestValue { network: c.network.clone(), released: false, ips: c.ips.clone() }).expect("plain struct");
             let key = guest_key(&prefix, &host, mac, &epoch);
             match self.client.as_mut().expect("connected").put(key, v, None).await {
                 Ok(r) => {
                     tracing::info!("guest {mac}: claimed in network {}", c.network);
                     // Our own write comes back through the watch too; note it now.
                     let rev = r.header().map_or(0, |h| h.revision());
-                    let seen = ClaimSeen { network: c.network.clone(), create_revision: rev, mod_revision: rev, released: false };
+                    let seen = ClaimSeen { network: c.network.clone(), create_revision: rev, mod_revision: rev, released: false, ips: c.ips.clone() };
                     self.claimed.entry(mac.clone()).or_default().insert((host.clone(), epoch.clone()), seen);
                     c.epoch = Some(epoch);
                 }
@@ -512,7 +533,7 @@ impl Store {
 
     /// Rewrites our claim `epoch` of `mac` as released.
     async fn release(&mut self, mac: &str, epoch: &str, network: &str) -> Result<(), etcd_client::Error> {
-        let v = serde_json::to_string(&GuestValue { network: network.to_string(), released: true }).expect("plain struct");
+        let v = serde_json::to_string(&GuestValue { network: network.to_string(), released: true, ips: Vec::new() }).expect("plain struct");
         let key = guest_key(&self.etcd.prefix, &self.me.host, mac, epoch);
         let r = self.client.as_mut().expect("connected").put(key, v, None).await?;
         let rev = r.header().map_or(0, |h| h.revision());

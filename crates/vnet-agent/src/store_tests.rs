@@ -108,12 +108,12 @@ fn a_mac_goes_down_its_chain_of_holders_and_never_to_a_claim_that_waited() {
         let m = "02:00:00:00:00:0c";
         let mut h1 = store(&etcd.url, "h1");
         h1.maintain().await;
-        h1.publish(&ifaces(&[(m, 1)])).await;
+        h1.publish(&ifaces(&[(m, 1)]), &Default::default()).await;
         // h3 claims the same MAC later (a clone, a rogue host): every
         // reader, h3 too, gives it to h1.
         let mut h3 = store(&etcd.url, "h3");
         h3.maintain().await;
-        h3.publish(&ifaces(&[(m, 7)])).await;
+        h3.publish(&ifaces(&[(m, 7)]), &Default::default()).await;
         settle(&mut h1).await;
         settle(&mut h3).await;
         assert_eq!(holder_of(&h1, m).as_deref(), Some("h1"));
@@ -126,15 +126,15 @@ fn a_mac_goes_down_its_chain_of_holders_and_never_to_a_claim_that_waited() {
         // its claim keeps its place.
         h1.lease = None;
         h1.maintain().await;
-        h1.publish(&ifaces(&[(m, 1)])).await;
+        h1.publish(&ifaces(&[(m, 1)]), &Default::default()).await;
         settle(&mut h3).await;
         assert_eq!(holder_of(&h3, m).as_deref(), Some("h1"), "h1's claim lost its place on its new lease");
         // h1's guest leaves (migrates): h1 releases its claim. h3's claim,
         // made while h1 held the MAC, does not take it, even when h3's
         // agent passes again: nobody holds it.
-        h1.publish(&ifaces(&[])).await;
+        h1.publish(&ifaces(&[]), &Default::default()).await;
         settle(&mut h3).await;
-        h3.publish(&ifaces(&[(m, 7)])).await;
+        h3.publish(&ifaces(&[(m, 7)]), &Default::default()).await;
         settle(&mut h3).await;
         settle(&mut h1).await;
         assert_eq!(holder_of(&h3, m), None, "the waiting claim took the MAC at the hand-over");
@@ -142,7 +142,7 @@ fn a_mac_goes_down_its_chain_of_holders_and_never_to_a_claim_that_waited() {
         // The guest starts on h2, which claims it: h2 holds it.
         let mut h2 = store(&etcd.url, "h2");
         h2.maintain().await;
-        h2.publish(&ifaces(&[(m, 4)])).await;
+        h2.publish(&ifaces(&[(m, 4)]), &Default::default()).await;
         for s in [&mut h1, &mut h2, &mut h3] {
             settle(s).await;
             assert_eq!(holder_of(s, m).as_deref(), Some("h2"));
@@ -152,12 +152,12 @@ fn a_mac_goes_down_its_chain_of_holders_and_never_to_a_claim_that_waited() {
         // releases: h4's guest starts and claims; h2 releases after.
         let mut h4 = store(&etcd.url, "h4");
         h4.maintain().await;
-        h4.publish(&ifaces(&[(m, 2)])).await;
+        h4.publish(&ifaces(&[(m, 2)]), &Default::default()).await;
         settle(&mut h2).await;
-        h2.publish(&ifaces(&[])).await;
+        h2.publish(&ifaces(&[]), &Default::default()).await;
         settle(&mut h4).await;
         // Its claim missed the release by a moment: h4 claims again, and holds it.
-        h4.publish(&ifaces(&[(m, 2)])).await;
+        h4.publish(&ifaces(&[(m, 2)]), &Default::default()).await;
         for s in [&mut h1, &mut h3, &mut h4] {
             settle(s).await;
             assert_eq!(holder_of(s, m).as_deref(), Some("h4"), "the new host's early claim did not take the MAC");

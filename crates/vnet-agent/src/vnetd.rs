@@ -36,6 +36,12 @@ pub struct State {
     pub routes: BTreeMap<String, u32>,
     /// Every other route's rule (a user's).
     pub user_routes: BTreeSet<String>,
+    /// What each local guest said it holds (`ips=`).
+    pub ips: BTreeMap<String, Vec<IpAddr>>,
+    /// The agent's address bindings (`NEIGH ... owner agent`): address →
+    /// MAC; and the addresses bound otherwise (a user's, or learned here).
+    pub neigh: BTreeMap<IpAddr, String>,
+    pub other_neigh: BTreeSet<IpAddr>,
 }
 
 impl Vnetd {
@@ -63,14 +69,16 @@ impl Vnetd {
     /// Interfaces, the agent's links and all routes, read in one request
     /// so that they agree with each other.
     pub fn state(&mut self) -> Result<State> {
-        let lines = self.request("BEGIN\nINTERFACE LIST\nLINK LIST\nROUTE LIST\nCOMMIT")?;
+        let lines = self.request("BEGIN\nINTERFACE LIST\nLINK LIST\nROUTE LIST\nNEIGH LIST\nCOMMIT")?;
         parse_state(&lines)
     }
 
-    /// The local interfaces alone: MAC → (id, network).
-    pub fn interfaces(&mut self) -> Result<BTreeMap<String, (u32, String)>> {
+    /// The local interfaces alone: MAC → (id, network), and MAC → the
+    /// addresses the guest said it holds.
+    pub fn interfaces(&mut self) -> Result<(BTreeMap<String, (u32, String)>, BTreeMap<String, Vec<IpAddr>>)> {
         let lines = self.request("INTERFACE LIST")?;
-        Ok(parse_state(&lines)?.ifaces)
+        let st = parse_state(&lines)?;
+        Ok((st.ifaces, st.ips))
     }
 
     /// Applies `changes` as one request (all or nothing).
@@ -164,6 +172,10 @@ pub fn parse_state(lines: &[String]) -> Result<State> {
                 let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("interface line without an id")?;
                 let mac = field(line, "mac").context("interface line without mac=")?.to_ascii_lowercase();
                 let net = field(line, "network").unwrap_or("default").to_string();
+                let ips: Vec<IpAddr> = field(line, "ips").map_or_else(Vec::new, |v| v.split(',').filter_map(|a| a.parse().ok()).collect());
+                if !ips.is_empty() {
+                    st.ips.insert(mac.clone(), ips);
+                }
                 st.ifaces.insert(mac, (id, net));
             }
             Some("link") => {
@@ -178,6 +190,17 @@ pub fn parse_state(lines: &[String]) -> Result<State> {
                     .map_err(|_| anyhow!("bad remote= in '{line}'"))?;
                 let key = field(line, "peer_key").map(str::to_string);
                 st.links.insert(name.to_string(), (id, remote.ip(), remote.port(), key));
+            }
+            Some("neigh") => {
+                let Some(ip) = words.get(1).and_then(|w| w.parse::<IpAddr>().ok()) else { continue };
+                match (words.get(2), &words[3.min(words.len())..]) {
+                    (Some(mac), ["owner", o]) if *o == OWNER => {
+                        st.neigh.insert(ip, mac.to_ascii_lowercase());
+                    }
+                    _ => {
+                        st.other_neigh.insert(ip);
+                    }
+                }
             }
             Some("route") => {
                 let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("route line without an id")?;
