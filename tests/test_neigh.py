@@ -81,6 +81,13 @@ def ask(lab, g, target_ip, n=100) -> dict:
     return json.loads(out)
 
 
+def answered(d, iface) -> int:
+    """ARP requests and solicitations host `d` answered itself: by vnetd,
+    and by the kernel fast path for `iface`'s guest."""
+    s = d.stats()
+    return s["dispatch"]["neigh_answered"] + s[f"interface {iface}"]["fast_neigh_answered"]
+
+
 def arp_on_the_wire(lab, pcap) -> int:
     """VNET/P datagrams (the bare frame in UDP) carrying an ARP frame."""
     return sum(1 for p in datagrams(lab, pcap) if len(p) >= 14 and p[12:14] == b"\x08\x06")
@@ -102,7 +109,7 @@ def test_an_arp_request_for_a_bound_address_is_answered_on_its_host_and_crosses_
     stop_capture(cap)
     assert r == {"answered": 100, "from": {guest_mac(2): 100}}, r
     assert arp_on_the_wire(lab, pcap) == 0
-    assert d[1].stats()["dispatch"]["neigh_answered"] >= 100
+    assert answered(d[1], "g1") == 100
     # The guest's kernel reaches guest 2 with that answer.
     lab.x(g[1].ns, "ip", "neigh", "flush", "all")
     assert "3 received" in lab.ping(g[1], g[2], count=3).stdout
@@ -128,10 +135,10 @@ def test_an_address_a_guest_says_it_holds_is_learned_and_a_guest_claiming_it_is_
     line = next(l for l in d[2].ctl("INTERFACE", "LIST").stdout.splitlines() if "name=g2" in l)
     assert f"ips={overlay_ip(2)}" in line, line
     assert f"neigh {overlay_ip(2)} {guest_mac(2)} learned=g2" in d[2].ctl("NEIGH", "LIST").stdout
-    before = d[2].stats()["dispatch"]["neigh_answered"]
+    before = answered(d[2], "g3")
     r = ask(lab, g[3], overlay_ip(2), n=5)
     assert r == {"answered": 5, "from": {guest_mac(2): 5}}, r
-    assert d[2].stats()["dispatch"]["neigh_answered"] == before + 5
+    assert answered(d[2], "g3") == before + 5
 
     # Guest 1 learnt guest 2's MAC from guest 2's request.
     assert guest_mac(2) in lab.x(g[1].ns, "ip", "neigh", "show", overlay_ip(2)).stdout
@@ -175,11 +182,40 @@ def test_a_broadcast_storm_is_cut_to_its_budget_and_costs_the_other_guests_nothi
     p = lab.x(g[3].ns, "ping", "-q", "-c", "200", "-i", "0.01", "-W", "1", g[2].ip, check=False, timeout=60)
     sent = int(storm.communicate(timeout=60)[0])
     s = d[1].stats()["interface g1"]
-    print(f"storm: {sent} frames sent, {s['drop_storm']} dropped by storm control; ping: {p.stdout.strip().splitlines()[-2]}")
+    print(f"storm: {sent} frames sent, {s['drop_storm']} dropped by storm control, {s['drop_upcall_full']} before vnetd read them; "
+          f"ping: {p.stdout.strip().splitlines()[-2]}")
     assert "200 received" in p.stdout, p.stdout
     assert sent > 5000, sent
     # Through: at most 3 s at 500/s plus a burst of 500, and some slack for
     # the guests' own broadcasts.
     through = d[2].stats()["interface g2"]["out_frames"] - before - 200
     assert through <= 3 * 500 + 500 + 50, through
-    assert s["drop_storm"] >= sent - (3 * 500 + 500 + 50), s
+    # The rest dropped by storm control (a few may not reach vnetd at all:
+    # the host's backlog full under the storm, counted by the kernel).
+    assert s["drop_storm"] > 0.9 * sent, s
+
+
+def test_the_kernel_fast_path_answers_a_known_veth_guests_arp_itself(lab):
+    """Veth guests on the kernel fast path: guest 1's first ARP request goes
+    to vnetd, which learns its address and answers; from then on the eBPF
+    program answers it in the kernel (`fast_neigh_answered`), by the same
+    rule (guest 2's MAC, which guest 1's rules reach). None crosses the
+    underlay either way; vnetd answers no more than the first few. Unbound
+    (`NEIGH DEL`), the program answers nothing more and guest 2 answers for
+    itself across the overlay."""
+    hosts, d, g = veth_mesh(lab, {1: [1], 2: [2]})
+    d[1].ctl("NEIGH", "ADD", overlay_ip(2), guest_mac(2))
+    pcap = lab.tmp / "arp.pcap"
+    cap = capture(lab, hosts[1], "eth0", pcap, ("udp",))
+    r = ask(lab, g[1], overlay_ip(2))
+    stop_capture(cap)
+    assert r == {"answered": 100, "from": {guest_mac(2): 100}}, r
+    assert arp_on_the_wire(lab, pcap) == 0
+    s = d[1].stats()
+    kernel, user = s["interface g1"]["fast_neigh_answered"], s["dispatch"]["neigh_answered"]
+    print(f"100 ARP requests: {kernel} answered by the kernel fast path, {user} by vnetd")
+    assert kernel >= 95 and kernel + user == 100, (kernel, user)
+    d[1].ctl("NEIGH", "DEL", overlay_ip(2))
+    r = ask(lab, g[1], overlay_ip(2), n=5)
+    assert r["from"] == {guest_mac(2): 5}, r
+    assert d[1].stats()["interface g1"]["fast_neigh_answered"] == kernel

@@ -6,7 +6,10 @@
 //
 //   from_guest    ingress of a guest port's host side (the host end of a
 //                 veth whose other end is the guest's NIC, or the TAP QEMU
-//                 writes into). A hit is delivered to a local guest or
+//                 writes into). An ARP request for an address `neigh`
+//                 binds for this port, from a guest whose own address it
+//                 binds, is answered back into the port (vnet-core's neigh
+//                 rule, decided by vnetd per port). A hit is delivered to a local guest or
 //                 encapsulated in the link's outer IPv4/UDP header (the
 //                 VNET/P wire: outer header, then the whole frame) and sent
 //                 out of the underlay device. A miss goes, unchanged, to the
@@ -129,7 +132,9 @@ struct config {
 
 // C_LINK_RESOLVED: a link's frames sent with the kernel resolving the next
 // hop (bpf_redirect_neigh: vnetd did not know it yet). Added after layout 1.
-enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE, C_LINK_RESOLVED };
+// C_NEIGH: ARP requests a port's guest sent that were answered here (added
+// after layout 1).
+enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE, C_LINK_RESOLVED, C_NEIGH };
 
 struct counter_key {
 	__u32 kind;
@@ -198,6 +203,30 @@ struct {
 	__type(key, struct addr_key);
 	__type(value, struct link_addr);
 } link_addrs SEC(".maps");
+
+// The IPv4 addresses a port's guest may be answered for, and the MAC each
+// is answered with (crates/vnetd/src/fast/neigh.rs): vnetd puts here only
+// what vnet-core's rule lets it answer (the guest's rules reach that MAC),
+// and the guest's own addresses (bound to its own MAC), without which
+// nothing is answered here: a guest vnetd has not heard yet goes to vnetd,
+// which learns it. Added after layout 1 (src/lib.rs ADDED_MAPS).
+struct neigh_key {
+	__u32 origin; // the port's interface id
+	__u32 addr;   // network order
+};
+
+struct neigh_val {
+	__u8 mac[6];
+	__u16 _pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct neigh_key);
+	__type(value, struct neigh_val);
+} neigh SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -494,6 +523,69 @@ shot:
 	return TC_ACT_SHOT;
 }
 
+#define ARP_LEN 42 // Ethernet + ARP for IPv4
+
+// The guest's ARP request, answered here if `neigh` says so for its port:
+// the reply is written over the request and sent back out of the port
+// (TC_ACT_REDIRECT); -1 if not (the caller goes on as for any frame).
+static __always_inline int arp_answer(struct __sk_buff *skb, struct port_info *p)
+{
+	if (skb->len < ARP_LEN || bpf_skb_pull_data(skb, ARP_LEN))
+		return -1;
+	__u8 *d = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	if (d + ARP_LEN > end)
+		return -1;
+	// htype 1, ptype IPv4, hlen 6, plen 4, op 1 (request); the sender is
+	// the frame's source.
+	static const __u8 want[8] = { 0, 1, 8, 0, 6, 4, 0, 1 };
+	for (int i = 0; i < 8; i++)
+		if (d[14 + i] != want[i])
+			return -1;
+	for (int i = 0; i < 6; i++)
+		if (d[22 + i] != d[6 + i])
+			return -1;
+	struct neigh_key k = { .origin = p->origin };
+	__builtin_memcpy(&k.addr, d + 28, 4);
+	__u32 spa = k.addr, tpa;
+	__builtin_memcpy(&tpa, d + 38, 4);
+	if (spa == tpa)
+		return -1; // a gratuitous ARP asks nothing
+	struct neigh_val *own = bpf_map_lookup_elem(&neigh, &k);
+	if (!own)
+		return -1;
+	for (int i = 0; i < 6; i++)
+		if (own->mac[i] != d[6 + i])
+			return -1;
+	k.addr = tpa;
+	struct neigh_val *h = bpf_map_lookup_elem(&neigh, &k);
+	if (!h)
+		return -1;
+	__u8 asker[6], holder[6];
+	__builtin_memcpy(asker, d + 6, 6);
+	__builtin_memcpy(holder, h->mac, 6);
+	int same = 1;
+	for (int i = 0; i < 6; i++)
+		if (holder[i] != asker[i])
+			same = 0;
+	if (same)
+		return -1;
+	__u8 r[ARP_LEN];
+	__builtin_memcpy(r, asker, 6);          // to the asker
+	__builtin_memcpy(r + 6, holder, 6);     // from the holder
+	__builtin_memcpy(r + 12, d + 12, 2);    // ARP
+	__builtin_memcpy(r + 14, want, 6);
+	r[20] = 0;
+	r[21] = 2;                              // reply
+	__builtin_memcpy(r + 22, holder, 6);    // sender: the holder, the target address
+	__builtin_memcpy(r + 28, &tpa, 4);
+	__builtin_memcpy(r + 32, asker, 6);     // target: the asker
+	__builtin_memcpy(r + 38, &spa, 4);
+	if (bpf_skb_store_bytes(skb, 0, r, ARP_LEN, 0))
+		return -1;
+	count(C_NEIGH, p->origin, skb->len);
+	return bpf_redirect(skb->ifindex, 0);
+}
+
 SEC("tc")
 int from_guest(struct __sk_buff *skb)
 {
@@ -510,6 +602,16 @@ int from_guest(struct __sk_buff *skb)
 		// Headers not in the linear part (rare): let vnetd read it.
 		if (skb->len < ETH_HLEN || bpf_skb_pull_data(skb, ETH_HLEN))
 			return upcall(p, S_MISS_GUEST);
+		data = (void *)(long)skb->data;
+		end = (void *)(long)skb->data_end;
+		eth = data;
+		if ((void *)(eth + 1) > end)
+			return upcall(p, S_MISS_GUEST);
+	}
+	if (eth->h_proto == bpf_htons(ETH_P_ARP) && (eth->h_dest[0] & 1)) {
+		int r = arp_answer(skb, p);
+		if (r >= 0)
+			return r;
 		data = (void *)(long)skb->data;
 		end = (void *)(long)skb->data_end;
 		eth = data;

@@ -194,6 +194,8 @@ pub enum CounterKind {
     Route = 5,
     /// A link's frames sent with the kernel resolving the next hop.
     LinkResolved = 6,
+    /// A port's ARP requests answered by the programs (`neigh`).
+    Neigh = 7,
 }
 
 #[repr(C)]

@@ -16,6 +16,7 @@
 
 pub mod guard;
 mod layout;
+mod neigh;
 pub mod pin;
 
 pub use layout::{Action, CounterKind, Flow, FlowKey, LinkPath, NextHop, LINK_BIT, STAT_NAMES};
@@ -59,14 +60,14 @@ impl Hook {
 
 /// The maps vnetd pins and adopts (the object's other maps, if any, are
 /// the loader's own and made anew by each load).
-const PINNED_MAPS: [&str; 10] =
-    ["flows", "links", "link_addrs", "ports", "config", "counters", "stats", "meta", "ids", "next_hops"];
+const PINNED_MAPS: [&str; 11] =
+    ["flows", "links", "link_addrs", "ports", "config", "counters", "stats", "meta", "ids", "next_hops", "neigh"];
 
 /// Maps added since layout 1 without changing any other map's meaning: a
 /// folder that lacks one is still adopted (the rest of it, entries and
 /// all), and the map is made and pinned beside the adopted ones. An upgrade
 /// from a build before it stays hitless.
-const ADDED_MAPS: [&str; 1] = ["next_hops"];
+const ADDED_MAPS: [&str; 2] = ["next_hops", "neigh"];
 
 /// The kinds of object vnetd gives ids to (`Kernel::stored_id`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -139,6 +140,8 @@ pub struct Kernel {
     meta: MapHandle,
     ids: MapHandle,
     next_hops: MapHandle,
+    /// ARP answers per port (`neigh.rs`).
+    neigh: MapHandle,
     progs: HashMap<Hook, OwnedFd>,
     /// What `config` holds (the programs' switch and settings).
     config_now: Mutex<Config>,
@@ -357,6 +360,7 @@ impl Kernel {
             meta: map("meta")?,
             ids: map("ids")?,
             next_hops: map("next_hops")?,
+            neigh: map("neigh")?,
             progs,
             config_now: Mutex::new(Config::default()),
             underlays: Mutex::new(HashMap::new()),

@@ -420,6 +420,7 @@ impl Control {
             if let Err(e) = fast.kernel.set_enabled(snap.fast_on) {
                 tracing::error!("fast path: cannot switch it: {e:#}");
             }
+            fast.sync_neigh(snap.clone());
             if snap.fast_on {
                 fast.revalidate(&snap);
             } else {
@@ -513,7 +514,7 @@ impl Control {
                 let configured = t.iface_settings.get(&i.id).copied().unwrap_or_default().effective(&t.dispatch).mode;
                 let running = if i.running_mode.load(Relaxed) == Mode::VmmDriven as u8 { Mode::VmmDriven } else { Mode::GuestDriven };
                 out.push(format!(
-                    "interface {} name={} mode={} running={} mode_switches={} {} drop_upcall_full={}{}",
+                    "interface {} name={} mode={} running={} mode_switches={} {} drop_upcall_full={} fast_neigh_answered={}{}",
                     i.id,
                     i.name,
                     configured.name(),
@@ -521,6 +522,7 @@ impl Control {
                     i.mode_switches.load(Relaxed),
                     i.stats.render_plus(self.dp.fast.as_ref().map(|f| f.port(i.id, false)).unwrap_or_default()),
                     i.nic.upcall_dropped(),
+                    self.dp.fast.as_ref().map_or(0, |f| f.neigh_answered(i.id)),
                     i.nic.extra_stats()
                 ));
             }

@@ -225,7 +225,11 @@ impl Forwarder {
         let cache = &mut self.cache;
         let reachable = |src: Mac, dst: Mac| !cache.route(&snap.table, port, src, dst).is_empty();
         let mut reply = std::mem::take(&mut self.reply);
-        let home = home::meet(snap, iface, head, &self.st.dispatch, reachable, &mut reply);
+        let (home, learned) = home::meet(snap, iface, head, &self.st.dispatch, reachable, &mut reply);
+        if let (true, Some(fast)) = (learned, &self.fast) {
+            // The kernel may answer this guest's ARP now.
+            fast.resync_neigh();
+        }
         let done = match home {
             home::Home::Route => false,
             home::Home::Drop(why) => {

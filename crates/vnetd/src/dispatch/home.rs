@@ -43,47 +43,53 @@ pub enum Home {
 }
 
 /// The guest `iface`'s broadcast or multicast frame `head` (its headers:
-/// an ARP or ND message lies whole in them).
-pub fn meet(snap: &Snapshot, iface: &Interface, head: &[u8], counters: &DispatchCounters, reachable: impl FnOnce(Mac, Mac) -> bool, reply: &mut Vec<u8>) -> Home {
+/// an ARP or ND message lies whole in them); and whether it taught vnetd
+/// an address of the guest's (the kernel fast path's answers follow).
+pub fn meet(snap: &Snapshot, iface: &Interface, head: &[u8], counters: &DispatchCounters, reachable: impl FnOnce(Mac, Mac) -> bool, reply: &mut Vec<u8>) -> (Home, bool) {
     let pps = snap.dispatch.storm_pps;
     if pps > 0 && !iface.storm.take(pps, now_ns()) {
-        return Home::Drop(DropReason::Storm);
+        return (Home::Drop(DropReason::Storm), false);
     }
+    let mut learned = false;
     if let Some((mac, ip)) = neigh::claims(head) {
-        if mac == iface.mac && !learn(snap, iface, ip, counters) {
-            return Home::Drop(DropReason::Spoofed);
+        if mac == iface.mac {
+            match learn(snap, iface, ip, counters) {
+                None => return (Home::Drop(DropReason::Spoofed), false),
+                Some(new) => learned = new,
+            }
         }
     }
-    let Some(ask) = neigh::request(head) else { return Home::Route };
+    let Some(ask) = neigh::request(head) else { return (Home::Route, learned) };
     if ask.mac != iface.mac {
-        return Home::Route;
+        return (Home::Route, learned);
     }
     match holder(snap, &ask.target) {
         Some(h) if h != ask.mac && reachable(ask.mac, h) => {
             neigh::answer(&ask, h, reply);
             counters.neigh_answered.fetch_add(1, Relaxed);
-            Home::Answered
+            (Home::Answered, learned)
         }
-        _ => Home::Route,
+        _ => (Home::Route, learned),
     }
 }
 
-/// Binds `ip` to the guest `iface` if no other guest holds it; false if
-/// one does (or the guest holds its most already).
-fn learn(snap: &Snapshot, iface: &Interface, ip: IpAddr, counters: &DispatchCounters) -> bool {
+/// Binds `ip` to the guest `iface` if no other guest holds it: Some(true)
+/// if that is new; None if another guest holds it (or the guest holds its
+/// most already).
+fn learn(snap: &Snapshot, iface: &Interface, ip: IpAddr, counters: &DispatchCounters) -> Option<bool> {
     if let Some(m) = snap.neighbours.get(&ip) {
-        return m == iface.mac;
+        return (m == iface.mac).then_some(false);
     }
     if snap.ifaces.iter().any(|i| i.id != iface.id && i.learned.holds(&ip)) {
-        return false;
+        return None;
     }
     match iface.learned.add(ip) {
-        Added::Already => true,
-        Added::Full => false,
+        Added::Already => Some(false),
+        Added::Full => None,
         Added::New => {
             counters.neigh_learned.fetch_add(1, Relaxed);
             tracing::info!(interface = %iface.name, %ip, "a guest's address learned");
-            true
+            Some(true)
         }
     }
 }

@@ -19,6 +19,7 @@
 //! semantics stay in `vnet-core`. Beside the answers, the kernel holds each
 //! link's next hop (`next_hops`), kept from the neighbour table.
 
+mod neigh;
 pub mod next_hops;
 
 use crate::sys::rtnl;
@@ -38,6 +39,9 @@ pub struct FastPath {
     finisher: std::sync::Mutex<Option<Finisher>>,
     next_hops: Arc<next_hops::Counters>,
     keeper: std::sync::Mutex<Option<next_hops::Keeper>>,
+    /// The snapshot the `neigh` map was last synced to (`neigh.rs`): the
+    /// newest published, which holds no retired object.
+    neigh_at: std::sync::Mutex<Option<Arc<Snapshot>>>,
 }
 
 crate::stats::counter_set! {
@@ -241,6 +245,7 @@ impl FastPath {
             finisher: std::sync::Mutex::new(Some(finisher)),
             next_hops: counters,
             keeper: std::sync::Mutex::new(keeper),
+            neigh_at: std::sync::Mutex::new(None),
         })
     }
 
@@ -256,7 +261,7 @@ impl FastPath {
     /// vnetd before left that `snap`'s rule table would not install
     /// removed, and what the folder held that the config no longer has
     /// (attachments, ports, links) removed.
-    pub fn finish_start(&self, snap: &Snapshot, adopted_flows: usize) {
+    pub fn finish_start(&self, snap: &Arc<Snapshot>, adopted_flows: usize) {
         if let Err(e) = self.kernel.set_enabled(snap.fast_on) {
             tracing::error!("fast path: cannot switch it: {e:#}");
         }
@@ -265,6 +270,7 @@ impl FastPath {
         } else {
             self.kernel.clear_flows();
         }
+        self.sync_neigh(snap.clone());
         let swept = self.kernel.finish_adoption();
         if self.kernel.pin_dir().is_some() {
             tracing::info!(
@@ -375,6 +381,11 @@ impl FastPath {
         crate::stats::Fast { in_frames, in_bytes, out_frames, out_bytes }
     }
 
+    /// The interface's ARP requests the kernel answered (`neigh.rs`).
+    pub fn neigh_answered(&self, id: u32) -> u64 {
+        self.kernel.counter(CounterKind::Neigh, id).0
+    }
+
     /// Frames and bytes the kernel carried by a route.
     pub fn route(&self, id: u32) -> (u64, u64) {
         self.kernel.counter(CounterKind::Route, id)
@@ -384,6 +395,7 @@ impl FastPath {
     pub fn forget_iface(&self, id: u32) {
         self.kernel.forget(CounterKind::IfaceIn, id);
         self.kernel.forget(CounterKind::IfaceOut, id);
+        self.kernel.forget(CounterKind::Neigh, id);
     }
 
     /// A link's frames the kernel sent resolving the next hop itself (the

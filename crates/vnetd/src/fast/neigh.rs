@@ -1,0 +1,90 @@
+//! ARP answered in the kernel for guests on the fast path (veth, QEMU
+//! TAPs): what `from_guest` may answer each port's guest, by vnet-core's
+//! rule (`vnet_core::neigh`), the same as `dispatch::home` answers in
+//! vnetd. For each such port whose guest vnetd has heard say an address of
+//! its own: that address (bound to the guest's MAC: the programs answer
+//! only a guest whose own address they know, so a guest's first ARP comes
+//! to vnetd, which learns it), and every IPv4 binding whose MAC its rules
+//! reach. IPv6 solicitations still come to vnetd.
+
+use super::FastPath;
+use crate::topology::Snapshot;
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use vnet_core::table::Port;
+use vnet_core::Mac;
+
+impl FastPath {
+    /// Makes the kernel's `neigh` map what `snap`, the snapshot just
+    /// published (the control plane's commit, vnetd's start), and what the
+    /// guests said so far let it answer; none while the fast path is off.
+    pub fn sync_neigh(&self, snap: Arc<Snapshot>) {
+        let mut latest = self.neigh_at.lock().unwrap_or_else(|p| p.into_inner());
+        self.write_neigh(&snap);
+        *latest = Some(snap);
+    }
+
+    /// A guest said an address of its own (a dispatcher learned it): the
+    /// map again, by the newest snapshot the control plane published (the
+    /// dispatcher's own may be older than one already synced).
+    pub fn resync_neigh(&self) {
+        let latest = self.neigh_at.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(snap) = latest.as_ref() {
+            self.write_neigh(snap);
+        }
+    }
+
+    fn write_neigh(&self, snap: &Snapshot) {
+        let want = if snap.fast_on { wanted(snap) } else { HashMap::new() };
+        let changed = self.kernel.set_neigh(&want);
+        if changed > 0 {
+            tracing::debug!("fast path: {changed} ARP answer(s) changed, {} in all", want.len());
+        }
+    }
+}
+
+fn v4(ip: &IpAddr) -> Option<Ipv4Addr> {
+    match ip {
+        IpAddr::V4(a) => Some(*a),
+        IpAddr::V6(_) => None,
+    }
+}
+
+/// (port's interface id, address) → the MAC to answer with.
+fn wanted(snap: &Snapshot) -> HashMap<(u32, Ipv4Addr), [u8; 6]> {
+    // Every IPv4 binding: given, then learned where nothing is given.
+    let mut bindings: HashMap<Ipv4Addr, Mac> = HashMap::new();
+    for i in snap.ifaces.iter() {
+        for ip in i.learned.list().iter().filter_map(v4) {
+            bindings.insert(ip, i.mac);
+        }
+    }
+    for (ip, b) in snap.neighbours.sorted() {
+        if let Some(a) = v4(&ip) {
+            bindings.insert(a, b.mac);
+        }
+    }
+    let mut out = HashMap::new();
+    let mut hits = Vec::new();
+    for i in snap.ifaces.iter().filter(|i| i.nic.fast_target().is_some()) {
+        let own: Vec<Ipv4Addr> = i.learned.list().iter().filter_map(v4).filter(|a| bindings.get(a) == Some(&i.mac)).collect();
+        if own.is_empty() {
+            continue;
+        }
+        for a in own {
+            out.insert((i.id, a), i.mac.0);
+        }
+        for (a, mac) in &bindings {
+            if *mac == i.mac {
+                continue;
+            }
+            hits.clear();
+            snap.table.lookup(Port::Interface(i.id), i.mac, *mac, &mut hits);
+            if !hits.is_empty() {
+                out.insert((i.id, *a), mac.0);
+            }
+        }
+    }
+    out
+}
