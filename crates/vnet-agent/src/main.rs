@@ -22,9 +22,12 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// A full pass (links and routes read and compared) at least this often,
-/// to repair what someone else changed in vnetd.
-const RESYNC: Duration = Duration::from_secs(2);
+/// A full pass (links and routes read and compared) at least this often.
+/// Every change vnetd commits (anyone's: a user's too) wakes the agent
+/// through `WAIT` for a full pass at once, and every change in etcd through
+/// its watch; this is only the safety net, so an idle overlay costs the
+/// agent almost nothing (docs/controller.md, "At scale").
+const RESYNC: Duration = Duration::from_secs(60);
 
 #[derive(Parser, Debug)]
 #[command(version, about = "VNET's per-host agent: links and routes derived from etcd")]
@@ -72,11 +75,13 @@ pub struct Args {
     #[arg(long, default_value_t = 5)]
     pub ttl: i64,
     /// How often the agent reads its vnetd's interfaces (milliseconds),
-    /// besides at once whenever vnetd reports a change (`WAIT`).
-    #[arg(long, default_value_t = 200)]
+    /// besides at once whenever vnetd reports a change (`WAIT`), which is
+    /// how changes are seen: this is the safety net.
+    #[arg(long, default_value_t = 5000)]
     pub interval_ms: u64,
-    /// How often the agent publishes its routes' traffic counters
-    /// (seconds; 0: never).
+    /// How often the agent publishes its routes' traffic counters, when
+    /// they changed (seconds; 0: never). Counters that did not move are not
+    /// written again: an idle host writes nothing.
     #[arg(long, default_value_t = 5)]
     pub traffic_s: u64,
     /// A file the agent keeps listing every guest the overlay holds, one
@@ -169,13 +174,17 @@ async fn run(args: Args) -> Result<()> {
     let mut last_full = Instant::now();
     let mut last_macs: Option<String> = None;
     let mut last_conflicts: Vec<(std::net::IpAddr, String)> = Vec::new();
+    let mut woke = false;
     tracing::info!("vnet-agent for host {} ({}:{}), etcd {}", args.host, args.underlay, args.port, args.etcd.endpoints.join(","));
     loop {
         let event = tokio::select! {
             _ = tick.tick() => false,
-            // vnetd changed (an interface, or a VM's rings started or
-            // stopped): a pass now.
-            _ = changed.notified() => false,
+            // vnetd changed (an interface, a VM's rings started or
+            // stopped, a request committed by anyone): a full pass now.
+            _ = changed.notified() => {
+                woke = true;
+                false
+            }
             _ = store.next_event() => true,
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
@@ -210,7 +219,7 @@ async fn run(args: Args) -> Result<()> {
         store.publish(&ifaces, &ips).await;
         let traffic_due = args.traffic_s > 0 && traffic_at.elapsed() >= Duration::from_secs(args.traffic_s);
         let dirty = store.take_dirty();
-        if !dirty && !traffic_due && last_ifaces.as_ref() == Some(&ifaces) && last_full.elapsed() < RESYNC {
+        if !dirty && !traffic_due && !std::mem::take(&mut woke) && last_ifaces.as_ref() == Some(&ifaces) && last_full.elapsed() < RESYNC {
             continue;
         }
         let state = match vnetd.state() {

@@ -109,6 +109,8 @@ pub struct Store {
     stranded: BTreeSet<String>,
     /// The hand-over window (`HANDOVER` unless set).
     pub handover: Duration,
+    /// The traffic counters last written (their time left out).
+    traffic_sent: Option<Traffic>,
 }
 
 impl Store {
@@ -131,6 +133,7 @@ impl Store {
             contested: 0,
             stranded: BTreeSet::new(),
             handover: HANDOVER,
+            traffic_sent: None,
         }
     }
 
@@ -195,6 +198,8 @@ impl Store {
             let (keeper, stream) = client.lease_keep_alive(id).await?;
             client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
             self.lease = Some((id, keeper, stream, Instant::now()));
+            // A new lease: the traffic key (on the old one) is gone.
+            self.traffic_sent = None;
             self.reregister = false;
             tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.me.host);
         }
@@ -561,10 +566,18 @@ impl Store {
     /// with the host).
     pub async fn publish_traffic(&mut self, mut t: Traffic) {
         t.contested = self.contested;
+        // Nothing moved since the last write: nothing to write.
+        let at = std::mem::take(&mut t.at);
+        if self.traffic_sent.as_ref() == Some(&t) {
+            return;
+        }
+        let unstamped = Traffic { at: 0, to_hosts: t.to_hosts.clone(), guests: t.guests.clone(), contested: t.contested };
+        t.at = at;
         let (Some((lease, ..)), Some(client)) = (self.lease.as_ref(), self.client.as_mut()) else { return };
         let v = serde_json::to_string(&t).expect("plain struct");
-        if let Err(e) = client.put(traffic_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(*lease))).await {
-            tracing::warn!("etcd: cannot publish traffic: {e}");
+        match client.put(traffic_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(*lease))).await {
+            Ok(_) => self.traffic_sent = Some(unstamped),
+            Err(e) => tracing::warn!("etcd: cannot publish traffic: {e}"),
         }
     }
 
