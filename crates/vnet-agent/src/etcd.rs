@@ -36,6 +36,33 @@ pub struct EtcdArgs {
 }
 
 impl EtcdArgs {
+    /// A client of the first endpoint, from the `start`-th on, that answers
+    /// (a status request): one member at a time, so that a dead member is
+    /// left for the next at once instead of being tried again by a
+    /// balancing channel (a leader killed: issue 44's failover test); and
+    /// the index of the one connected to.
+    pub async fn connect_from(&self, start: usize) -> Result<(etcd_client::Client, usize)> {
+        let n = self.endpoints.len().max(1);
+        let mut last = None;
+        for k in 0..n {
+            let i = (start + k) % n;
+            let one = EtcdArgs { endpoints: vec![self.endpoints[i].clone()], ..self.clone() };
+            let tried = async {
+                let mut c = one.connect().await?;
+                tokio::time::timeout(OP_TIMEOUT, c.status()).await.map_err(|_| anyhow::anyhow!("no answer"))??;
+                anyhow::Ok(c)
+            };
+            match tried.await {
+                Ok(c) => return Ok((c, i)),
+                Err(e) => {
+                    tracing::debug!("etcd {}: {e:#}", self.endpoints[i]);
+                    last = Some(e.context(self.endpoints[i].clone()));
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("no etcd endpoint given")))
+    }
+
     pub async fn connect(&self) -> Result<etcd_client::Client> {
         use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
         let mut o = ConnectOptions::new().with_timeout(OP_TIMEOUT).with_connect_timeout(OP_TIMEOUT);

@@ -77,7 +77,7 @@ pub struct Args {
     /// How often the agent reads its vnetd's interfaces (milliseconds),
     /// besides at once whenever vnetd reports a change (`WAIT`), which is
     /// how changes are seen: this is the safety net.
-    #[arg(long, default_value_t = 5000)]
+    #[arg(long, default_value_t = 1000)]
     pub interval_ms: u64,
     /// How often the agent publishes its routes' traffic counters, when
     /// they changed (seconds; 0: never). Counters that did not move are not

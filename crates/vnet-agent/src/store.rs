@@ -111,6 +111,11 @@ pub struct Store {
     pub handover: Duration,
     /// The traffic counters last written (their time left out).
     traffic_sent: Option<Traffic>,
+    /// The endpoint to connect to first (the last one that answered; the
+    /// next after a failure).
+    endpoint_at: usize,
+    /// Our lease, between a connection lost and the next one.
+    lease_id: Option<i64>,
 }
 
 impl Store {
@@ -134,6 +139,8 @@ impl Store {
             stranded: BTreeSet::new(),
             handover: HANDOVER,
             traffic_sent: None,
+            endpoint_at: 0,
+            lease_id: None,
         }
     }
 
@@ -145,13 +152,17 @@ impl Store {
         }
         if let Err(e) = self.try_maintain().await {
             tracing::warn!("etcd: {e:#} (routes stay as they are; trying again)");
-            self.retry_at = Instant::now() + Duration::from_secs(1);
-            // Start afresh: a new connection, a new lease (our keys move to
-            // it as they are written again), a new listing. The old lease
-            // keeps our keys meanwhile, for its TTL.
+            self.retry_at = Instant::now() + Duration::from_millis(200);
+            // Start afresh with the next member: a new connection, the
+            // same lease kept alive through it if it still lives (the
+            // registration stays: a member lost is no host lost), a new
+            // listing.
             self.watch = None;
             self.client = None;
-            self.lease = None;
+            self.endpoint_at += 1;
+            if let Some((id, ..)) = self.lease.take() {
+                self.lease_id = Some(id);
+            }
         }
     }
 
@@ -167,9 +178,26 @@ impl Store {
 
     async fn try_maintain(&mut self) -> anyhow::Result<()> {
         if self.client.is_none() {
-            let c = self.etcd.connect().await?;
-            tracing::info!("etcd: connected to {}", self.etcd.endpoints.join(","));
+            let (c, at) = self.etcd.connect_from(self.endpoint_at).await?;
+            self.endpoint_at = at;
+            tracing::info!("etcd: connected to {}", self.etcd.endpoints[at]);
             self.client = Some(c);
+        }
+        // A lease that lived through a reconnection: kept alive again
+        // through the new one (its keys stay as they are).
+        if let (None, Some(id)) = (&self.lease, self.lease_id.take()) {
+            let client = self.client.as_mut().expect("connected above");
+            let (mut keeper, mut stream) = client.lease_keep_alive(id).await?;
+            keeper.keep_alive().await?;
+            match tokio::time::timeout(OP_TIMEOUT, stream.message()).await {
+                Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                    tracing::info!("etcd: lease {id:x} kept through the new connection");
+                    self.lease = Some((id, keeper, stream, Instant::now()));
+                }
+                Ok(Ok(_)) => tracing::warn!("etcd: our lease expired meanwhile; registering again"),
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => anyhow::bail!("lease keep-alive unanswered"),
+            }
         }
         // The lease: kept alive at a third of its life; a lost one (etcd
         // down longer than the TTL) is granted again and everything of ours
