@@ -130,7 +130,7 @@ def test_modes_and_yield_strategies_change_while_traffic_flows(lab):
     assert settings(daemons[1]) == {
         "mode": "adaptive", "yield": "adaptive", "sleep-us": "200", "nowork-us": "1000",
         "alpha-lower": "1000", "alpha-upper": "20000", "window-ms": "10", "quota": "32", "datapath": "auto",
-        "interrupts": "plain", "eoc-alpha": "1000", "eoc-beta": "200000", "cut-through": "on"}
+        "interrupts": "plain", "eoc-alpha": "1000", "eoc-beta": "200000", "cut-through": "on", "storm-pps": "1000"}
     # Bad settings are refused and change nothing.
     r = daemons[1].ctl("SET", "alpha-lower", "50000", check=False)
     assert r.returncode == 1 and "must be below alpha-upper" in r.stderr

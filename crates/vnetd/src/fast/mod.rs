@@ -39,9 +39,9 @@ pub struct FastPath {
     finisher: std::sync::Mutex<Option<Finisher>>,
     next_hops: Arc<next_hops::Counters>,
     keeper: std::sync::Mutex<Option<next_hops::Keeper>>,
-    /// The snapshot the `neigh` map was last synced to (`neigh.rs`): the
-    /// newest published, which holds no retired object.
-    neigh_at: std::sync::Mutex<Option<Arc<Snapshot>>>,
+    /// The snapshot the `neigh` map was last synced to (`neigh.rs`), held
+    /// weakly.
+    neigh_at: std::sync::Mutex<std::sync::Weak<Snapshot>>,
 }
 
 crate::stats::counter_set! {
@@ -245,7 +245,7 @@ impl FastPath {
             finisher: std::sync::Mutex::new(Some(finisher)),
             next_hops: counters,
             keeper: std::sync::Mutex::new(keeper),
-            neigh_at: std::sync::Mutex::new(None),
+            neigh_at: std::sync::Mutex::new(std::sync::Weak::new()),
         })
     }
 

@@ -22,16 +22,20 @@ impl FastPath {
     pub fn sync_neigh(&self, snap: Arc<Snapshot>) {
         let mut latest = self.neigh_at.lock().unwrap_or_else(|p| p.into_inner());
         self.write_neigh(&snap);
-        *latest = Some(snap);
+        *latest = Arc::downgrade(&snap);
     }
 
     /// A guest said an address of its own (a dispatcher learned it): the
     /// map again, by the newest snapshot the control plane published (the
-    /// dispatcher's own may be older than one already synced).
+    /// dispatcher's own may be older than one already synced). Held weakly
+    /// (a snapshot held here would keep its interfaces, and their sockets
+    /// and TAPs, past their end): if it is gone, a newer one was published,
+    /// and the control plane's sync of it, right after, sees this guest's
+    /// address too.
     pub fn resync_neigh(&self) {
         let latest = self.neigh_at.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(snap) = latest.as_ref() {
-            self.write_neigh(snap);
+        if let Some(snap) = latest.upgrade() {
+            self.write_neigh(&snap);
         }
     }
 
