@@ -22,30 +22,23 @@ s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0806))
 s.bind((dev, 0))
 s.settimeout(0.01)
 req = b"\xff" * 6 + mac + b"\x08\x06" + b"\x00\x01\x08\x00\x06\x04\x00\x01" + mac + ip + b"\x00" * 6 + target
-got, macs = 0, {}
-for _ in range(n):
-    s.send(req)
-    end = time.time() + 0.01
-    while time.time() < end:
+macs = {}
+def read(until):
+    # Every ARP reply to us for `target` until `until` (or a quiet 10 ms).
+    while until is None or time.time() < until:
         try:
             f = s.recv(2048)
         except socket.timeout:
-            break
+            return
         if f[12:14] == b"\x08\x06" and f[20:22] == b"\x00\x02" and f[28:32] == target and f[0:6] == mac:
-            got += 1
             m = f[22:28].hex(":")
             macs[m] = macs.get(m, 0) + 1
+for _ in range(n):
+    s.send(req)
+    read(time.time() + 0.01)
 time.sleep(0.2)
-while True:
-    try:
-        f = s.recv(2048)
-    except socket.timeout:
-        break
-    if f[12:14] == b"\x08\x06" and f[20:22] == b"\x00\x02" and f[28:32] == target and f[0:6] == mac:
-        got += 1
-        m = f[22:28].hex(":")
-        macs[m] = macs.get(m, 0) + 1
-print(json.dumps({"answered": got, "from": macs}))
+read(None)
+print(json.dumps({"answered": sum(macs.values()), "from": macs}))
 """
 
 # A guest's gratuitous ARP: it says it holds `ip` (from its own MAC).

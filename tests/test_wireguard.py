@@ -372,6 +372,29 @@ def test_wireguard_needs_a_private_key_file_and_a_real_key(lab):
     assert "proto=" not in d.ctl("LINK", "LIST").stdout
 
 
+def wggo_behind(lab, hosts, d1):
+    """Host 2 as the wireguard-go tests have it: Debian's wireguard-go,
+    configured by `wg`, peered with host 1's vnetd `d1` and carrying
+    everything to host 1's address inside the tunnel, and a plain vnetd
+    whose ordinary UDP link to host 1 goes through it (sized to the tunnel's
+    MTU, on the user datapath: the kernel fast path would send on the
+    underlay device, around the tunnel's policy routing). Host 1 is given
+    its WireGuard link and routes at run time. Returns (the wireguard-go
+    peer, its key file, host 2's vnetd)."""
+    import wggo
+    key_file, wg_pub = wggo.genkey(lab.tmp / "h2-wg.key")
+    peer = wggo.start(hosts[2], lab.prefix, underlay_ip(2), underlay_ip(1), public_key(d1), key_file=key_file, lab=lab)
+    d2 = lab.start_vnetd(hosts[2], f"INTERFACE ADD g2 {guest_mac(2)} mtu {GUEST_MTU}\n"
+                         f"LINK ADD {underlay_ip(1)} udp mtu {wggo.FULL_TUNNEL_MTU} name h1\n"
+                         f"ROUTE ADD any {guest_mac(2)} interface {guest_mac(2)} any\n"
+                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {guest_mac(2)} any\n"
+                         f"ROUTE ADD any {guest_mac(1)} edge h1 any\n"
+                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge h1 interface\n"
+                         "SET datapath user\n")
+    d1.ctl_file(wg_config(1, {2: wg_pub}, {1: [1], 2: [2]}))
+    return peer, key_file, d2
+
+
 def test_an_unmodified_wireguard_go_peer_with_a_plain_vnetd_interoperates_both_ways(lab):
     """Host 1: vnetd's built-in WireGuard link. Host 2: Debian's wireguard-go,
     configured by `wg`, carrying everything to host 1's address inside the
@@ -382,19 +405,7 @@ def test_an_unmodified_wireguard_go_peer_with_a_plain_vnetd_interoperates_both_w
     hosts = {h: lab.add_host(h) for h in (1, 2)}
     d1 = lab.start_vnetd(hosts[1], f"INTERFACE ADD g1 {guest_mac(1)} mtu {GUEST_MTU}\n",
                          "--wireguard-key-file", lab.tmp / "h1.wgkey")
-    key_file, wg_pub = wggo.genkey(lab.tmp / "h2-wg.key")
-    peer = wggo.start(hosts[2], lab.prefix, underlay_ip(2), underlay_ip(1), public_key(d1), key_file=key_file, lab=lab)
-    # Host 2's vnetd knows nothing of WireGuard: a UDP link sized to the
-    # tunnel's MTU, on the user datapath (the kernel fast path would send
-    # on the underlay device, around the tunnel's policy routing).
-    d2 = lab.start_vnetd(hosts[2], f"INTERFACE ADD g2 {guest_mac(2)} mtu {GUEST_MTU}\n"
-                         f"LINK ADD {underlay_ip(1)} udp mtu {wggo.FULL_TUNNEL_MTU} name h1\n"
-                         f"ROUTE ADD any {guest_mac(2)} interface {guest_mac(2)} any\n"
-                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {guest_mac(2)} any\n"
-                         f"ROUTE ADD any {guest_mac(1)} edge h1 any\n"
-                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge h1 interface\n"
-                         "SET datapath user\n")
-    d1.ctl_file(wg_config(1, {2: wg_pub}, {1: [1], 2: [2]}))
+    peer, key_file, d2 = wggo_behind(lab, hosts, d1)
     g = {h: lab.attach_guest(hosts[h], f"g{h}", h) for h in (1, 2)}
     pcap = lab.tmp / "interop.pcap"
     cap = capture(lab, hosts[1], "eth0", pcap)
@@ -521,24 +532,15 @@ def test_a_takeover_carries_the_wireguard_session_on_and_wireguard_go_sees_no_ne
     frames of the gap are lost: 2 of 3000 when last measured), the sending
     counter not carried (wireguard-go drops the new vnetd's datagrams as
     replays: pings lost until a rekey)."""
-    import wggo
     hosts = {h: lab.add_host(h) for h in (1, 2)}
     wg_args = ("--wireguard-key-file", lab.tmp / "h1.wgkey")
     # Host 1's guest is attached by vnetd (`netns`), as a deployment does:
     # the new vnetd finds its TAP there.
     ns1 = lab.guest_ns("g1")
     d1 = lab.start_vnetd(hosts[1], f"INTERFACE ADD g1 {guest_mac(1)} mtu {GUEST_MTU} netns {ns1}\n", *wg_args)
-    key_file, wg_pub = wggo.genkey(lab.tmp / "h2-wg.key")
-    peer = wggo.start(hosts[2], lab.prefix, underlay_ip(2), underlay_ip(1), public_key(d1), key_file=key_file, lab=lab)
-    d2 = lab.start_vnetd(hosts[2], f"INTERFACE ADD g2 {guest_mac(2)} mtu {GUEST_MTU}\n"
-                         f"LINK ADD {underlay_ip(1)} udp mtu {wggo.FULL_TUNNEL_MTU} name h1\n"
-                         f"ROUTE ADD any {guest_mac(2)} interface {guest_mac(2)} any\n"
-                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff interface {guest_mac(2)} any\n"
-                         f"ROUTE ADD any {guest_mac(1)} edge h1 any\n"
-                         f"ROUTE ADD any ff:ff:ff:ff:ff:ff edge h1 interface\n"
-                         "SET datapath user\n")
-    # At run time: the new vnetd has these from the state file.
-    d1.ctl_file(wg_config(1, {2: wg_pub}, {1: [1], 2: [2]}))
+    # Host 1's link and routes are given at run time: the new vnetd has
+    # them from the state file.
+    peer, _, _ = wggo_behind(lab, hosts, d1)
     g = {1: lab.veth_guest(hosts[1], "g1", 1, ns1), 2: lab.attach_guest(hosts[2], "g2", 2)}
     try:
         assert lab.reaches(g[2], g[1], tries=5)

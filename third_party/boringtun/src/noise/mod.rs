@@ -74,7 +74,7 @@ pub struct Tunn {
 }
 
 /// VNET: a tunnel's state, written out by `Tunn::export_state`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TunnExport {
     pub sessions: Vec<session::SessionExport>,
     pub current: usize,

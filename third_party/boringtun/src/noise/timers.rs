@@ -69,7 +69,7 @@ pub struct Timers {
 /// age and every timer as time since its start, so that another process
 /// goes on with the same timeline (rekey, expiry and keepalive when they
 /// were due).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TimersExport {
     pub is_initiator: bool,
     pub age: Duration,

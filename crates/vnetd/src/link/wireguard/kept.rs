@@ -27,7 +27,7 @@
 //! ```
 
 use super::{Peer, WgHub, WgLink, INIT_LEN};
-use boringtun::noise::{SessionExport, TimersExport, TunnExport};
+use boringtun::noise::{SessionExport, TunnExport};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
@@ -156,6 +156,7 @@ pub fn read(text: &str, public: &str) -> Result<Kept, String> {
     }
     let mut kept = Kept::default();
     let mut at: Option<([u8; 32], KeptLink)> = None;
+    let mut ours = false;
     for (n, line) in lines {
         let w: Vec<&str> = line.split(' ').collect();
         let r: Result<(), String> = (|| {
@@ -164,7 +165,9 @@ pub fn read(text: &str, public: &str) -> Result<Kept, String> {
                     if w[1] != public {
                         return Err(format!("written for public key {}, this vnetd's is {public}", w[1]));
                     }
+                    ours = true;
                 }
+                _ if !ours => return Err("no `public` line before it: written for which key?".into()),
                 "accepted" if w.len() == 3 => {
                     kept.accepted.insert(parse_wireguard_key(w[1])?, unhex::<INIT_LEN>(w[2])?);
                 }
@@ -180,22 +183,7 @@ pub fn read(text: &str, public: &str) -> Result<Kept, String> {
                         index,
                         endpoint: w[5].parse().map_err(|_| format!("not an address: {}", w[5]))?,
                         sessions: num(w.get(7))?,
-                        tunn: TunnExport {
-                            sessions: Vec::new(),
-                            current: 0,
-                            timers: TimersExport {
-                                is_initiator: false,
-                                age: Duration::ZERO,
-                                timers: Vec::new(),
-                                session_timers: Vec::new(),
-                                want_keepalive: false,
-                                want_handshake: false,
-                            },
-                            next_index: 0,
-                            newest_initiation: [0; 12],
-                            tx_bytes: 0,
-                            rx_bytes: 0,
-                        },
+                        tunn: TunnExport::default(),
                     };
                     at = Some((parse_wireguard_key(w[1])?, link));
                 }
@@ -367,6 +355,8 @@ mod tests {
     fn a_state_for_another_key_or_malformed_is_refused_with_the_line() {
         assert!(read("wireguard-kept 1\npublic abc\n", "xyz").unwrap_err().contains("public key"));
         assert!(read("wireguard-kept 2\n", "x").is_err());
+        let e = read("wireguard-kept 1\naccepted x y\n", "x").unwrap_err();
+        assert!(e.contains("no `public` line"), "{e}");
         let e = read("wireguard-kept 1\npublic x\ntunn 0 0 00 0 0 0 0 0 0\n", "x").unwrap_err();
         assert!(e.starts_with("line 3:"), "{e}");
         let e = read("wireguard-kept 1\npublic x\nsession 1 2 zz\n", "x").unwrap_err();
