@@ -178,7 +178,9 @@ pub enum Command {
     /// marks its own `agent`), shown by `ROUTE LIST`; no effect on routing.
     RouteAdd(RuleSpec, Option<String>),
     RouteDel(RouteRef),
-    RouteList,
+    /// `ROUTE LIST [<MAC>]`: every route, or those naming this MAC (as the
+    /// source or destination MAC, or as an interface at either end).
+    RouteList(Option<Mac>),
     /// `NEIGH ADD <ip> <guest-MAC>`: the guest with that MAC holds that
     /// address; a local guest's ARP request or neighbour solicitation for
     /// it is answered on this host (`neigh`).
@@ -279,7 +281,7 @@ ROUTE ADD <src-MAC> <dst-MAC> <dst-TYPE> <dst-ID> <src-TYPE> [<src-ID>] [owner <
     dst-TYPE: interface <guest-MAC> | edge <link-name>
     src-TYPE: any | interface [<guest-MAC>] | edge [<link-name>]
 ROUTE DEL <route-idx | the rule as added>
-ROUTE LIST
+ROUTE LIST [<MAC>]                                   every route, or those naming this MAC
 NEIGH ADD <ip> <guest-MAC> [owner <tag>]             that guest holds that address: a guest's ARP request or
                                                      neighbour solicitation for it is answered on its own
                                                      host (if its rules let it reach that MAC), never sent
@@ -396,7 +398,11 @@ pub fn parse_line(raw: &str) -> Result<Option<Command>, String> {
                 },
                 rule => Ok(Some(Command::RouteDel(RouteRef::Rule(RuleSpec::parse(rule)?)))),
             },
-            Some("list") => no_args(Command::RouteList),
+            Some("list") => match args {
+                [] => Ok(Some(Command::RouteList(None))),
+                [one] => one.parse::<Mac>().map(|m| Some(Command::RouteList(Some(m)))).map_err(|e| format!("ROUTE LIST takes a MAC to list the routes naming it: '{one}': {e}")),
+                _ => Err(format!("unexpected '{}' after ROUTE LIST <MAC>", args[1..].join(" "))),
+            },
             _ => Err(bad_verb("ROUTE", toks.get(1))),
         },
         "neigh" | "neighbour" | "neighbor" => match verb.as_deref() {
@@ -1014,6 +1020,23 @@ mod tests {
             let e = parse_line(s).unwrap_err();
             assert!(e.contains(want), "{s}: {e}");
         }
+    }
+
+    #[test]
+    fn route_list_takes_a_mac_and_lists_the_routes_naming_it() {
+        let g1: Mac = "02:00:00:00:00:01".parse().unwrap();
+        assert_eq!(one("route list"), Command::RouteList(None));
+        assert_eq!(one("ROUTE LIST 02:00:00:00:00:01"), Command::RouteList(Some(g1)));
+        assert!(parse_line("route list nope").unwrap_err().contains("'nope'"));
+        assert!(parse_line("route list 02:00:00:00:00:01 more").is_err());
+        let rule = |r: &str| RuleSpec::parse(&r.split(' ').collect::<Vec<_>>()).unwrap();
+        // As source, destination, not-, or an interface at either end.
+        assert!(rule("02:00:00:00:00:01 any edge l1 any").names(g1));
+        assert!(rule("any 02:00:00:00:00:01 edge l1 any").names(g1));
+        assert!(rule("not-02:00:00:00:00:01 any edge l1 any").names(g1));
+        assert!(rule("any ff:ff:ff:ff:ff:ff interface 02:00:00:00:00:01 edge").names(g1));
+        assert!(rule("any any edge l1 interface 02:00:00:00:00:01").names(g1));
+        assert!(!rule("02:00:00:00:00:02 any interface 02:00:00:00:00:03 interface").names(g1));
     }
 
     #[test]

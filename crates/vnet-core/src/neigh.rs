@@ -13,8 +13,10 @@
 //! IPv6 solicitation from `::`) is never answered here.
 //!
 //! What a guest says of itself (`claims`): the sender of an ARP request or
-//! reply (a gratuitous ARP too), the target of a neighbour advertisement;
-//! taken only when the frame's Ethernet source is the claimed MAC.
+//! reply (a gratuitous ARP too), the target of a neighbour advertisement,
+//! the source of a neighbour solicitation (from a unicast address, with its
+//! link-layer address); taken only when the frame's Ethernet source is the
+//! claimed MAC.
 
 use crate::mac::Mac;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -55,6 +57,25 @@ impl Neighbours {
 
     pub fn is_empty(&self) -> bool {
         self.by_ip.is_empty()
+    }
+
+    /// The addresses bound to each of `macs` (one pass over the bindings),
+    /// ordered: what a local guest holds by a binding (a CNI plugin's, from
+    /// its IPAM), besides what it said of itself.
+    pub fn bound_to(&self, macs: &[Mac]) -> Vec<(Mac, IpAddr)> {
+        let mut v: Vec<(Mac, IpAddr)> = self.by_ip.iter().filter(|(_, b)| macs.contains(&b.mac)).map(|(i, b)| (b.mac, *i)).collect();
+        v.sort();
+        v
+    }
+
+    /// Removes the bindings to `mac` that have an owner (a manager that
+    /// made them for the interface holding `mac`, gone now); how many.
+    pub fn remove_owned_of(&mut self, mac: Mac) -> usize {
+        let gone: Vec<IpAddr> = self.by_ip.iter().filter(|(_, b)| b.mac == mac && b.owner.is_some()).map(|(i, _)| *i).collect();
+        for ip in &gone {
+            self.by_ip.remove(ip);
+        }
+        gone.len()
     }
 
     /// Every binding, ordered by address.
@@ -218,9 +239,10 @@ pub fn answer(ask: &Ask, holder: Mac, out: &mut Vec<u8>) {
 
 /// The binding `frame` states of its own sender: (its MAC, an address it
 /// holds), if the frame is an ARP request or reply whose sender is the
-/// frame's source (a gratuitous ARP among them), or a neighbour
-/// advertisement of a unicast address by its own source with that source as
-/// its target link-layer address.
+/// frame's source (a gratuitous ARP among them), a neighbour advertisement
+/// of a unicast address by its own source with that source as its target
+/// link-layer address, or a neighbour solicitation from a unicast address
+/// with the frame's source as its source link-layer address.
 pub fn claims(frame: &[u8]) -> Option<(Mac, IpAddr)> {
     if frame.len() < 14 {
         return None;
@@ -230,9 +252,13 @@ pub fn claims(frame: &[u8]) -> Option<(Mac, IpAddr)> {
         let usable = !spa.is_unspecified() && !spa.is_broadcast() && !spa.is_multicast();
         return (matches!(op, 1 | 2) && sha == src && usable).then_some((src, spa.into()));
     }
-    let (t, _, target, lla) = nd(frame)?;
-    let usable = !target.is_unspecified() && !target.is_multicast() && !target.is_loopback();
-    (t == NA && lla == Some(src) && usable).then_some((src, target.into()))
+    // An advertisement says its target is its source's; a solicitation,
+    // like an ARP request, says its source address is (RFC 4861 7.2.3: its
+    // receivers take that binding from it).
+    let (t, ip, target, lla) = nd(frame)?;
+    let said = if t == NA { target } else { ip };
+    let usable = !said.is_unspecified() && !said.is_multicast() && !said.is_loopback();
+    (lla == Some(src) && usable).then_some((src, said.into()))
 }
 
 #[cfg(test)]
@@ -334,6 +360,13 @@ mod tests {
         assert_eq!(claims(&arp_frame(Mac::BROADCAST, G1, 1, G2, [10, 0, 0, 9], [10, 0, 0, 1])), None);
         // An ARP probe (sender 0.0.0.0) claims nothing.
         assert_eq!(claims(&arp_frame(Mac::BROADCAST, G1, 1, G1, [0, 0, 0, 0], [10, 0, 0, 1])), None);
+        // A neighbour solicitation claims its source address, as an ARP
+        // request does; not from :: (DAD), nor with another's link-layer
+        // address, nor from another MAC's frame.
+        let (a, b): (Ipv6Addr, Ipv6Addr) = ("fd00::1".parse().unwrap(), "fd00::2".parse().unwrap());
+        assert_eq!(claims(&ns_frame(G1, a, b, G1)), Some((G1, a.into())));
+        assert_eq!(claims(&ns_frame(G1, Ipv6Addr::UNSPECIFIED, b, G1)), None);
+        assert_eq!(claims(&ns_frame(G1, a, b, G2)), None);
     }
 
     #[test]

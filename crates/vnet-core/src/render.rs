@@ -146,7 +146,8 @@ impl fmt::Display for Command {
                 None => write!(f, "ROUTE ADD {rule}"),
             },
             Command::RouteDel(r) => write!(f, "ROUTE DEL {r}"),
-            Command::RouteList => f.write_str("ROUTE LIST"),
+            Command::RouteList(None) => f.write_str("ROUTE LIST"),
+            Command::RouteList(Some(m)) => write!(f, "ROUTE LIST {m}"),
             Command::NeighAdd { ip, mac, owner } => match owner {
                 Some(o) => write!(f, "NEIGH ADD {ip} {mac} owner {o}"),
                 None => write!(f, "NEIGH ADD {ip} {mac}"),

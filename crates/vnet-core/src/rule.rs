@@ -77,6 +77,16 @@ pub struct RuleSpec {
     pub src: SrcSpec,
 }
 
+impl RuleSpec {
+    /// Whether the rule names `mac`: as its source or destination MAC
+    /// (exactly, or as the one a `not-` excludes), or as the interface at
+    /// either end (`ROUTE LIST <MAC>`).
+    pub fn names(&self, mac: Mac) -> bool {
+        let q = |m: &MacQual| matches!(m, MacQual::Addr(a) | MacQual::Not(a) if *a == mac);
+        q(&self.src_mac) || q(&self.dst_mac) || self.dst == DstSpec::Interface(mac) || self.src == SrcSpec::Interface(Some(mac))
+    }
+}
+
 /// Link names are what `edge` ids refer to. An IP address is written in its
 /// canonical form so that `edge 10.0.0.1` and `edge 010.0.0.1`-style spellings
 /// cannot name two different links.

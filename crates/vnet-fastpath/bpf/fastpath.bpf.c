@@ -6,8 +6,9 @@
 //
 //   from_guest    ingress of a guest port's host side (the host end of a
 //                 veth whose other end is the guest's NIC, or the TAP QEMU
-//                 writes into). An ARP request for an address `neigh`
-//                 binds for this port, from a guest whose own address it
+//                 writes into). An ARP request or IPv6 neighbour
+//                 solicitation for an address `neigh` (`neigh6`) binds
+//                 for this port, from a guest whose own address it
 //                 binds, is answered back into the port (vnet-core's neigh
 //                 rule, decided by vnetd per port). A hit is delivered to a local guest or
 //                 encapsulated in the link's outer IPv4/UDP header (the
@@ -132,8 +133,8 @@ struct config {
 
 // C_LINK_RESOLVED: a link's frames sent with the kernel resolving the next
 // hop (bpf_redirect_neigh: vnetd did not know it yet). Added after layout 1.
-// C_NEIGH: ARP requests a port's guest sent that were answered here (added
-// after layout 1).
+// C_NEIGH: ARP requests and neighbour solicitations a port's guest sent
+// that were answered here (added after layout 1).
 enum counter_kind { C_IFACE_IN = 1, C_IFACE_OUT, C_LINK_IN, C_LINK_OUT, C_ROUTE, C_LINK_RESOLVED, C_NEIGH };
 
 struct counter_key {
@@ -227,6 +228,22 @@ struct {
 	__type(key, struct neigh_key);
 	__type(value, struct neigh_val);
 } neigh SEC(".maps");
+
+// The same for IPv6: a port's neighbour solicitations answered here, for
+// the addresses vnetd put in (its guest's own among them, without which
+// nothing is answered). Added after `neigh` (src/lib.rs ADDED_MAPS).
+struct neigh6_key {
+	__u32 origin; // the port's interface id
+	__u8 addr[16];
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct neigh6_key);
+	__type(value, struct neigh_val);
+} neigh6 SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -586,6 +603,112 @@ static __always_inline int arp_answer(struct __sk_buff *skb, struct port_info *p
 	return bpf_redirect(skb->ifindex, 0);
 }
 
+// A neighbour solicitation as Linux and every stack send one to a
+// solicited-node group: Ethernet, IPv6 (no extension header), ICMPv6 135
+// with the target and one option, the source's link-layer address.
+#define ND_LEN (ETH_HLEN + 40 + 32)
+#define IPV6_NEXTHDR_ICMP 58
+
+// The ones' complement sum of ICMPv6 message `icmp` (32 bytes) under its
+// pseudo-header (`ip6` points at the IPv6 source, then destination):
+// 0xffff when its checksum is right; to be inverted and written when the
+// checksum field is 0.
+static __always_inline __u16 nd_sum(const __u8 *src, const __u8 *dst, const __u8 *icmp)
+{
+	__u8 b[72];
+	__builtin_memcpy(b, src, 16);
+	__builtin_memcpy(b + 16, dst, 16);
+	__u32 len = bpf_htonl(32), nh = bpf_htonl(IPV6_NEXTHDR_ICMP);
+	__builtin_memcpy(b + 32, &len, 4);
+	__builtin_memcpy(b + 36, &nh, 4);
+	__builtin_memcpy(b + 40, icmp, 32);
+	__s64 s = bpf_csum_diff(0, 0, (void *)b, sizeof(b), 0);
+	if (s < 0)
+		return 0;
+	__u32 c = (__u32)s;
+	c = (c & 0xffff) + (c >> 16);
+	c = (c & 0xffff) + (c >> 16);
+	return (__u16)c;
+}
+
+// The guest's neighbour solicitation, answered here if `neigh6` says so for
+// its port (vnet-core's rule, as for ARP): a solicited advertisement with
+// the holder's link-layer address, written over the request and sent back
+// out of the port; -1 if not. What vnet-core would not answer is not
+// answered here either: a solicitation from :: (DAD), one whose checksum
+// is wrong, whose hop limit is not 255, or whose link-layer option is not
+// the frame's source. Other shapes (extension headers, more options) go to
+// vnetd, which reads them whole.
+static __always_inline int nd_answer(struct __sk_buff *skb, struct port_info *p)
+{
+	if (skb->len != ND_LEN || bpf_skb_pull_data(skb, ND_LEN))
+		return -1;
+	__u8 *d = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
+	if (d + ND_LEN > end)
+		return -1;
+	__u8 *ip6 = d + ETH_HLEN, *icmp = ip6 + 40;
+	// Version 6, payload 32, ICMPv6, hop limit 255; a solicitation, code
+	// 0; one option of 8 bytes: the source link-layer address, the
+	// frame's source.
+	if ((ip6[0] >> 4) != 6 || ip6[4] != 0 || ip6[5] != 32 || ip6[6] != IPV6_NEXTHDR_ICMP || ip6[7] != 255)
+		return -1;
+	if (icmp[0] != 135 || icmp[1] != 0 || icmp[24] != 1 || icmp[25] != 1)
+		return -1;
+	for (int i = 0; i < 6; i++)
+		if (icmp[26 + i] != d[6 + i])
+			return -1;
+	if (nd_sum(ip6 + 8, ip6 + 24, icmp) != 0xffff)
+		return -1;
+	struct neigh6_key k = { .origin = p->origin };
+	__builtin_memcpy(k.addr, ip6 + 8, 16);
+	struct neigh_val *own = bpf_map_lookup_elem(&neigh6, &k);
+	if (!own) // the asker's own address unknown (:: among them): vnetd
+		return -1;
+	for (int i = 0; i < 6; i++)
+		if (own->mac[i] != d[6 + i])
+			return -1;
+	__u8 asker_ip[16], target[16];
+	__builtin_memcpy(asker_ip, ip6 + 8, 16);
+	__builtin_memcpy(target, icmp + 8, 16);
+	__builtin_memcpy(k.addr, target, 16);
+	struct neigh_val *h = bpf_map_lookup_elem(&neigh6, &k);
+	if (!h)
+		return -1;
+	__u8 asker[6], holder[6];
+	__builtin_memcpy(asker, d + 6, 6);
+	__builtin_memcpy(holder, h->mac, 6);
+	int same = 1;
+	for (int i = 0; i < 6; i++)
+		if (holder[i] != asker[i])
+			same = 0;
+	if (same)
+		return -1;
+	__u8 r[ND_LEN] = {};
+	__builtin_memcpy(r, asker, 6);          // to the asker
+	__builtin_memcpy(r + 6, holder, 6);     // from the holder
+	r[12] = 0x86;
+	r[13] = 0xdd;
+	__u8 *rip = r + ETH_HLEN, *ricmp = rip + 40;
+	rip[0] = 0x60;
+	rip[5] = 32;
+	rip[6] = IPV6_NEXTHDR_ICMP;
+	rip[7] = 255;
+	__builtin_memcpy(rip + 8, target, 16);    // from the target address
+	__builtin_memcpy(rip + 24, asker_ip, 16); // to the asker's
+	ricmp[0] = 136;                           // an advertisement,
+	ricmp[4] = 0x60;                          // solicited, override
+	__builtin_memcpy(ricmp + 8, target, 16);
+	ricmp[24] = 2;                            // the target's link-layer address
+	ricmp[25] = 1;
+	__builtin_memcpy(ricmp + 26, holder, 6);
+	__u16 sum = ~nd_sum(rip + 8, rip + 24, ricmp);
+	__builtin_memcpy(ricmp + 2, &sum, 2);
+	if (bpf_skb_store_bytes(skb, 0, r, ND_LEN, 0))
+		return -1;
+	count(C_NEIGH, p->origin, skb->len);
+	return bpf_redirect(skb->ifindex, 0);
+}
+
 SEC("tc")
 int from_guest(struct __sk_buff *skb)
 {
@@ -608,8 +731,8 @@ int from_guest(struct __sk_buff *skb)
 		if ((void *)(eth + 1) > end)
 			return upcall(p, S_MISS_GUEST);
 	}
-	if (eth->h_proto == bpf_htons(ETH_P_ARP) && (eth->h_dest[0] & 1)) {
-		int r = arp_answer(skb, p);
+	if ((eth->h_dest[0] & 1) && (eth->h_proto == bpf_htons(ETH_P_ARP) || eth->h_proto == bpf_htons(ETH_P_IPV6))) {
+		int r = eth->h_proto == bpf_htons(ETH_P_ARP) ? arp_answer(skb, p) : nd_answer(skb, p);
 		if (r >= 0)
 			return r;
 		data = (void *)(long)skb->data;

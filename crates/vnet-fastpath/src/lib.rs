@@ -29,7 +29,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle, ObjectBuilder};
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fastpath.bpf.o"));
@@ -60,14 +60,14 @@ impl Hook {
 
 /// The maps vnetd pins and adopts (the object's other maps, if any, are
 /// the loader's own and made anew by each load).
-const PINNED_MAPS: [&str; 11] =
-    ["flows", "links", "link_addrs", "ports", "config", "counters", "stats", "meta", "ids", "next_hops", "neigh"];
+const PINNED_MAPS: [&str; 12] =
+    ["flows", "links", "link_addrs", "ports", "config", "counters", "stats", "meta", "ids", "next_hops", "neigh", "neigh6"];
 
 /// Maps added since layout 1 without changing any other map's meaning: a
 /// folder that lacks one is still adopted (the rest of it, entries and
 /// all), and the map is made and pinned beside the adopted ones. An upgrade
 /// from a build before it stays hitless.
-const ADDED_MAPS: [&str; 2] = ["next_hops", "neigh"];
+const ADDED_MAPS: [&str; 3] = ["next_hops", "neigh", "neigh6"];
 
 /// The kinds of object vnetd gives ids to (`Kernel::stored_id`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -142,6 +142,8 @@ pub struct Kernel {
     next_hops: MapHandle,
     /// ARP answers per port (`neigh.rs`).
     neigh: MapHandle,
+    /// Neighbour solicitations' answers per port (`neigh.rs`).
+    neigh6: MapHandle,
     progs: HashMap<Hook, OwnedFd>,
     /// What `config` holds (the programs' switch and settings).
     config_now: Mutex<Config>,
@@ -157,6 +159,11 @@ pub struct Kernel {
     meta_now: Mutex<Meta>,
     /// `ids` had records when the folder was opened.
     had_ids: bool,
+    /// How many programs this process has attached to guest ports.
+    attached_ports: AtomicUsize,
+    /// Called when a guest port is attached (the next-hop keeper, which
+    /// sleeps while there is none).
+    on_port: Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
 }
 
 /// A program attached to a device (a TCX link), with the map entry that
@@ -183,6 +190,7 @@ impl Attached {
 impl Drop for Attached {
     fn drop(&mut self) {
         let Some(link) = self.link.take() else { return };
+        self.kernel.attached_ports.fetch_sub(1, Relaxed);
         if !self.keep.load(Relaxed) {
             link.remove();
             // The entry is this port's only if no later port on the device
@@ -361,6 +369,7 @@ impl Kernel {
             ids: map("ids")?,
             next_hops: map("next_hops")?,
             neigh: map("neigh")?,
+            neigh6: map("neigh6")?,
             progs,
             config_now: Mutex::new(Config::default()),
             underlays: Mutex::new(HashMap::new()),
@@ -369,6 +378,8 @@ impl Kernel {
             leftovers: Mutex::new(Leftovers::default()),
             meta_now: Mutex::new(Meta { magic: MAGIC, layout: LAYOUT, netns, ..Meta::default() }),
             had_ids: false,
+            attached_ports: AtomicUsize::new(0),
+            on_port: Mutex::new(None),
         };
         if adopt {
             let read = |m: &MapHandle| m.lookup(bytes_of(&0u32), MapFlags::ANY).ok().flatten();
@@ -533,8 +544,13 @@ impl Kernel {
         let mut b = Attached { kernel: self.clone(), link: None, ifindex: upcall, origin: iface, keep: AtomicBool::new(false) };
         let (lb, adopted_b) = self.attach(Hook::FromVnetd, upcall)?;
         b.link = Some(lb);
+        self.attached_ports.fetch_add(1, Relaxed);
         let (la, adopted_a) = self.attach(Hook::FromGuest, dev)?;
         a.link = Some(la);
+        self.attached_ports.fetch_add(1, Relaxed);
+        if let Some(f) = &*self.on_port.lock().unwrap() {
+            f();
+        }
         a.keep(adopted_a && adopted_b);
         b.keep(adopted_a && adopted_b);
         Ok((a, b))
@@ -647,6 +663,18 @@ impl Kernel {
             }
         }
         out
+    }
+
+    /// Calls `f` whenever a guest port is attached from now on.
+    pub fn on_port_attached(&self, f: Box<dyn Fn() + Send + Sync>) {
+        *self.on_port.lock().unwrap() = Some(f);
+    }
+
+    /// Whether this process has the programs attached to any guest port
+    /// (counted as they attach and detach: asking the hash map for its
+    /// first key walks all its buckets in the kernel).
+    pub fn has_ports(&self) -> bool {
+        self.attached_ports.load(Relaxed) > 0
     }
 
     /// Sets (`Some`) or removes (`None`) link `id`'s next hop. Returns

@@ -110,6 +110,13 @@ pub struct Args {
     /// datapath stays when ovs-vswitchd stops.
     #[arg(long)]
     pub cleanup: bool,
+    /// Do not load the kernel fast path: every frame takes the user-level
+    /// datapath, and vnetd holds no eBPF maps (about 20 MB of kernel
+    /// memory less: for hosts of TAP and vhost-user guests only, which the
+    /// fast path does not carry, or many vnetds on one machine, as
+    /// bench/scale.py runs them).
+    #[arg(long)]
+    pub no_fast_path: bool,
     /// MTU of interfaces added without one.
     #[arg(long, default_value_t = 1500)]
     pub default_mtu: u32,
@@ -280,7 +287,12 @@ pub fn run(args: Args) -> Result<()> {
     // Link sockets are read once the links are in force (`Control::start`).
     dp.close_links();
     let mut adopted_flows = 0;
-    dp.fast = match vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port) {
+    let opened = if args.no_fast_path {
+        Err(anyhow::anyhow!("--no-fast-path"))
+    } else {
+        vnet_fastpath::Kernel::open(pin_dir.as_deref(), args.udp_port)
+    };
+    dp.fast = match opened {
         // Two vnetds on one datapath: refused, not run without a fast path.
         Err(e) if e.downcast_ref::<vnet_fastpath::pin::InUse>().is_some() => return Err(e),
         Ok((k, opened)) => match fast::FastPath::new(k) {
@@ -309,6 +321,10 @@ pub fn run(args: Args) -> Result<()> {
                 None
             }
         },
+        Err(_) if args.no_fast_path => {
+            tracing::info!("kernel fast path not loaded (--no-fast-path); every frame takes the user-level datapath");
+            None
+        }
         Err(e) => {
             tracing::warn!("kernel fast path unavailable ({e:#}); every frame takes the user-level datapath");
             None

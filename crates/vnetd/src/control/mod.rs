@@ -449,7 +449,7 @@ impl Control {
         match cmd {
             Command::IfaceList => list_ifaces(t, out),
             Command::LinkList => list_links(t, out),
-            Command::RouteList => list_routes(t, out),
+            Command::RouteList(mac) => list_routes(t, *mac, out),
             Command::NeighList => list_neighbours(t, out),
             Command::Stats(scope) => self.stats(*scope, t, out),
             Command::Show => {
@@ -479,7 +479,7 @@ impl Control {
                 }
                 list_ifaces(t, out);
                 list_links(t, out);
-                list_routes(t, out);
+                list_routes(t, None, out);
             }
             Command::Help => out.extend(HELP.lines().map(String::from)),
             _ => {}
@@ -631,6 +631,10 @@ fn log_changes<'a>(caller: &Caller, cmds: &[(usize, Command)], line_text: impl F
 }
 
 fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
+    // What each guest holds: what it said of itself (learned), and what is
+    // bound to its MAC (a CNI plugin binds its IPAM addresses).
+    let macs: Vec<_> = t.ifaces.values().map(|i| i.mac).collect();
+    let bound = t.neighbours.bound_to(&macs);
     for i in t.ifaces.values() {
         let own = t.iface_settings.get(&i.id).copied().unwrap_or_default().render();
         let attach = i.attach.word();
@@ -638,7 +642,12 @@ fn list_ifaces(t: &Topology, out: &mut Vec<String>) {
         let netns = format!("{netns} network={}", i.network);
         let nic = i.nic.describe();
         let nic = if nic.is_empty() { nic } else { format!(" {nic}") };
-        let ips = i.learned.list();
+        let mut ips = i.learned.list();
+        for (_, ip) in bound.iter().filter(|(m, _)| *m == i.mac) {
+            if !ips.contains(ip) {
+                ips.push(*ip);
+            }
+        }
         let ips = if ips.is_empty() { String::new() } else { format!(" ips={}", ips.iter().map(|a| a.to_string()).collect::<Vec<_>>().join(",")) };
         out.push(format!("interface {} name={} mac={} mtu={} attach={attach}{netns}{nic}{ips} {own}", i.id, i.name, i.mac, i.mtu));
     }
@@ -676,8 +685,8 @@ fn list_links(t: &Topology, out: &mut Vec<String>) {
     }
 }
 
-fn list_routes(t: &Topology, out: &mut Vec<String>) {
-    for r in t.routes.values() {
+fn list_routes(t: &Topology, mac: Option<vnet_core::Mac>, out: &mut Vec<String>) {
+    for r in t.routes.values().filter(|r| mac.is_none_or(|m| r.spec.names(m))) {
         match &r.owner {
             Some(o) => out.push(format!("route {} {} owner {o}", r.id, r.spec)),
             None => out.push(format!("route {} {}", r.id, r.spec)),

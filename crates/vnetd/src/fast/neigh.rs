@@ -5,12 +5,13 @@
 //! its own: that address (bound to the guest's MAC: the programs answer
 //! only a guest whose own address they know, so a guest's first ARP comes
 //! to vnetd, which learns it), and every IPv4 binding whose MAC its rules
-//! reach. IPv6 solicitations still come to vnetd.
+//! reach; IPv6 neighbour solicitations likewise, for a guest whose own IPv6
+//! address vnetd has heard (`neigh6`).
 
 use super::FastPath;
 use crate::topology::Snapshot;
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::sync::Arc;
 use vnet_core::table::Port;
 use vnet_core::Mac;
@@ -48,31 +49,24 @@ impl FastPath {
     }
 }
 
-fn v4(ip: &IpAddr) -> Option<Ipv4Addr> {
-    match ip {
-        IpAddr::V4(a) => Some(*a),
-        IpAddr::V6(_) => None,
-    }
-}
-
 /// (port's interface id, address) → the MAC to answer with.
-fn wanted(snap: &Snapshot) -> HashMap<(u32, Ipv4Addr), [u8; 6]> {
-    // Every IPv4 binding: given, then learned where nothing is given.
-    let mut bindings: HashMap<Ipv4Addr, Mac> = HashMap::new();
+fn wanted(snap: &Snapshot) -> HashMap<(u32, IpAddr), [u8; 6]> {
+    // Every binding: given, then learned where nothing is given.
+    let mut bindings: HashMap<IpAddr, Mac> = HashMap::new();
     for i in snap.ifaces.iter() {
-        for ip in i.learned.list().iter().filter_map(v4) {
+        for ip in i.learned.list() {
             bindings.insert(ip, i.mac);
         }
     }
     for (ip, b) in snap.neighbours.sorted() {
-        if let Some(a) = v4(&ip) {
-            bindings.insert(a, b.mac);
-        }
+        bindings.insert(ip, b.mac);
     }
     let mut out = HashMap::new();
     let mut hits = Vec::new();
     for i in snap.ifaces.iter().filter(|i| i.nic.fast_target().is_some()) {
-        let own: Vec<Ipv4Addr> = i.learned.list().iter().filter_map(v4).filter(|a| bindings.get(a) == Some(&i.mac)).collect();
+        // A family is answered for a guest whose own address in it is known.
+        let own: Vec<IpAddr> = i.learned.list().into_iter().filter(|a| bindings.get(a) == Some(&i.mac)).collect();
+        let (v4, v6) = (own.iter().any(IpAddr::is_ipv4), own.iter().any(IpAddr::is_ipv6));
         if own.is_empty() {
             continue;
         }
@@ -80,7 +74,7 @@ fn wanted(snap: &Snapshot) -> HashMap<(u32, Ipv4Addr), [u8; 6]> {
             out.insert((i.id, a), i.mac.0);
         }
         for (a, mac) in &bindings {
-            if *mac == i.mac {
+            if *mac == i.mac || !(if a.is_ipv4() { v4 } else { v6 }) {
                 continue;
             }
             hits.clear();

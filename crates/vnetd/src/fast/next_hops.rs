@@ -6,8 +6,8 @@
 //! docs/benchmarks.md).
 //!
 //! When the neighbour table changes (its rtnetlink events) and at least
-//! once a second, a thread asks the kernel, for each link the programs
-//! know, which device and gateway reach its peer (RTM_GETROUTE) and what
+//! once a second, while any guest port has the programs attached, a thread
+//! asks the kernel, for each link the programs know, which device and gateway reach its peer (RTM_GETROUTE) and what
 //! the neighbour table holds for that hop (one RTM_GETNEIGH dump), and
 //! writes the answer into `next_hops`, or removes it:
 //!
@@ -40,6 +40,9 @@ use crate::sys::eventfd::EventFd;
 
 /// How often the hops are read again when the neighbour table is quiet.
 pub const REFRESH: Duration = Duration::from_secs(1);
+/// How long the keeper sleeps while no guest port has the programs (a
+/// port attached wakes it at once).
+const IDLE: Duration = Duration::from_secs(3600);
 /// After a neighbour event, a pass at most this soon after the last (a
 /// busy table is read at most 20 times a second).
 const SETTLE: Duration = Duration::from_millis(50);
@@ -67,9 +70,16 @@ pub struct Keeper {
 impl Keeper {
     pub fn start(kernel: &Arc<Kernel>, counters: Arc<Counters>) -> std::io::Result<Keeper> {
         let (stop, stopped) = std::sync::mpsc::channel();
-        let kernel = Arc::downgrade(kernel);
         let wake = Arc::new(EventFd::new()?);
         let w = wake.clone();
+        // A guest port attached wakes a keeper that had none to serve.
+        let on_port = Arc::downgrade(&wake);
+        kernel.on_port_attached(Box::new(move || {
+            if let Some(w) = on_port.upgrade() {
+                let _ = w.notify();
+            }
+        }));
+        let kernel = Arc::downgrade(kernel);
         let thread = std::thread::Builder::new().name("next-hops".into()).spawn(move || run(kernel, counters, stopped, &w))?;
         Ok(Keeper { stop: Some(stop), wake, thread: Some(thread) })
     }
@@ -98,7 +108,7 @@ fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>, wake: 
     let events = neighbour_events()
         .map_err(|e| tracing::info!("fast path: no neighbour events ({e}); next hops read once a second"))
         .ok();
-    let mut watched = Watch { hops: HashSet::new(), open: true };
+    let mut watched = Watch { hops: HashSet::new(), open: true, idle: false };
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let Some(k) = kernel.upgrade() else { return };
@@ -111,7 +121,10 @@ fn run(kernel: Weak<Kernel>, counters: Arc<Counters>, stop: Receiver<()>, wake: 
             Err(RecvTimeoutError::Timeout) => {}
             _ => return,
         }
-        if !wait(events.as_ref(), &watched, &stop, wake, REFRESH - SETTLE, &mut buf) {
+        // No guest port: nothing to keep until one is attached (which
+        // wakes the keeper), however long that is.
+        let most = if watched.idle { IDLE } else { REFRESH - SETTLE };
+        if !wait(events.as_ref(), &watched, &stop, wake, most, &mut buf) {
             return;
         }
     }
@@ -133,6 +146,8 @@ struct Watch {
     /// Some link has no hop yet (or there is no link yet): any neighbour
     /// event may be the one that resolves it.
     open: bool,
+    /// No guest port has the programs: no hop is used.
+    idle: bool,
 }
 
 /// Waits until an event about a watched neighbour, `most` passing, or the
@@ -149,16 +164,33 @@ fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<(
         if now >= deadline {
             return true;
         }
-        let slice = (deadline - now).min(Duration::from_millis(200));
+        // `wake` ends the wait at once at a stop: no slicing needed.
+        let slice = deadline - now;
         let ms = nix::poll::PollTimeout::try_from(slice.as_millis() as i32).unwrap_or(nix::poll::PollTimeout::NONE);
+        let woken = |fd: &nix::poll::PollFd| fd.revents().is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
         let Some(s) = events else {
             let mut fds = [nix::poll::PollFd::new(wake.as_fd(), nix::poll::PollFlags::POLLIN)];
             let _ = nix::poll::poll(&mut fds, ms);
+            if woken(&fds[0]) {
+                // A stop (seen above, next time round) or a port attached.
+                wake.drain();
+                if stop_or_port(stop) {
+                    return false;
+                }
+                return true;
+            }
             continue;
         };
         let mut fds = [nix::poll::PollFd::new(s.as_fd(), nix::poll::PollFlags::POLLIN), nix::poll::PollFd::new(wake.as_fd(), nix::poll::PollFlags::POLLIN)];
         let ready = nix::poll::poll(&mut fds, ms);
-        let socket_ready = fds[0].revents().is_some_and(|r| r.contains(nix::poll::PollFlags::POLLIN));
+        if woken(&fds[1]) {
+            wake.drain();
+            if stop_or_port(stop) {
+                return false;
+            }
+            return true;
+        }
+        let socket_ready = woken(&fds[0]);
         if matches!(ready, Ok(n) if n > 0) && socket_ready {
             // Drain: one pass answers every event so far.
             let mut any = false;
@@ -176,6 +208,11 @@ fn wait(events: Option<&netlink_sys::Socket>, watched: &Watch, stop: &Receiver<(
             }
         }
     }
+}
+
+/// After `wake`: true if it was the stop, false if a port was attached.
+fn stop_or_port(stop: &Receiver<()>) -> bool {
+    !matches!(stop.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty))
 }
 
 /// Whether a datagram of neighbour events names a watched neighbour (or
@@ -211,14 +248,20 @@ fn concerns(mut buf: &[u8], watched: &Watch) -> bool {
 
 /// One pass over every link; returns what to watch until the next.
 fn refresh(k: &Kernel, rtnl: &Rtnl, counters: &Counters) -> std::io::Result<Watch> {
+    // Only frames from fast-path guests (veth, QEMU's TAP) go by a hop:
+    // a host without one asks the kernel nothing (a host of 800 links
+    // would ask 800 routes a second; docs/controller.md, "At scale").
+    if !k.has_ports() {
+        return Ok(Watch { hops: HashSet::new(), open: false, idle: true });
+    }
     let links = k.link_paths();
     if links.is_empty() {
-        return Ok(Watch { hops: HashSet::new(), open: true });
+        return Ok(Watch { hops: HashSet::new(), open: true, idle: false });
     }
     let table: HashMap<(u32, Ipv4Addr), Neighbour> =
         rtnl.neighbours()?.into_iter().map(|(dev, ip, n)| ((dev, ip), n)).collect();
     let mut macs: HashMap<u32, Option<[u8; 6]>> = HashMap::new();
-    let mut watched = Watch { hops: HashSet::new(), open: false };
+    let mut watched = Watch { hops: HashSet::new(), open: false, idle: false };
     for &(id, ifindex, peer) in &links {
         let hop = (|| {
             let route = rtnl.route_get(peer).ok()?;
@@ -279,7 +322,7 @@ mod tests {
     fn only_events_about_a_hop_a_link_goes_by_wake_the_keeper_unless_one_has_none() {
         let hop: Ipv4Addr = "198.18.0.2".parse().unwrap();
         let other: Ipv4Addr = "198.18.0.9".parse().unwrap();
-        let w = Watch { hops: HashSet::from([(2, hop)]), open: false };
+        let w = Watch { hops: HashSet::from([(2, hop)]), open: false, idle: false };
         assert!(concerns(&event(2, hop, true), &w));
         assert!(concerns(&event(2, hop, false), &w), "a deleted entry");
         assert!(!concerns(&event(2, other, true), &w));
@@ -289,7 +332,7 @@ mod tests {
         two.extend(event(2, hop, true));
         assert!(concerns(&two, &w));
         // A link still without a hop: any event may resolve it.
-        let open = Watch { hops: HashSet::new(), open: true };
+        let open = Watch { hops: HashSet::new(), open: true, idle: false };
         assert!(concerns(&event(7, other, true), &open));
         // What cannot be read might be the hop's.
         assert!(concerns(&[1, 2, 3], &w));

@@ -193,6 +193,13 @@ impl Topology {
                     .clear_routes_using(Port::Interface(idx))
                     .map_err(|users| format!("interface {name} is used by routes {users} (delete them first)"))?;
                 let iface = self.ifaces.remove(&idx).expect("found above");
+                // Addresses a manager bound to its MAC go with it, as its
+                // managed routes do.
+                let bindings = match self.neighbours.remove_owned_of(iface.mac) {
+                    0 => String::new(),
+                    n => format!(" and its {n} managed address binding(s)"),
+                };
+                let managed = managed + &bindings;
                 self.made_by.remove(&Port::Interface(idx));
                 self.ids.forget(IdKind::Iface, &iface.name);
                 self.iface_settings.remove(&idx);

@@ -799,3 +799,21 @@ fn a_direct_link_to_a_device_not_allowed_is_refused_before_the_device_is_touched
     assert_eq!(err, "device lo is not allowed for direct links (start vnetd with --allow-direct lo)");
     assert!(t.links.is_empty());
 }
+
+#[test]
+fn an_interfaces_managed_address_bindings_go_with_it() {
+    in_private_netns(|| {
+        let mut v = Vnetd::new();
+        v.ok(&format!("INTERFACE ADD g1 {M1}\nINTERFACE ADD g2 {M2}"));
+        v.ok(&format!("NEIGH ADD 10.0.0.1 {M1} owner cni\nNEIGH ADD 10.0.0.2 {M1}\nNEIGH ADD 10.0.0.3 {M2} owner cni"));
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        let m2: vnet_core::Mac = M2.parse().unwrap();
+        assert_eq!(v.topo.neighbours.bound_to(&[m2]), [(m2, ip("10.0.0.3"))], "what g2 holds by a binding");
+        // A CNI plugin's bindings (an owner) go with g1; a user's stays, as
+        // a user's route would; g2's are not touched.
+        assert_eq!(v.ok("INTERFACE DEL g1"), ["deleted interface 0 g1 and its 1 managed address binding(s)"]);
+        assert_eq!(v.topo.neighbours.get(&ip("10.0.0.1")), None);
+        assert!(v.topo.neighbours.get(&ip("10.0.0.2")).is_some(), "a user's binding went with the interface");
+        assert_eq!(v.topo.neighbours.get(&ip("10.0.0.3")), Some(m2));
+    });
+}
