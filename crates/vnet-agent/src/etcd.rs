@@ -6,8 +6,12 @@ use anyhow::{Context, Result};
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// The longest one etcd operation may take.
+/// The longest the agent waits for a short answer (a lease keep-alive's).
 pub const OP_TIMEOUT: Duration = Duration::from_secs(3);
+/// The longest one request may take: a listing of a 1,000-host overlay
+/// from a cluster under a whole overlay's bring-up takes seconds, and a
+/// request given up is a listing started again.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where etcd is, and how to reach it.
 #[derive(clap::Args, Debug, Clone)]
@@ -40,8 +44,8 @@ impl EtcdArgs {
     /// (a status request): one member at a time, so that a dead member is
     /// left for the next at once instead of being tried again by a
     /// balancing channel (a leader killed: issue 44's failover test); and
-    /// the index of the one connected to.
-    pub async fn connect_from(&self, start: usize) -> Result<(etcd_client::Client, usize)> {
+    /// the index of the one connected to, and the revision it is at.
+    pub async fn connect_from(&self, start: usize) -> Result<(etcd_client::Client, usize, i64)> {
         let n = self.endpoints.len().max(1);
         let mut last = None;
         for k in 0..n {
@@ -49,11 +53,12 @@ impl EtcdArgs {
             let one = EtcdArgs { endpoints: vec![self.endpoints[i].clone()], ..self.clone() };
             let tried = async {
                 let mut c = one.connect().await?;
-                tokio::time::timeout(OP_TIMEOUT, c.status()).await.map_err(|_| anyhow::anyhow!("no answer"))??;
-                anyhow::Ok(c)
+                let st = tokio::time::timeout(REQUEST_TIMEOUT, c.status()).await.map_err(|_| anyhow::anyhow!("no answer"))??;
+                let rev = st.header().map_or(0, |h| h.revision());
+                anyhow::Ok((c, rev))
             };
             match tried.await {
-                Ok(c) => return Ok((c, i)),
+                Ok((c, rev)) => return Ok((c, i, rev)),
                 Err(e) => {
                     tracing::debug!("etcd {}: {e:#}", self.endpoints[i]);
                     last = Some(e.context(self.endpoints[i].clone()));
@@ -65,7 +70,7 @@ impl EtcdArgs {
 
     pub async fn connect(&self) -> Result<etcd_client::Client> {
         use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
-        let mut o = ConnectOptions::new().with_timeout(OP_TIMEOUT).with_connect_timeout(OP_TIMEOUT);
+        let mut o = ConnectOptions::new().with_timeout(REQUEST_TIMEOUT).with_connect_timeout(OP_TIMEOUT);
         if self.cacert.is_some() || self.cert.is_some() {
             let mut tls = TlsOptions::new();
             if let Some(ca) = &self.cacert {

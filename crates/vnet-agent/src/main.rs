@@ -8,7 +8,9 @@
 
 mod auth;
 mod etcd;
+mod lease;
 mod model;
+mod passes;
 mod records;
 mod show;
 mod store;
@@ -28,6 +30,10 @@ use std::time::{Duration, Instant};
 /// its watch; this is only the safety net, so an idle overlay costs the
 /// agent almost nothing (docs/controller.md, "At scale").
 const RESYNC: Duration = Duration::from_secs(60);
+
+/// The least time between two passes woken by etcd's events: a burst of
+/// events is drained into one pass, not one pass each.
+const PASS_GAP: Duration = Duration::from_millis(100);
 
 #[derive(Parser, Debug)]
 #[command(version, about = "VNET's per-host agent: links and routes derived from etcd")]
@@ -74,10 +80,11 @@ pub struct Args {
     /// the other hosts withdraw its guests.
     #[arg(long, default_value_t = 5)]
     pub ttl: i64,
-    /// How often the agent reads its vnetd's interfaces (milliseconds),
+    /// How often the agent asks its vnetd whether anything changed
+    /// (milliseconds; one short request, the tables read only if so),
     /// besides at once whenever vnetd reports a change (`WAIT`), which is
     /// how changes are seen: this is the safety net.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 10_000)]
     pub interval_ms: u64,
     /// How often the agent publishes its routes' traffic counters, when
     /// they changed (seconds; 0: never, the default). Every agent watches
@@ -98,12 +105,15 @@ pub struct Args {
     /// link from this one (never a link in clear).
     #[arg(long)]
     pub encrypt: bool,
-    /// A migration's hand-over window (milliseconds): a claim made this
-    /// soon after its guest started here, that missed its holder's release
-    /// by a moment (the new host claimed before the old one let go), is
-    /// made again. A claim older than this that waited behind a holder
-    /// never takes the MAC.
-    #[arg(long, default_value_t = 10_000)]
+    /// A migration's hand-over window (milliseconds): a claim that missed
+    /// its holder's release (the new host claimed before the old one let
+    /// go) and was written in etcd less than this before the MAC came
+    /// free, is made again. A claim older than this that waited behind a
+    /// holder never takes the MAC. 30 s: an old host's release can take
+    /// that long when etcd is overloaded (bench/scale.py's churn at 1,000
+    /// hosts on two CPUs: 36 s), and a claim made that close to a
+    /// migration is not one made ahead of time to take it.
+    #[arg(long, default_value_t = 30_000)]
     pub handover_ms: u64,
 }
 
@@ -171,31 +181,78 @@ async fn run(args: Args) -> Result<()> {
     vnetd::watch(&args.socket, changed.clone());
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut traffic_at = Instant::now();
-    // What the last full pass derived from, to skip passes that would
-    // derive the same: the local interfaces, and when it ran.
-    let mut last_ifaces: Option<BTreeMap<String, (u32, String)>> = None;
+    // vnetd's tables as last read (or as the agent's own last request left
+    // them), and when the agent last derived and compared: a pass reads
+    // them again only when vnetd's change count moved (someone else's
+    // change: a user, a CNI plugin, a VM's rings), and every RESYNC.
+    let mut cache: Option<vnetd::Cache> = None;
     let mut last_full = Instant::now();
+    let mut last_pass = Instant::now() - PASS_GAP;
+    let mut pass_took = Duration::ZERO;
     let mut last_macs: Option<String> = None;
     let mut last_conflicts: Vec<(std::net::IpAddr, String)> = Vec::new();
-    let mut woke = false;
+    // What the last pass put in force, network by network: a pass derives
+    // again only the networks that changed (passes.rs).
+    let mut deriver = passes::Deriver::default();
+    // The hosts this one links to (`hosts_for`), made again only when a
+    // registration changed: at 1,000 hosts a copy of them all per pass
+    // cost more than the pass.
+    let mut linked: (u64, BTreeMap<String, model::Host>) = (u64::MAX, BTreeMap::new());
     tracing::info!("vnet-agent for host {} ({}:{}), etcd {}", args.host, args.underlay, args.port, args.etcd.endpoints.join(","));
+    let attention = store.attention.clone();
     loop {
+        let due = store.due();
+        let mut keep_alive = false;
         let event = tokio::select! {
             _ = tick.tick() => false,
             // vnetd changed (an interface, a VM's rings started or
-            // stopped, a request committed by anyone): a full pass now.
-            _ = changed.notified() => {
-                woke = true;
+            // stopped, a request committed by anyone): its count moved,
+            // so this pass reads it.
+            _ = changed.notified() => false,
+            _ = store.next_event() => true,
+            // The lease's task has news: it expired, or cannot be kept
+            // alive through this connection.
+            _ = attention.notified() => {
+                keep_alive = true;
                 false
             }
-            _ = store.next_event() => true,
+            // The lease's keep-alive (or another try at etcd): that alone,
+            // unless it listed the overlay again.
+            _ = tokio::time::sleep_until(due.into()) => {
+                keep_alive = true;
+                false
+            }
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
         };
+        if keep_alive {
+            store.maintain().await;
+            if !store.wants_pass() {
+                continue;
+            }
+        }
+        // Events in a burst (a thousand hosts coming up) are taken a pass
+        // at a time, PASS_GAP apart, or four times as long as the last
+        // pass took (a machine short of CPU makes fewer, larger passes);
+        // a lone change is taken at once.
+        if event {
+            let gap = PASS_GAP.max(pass_took * 4).min(Duration::from_secs(5));
+            let since = last_pass.elapsed();
+            if since < gap {
+                tokio::time::sleep(gap - since).await;
+            }
+        }
         // Drain every event that is already there before deciding.
         store.drain().await;
+        // The overlay's MAC list follows every guest, in any network.
+        if let (Some(f), true) = (&args.macs_file, store.take_moved()) {
+            if let Some(view) = store.view() {
+                write_macs(f, view.guests, &mut last_macs);
+            }
+        }
         if event && !store.is_dirty() {
-            // Only other hosts' traffic counters: nothing to derive.
+            // Nothing this host routes by: another network's guests, other
+            // hosts' traffic counters.
             continue;
         }
         if args.encrypt {
@@ -208,71 +265,86 @@ async fn run(args: Args) -> Result<()> {
             }
         }
         store.maintain().await;
-        // Each pass reads the local interfaces (one short listing) and
-        // publishes what changed; the links and routes are read and derived
-        // only when the overlay or the interfaces changed, and every
-        // RESYNC to repair what someone else changed in vnetd.
-        let (ifaces, ips) = match vnetd.interfaces() {
-            Ok(i) => i,
-            Err(e) => {
-                tracing::warn!("vnetd at {}: {e:#}", args.socket.display());
-                continue;
-            }
-        };
-        store.publish(&ifaces, &ips).await;
-        let traffic_due = args.traffic_s > 0 && traffic_at.elapsed() >= Duration::from_secs(args.traffic_s);
-        let dirty = store.take_dirty();
-        if !dirty && !traffic_due && !std::mem::take(&mut woke) && last_ifaces.as_ref() == Some(&ifaces) && last_full.elapsed() < RESYNC {
-            continue;
+        if last_full.elapsed() >= RESYNC {
+            cache = None;
         }
-        let state = match vnetd.state() {
+        // One short request (vnetd's change count) when nothing changed
+        // there; the tables read again when something did.
+        let (state, read) = match vnetd.tables(&mut cache) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!("vnetd at {}: {e:#}", args.socket.display());
                 continue;
             }
         };
+        store.publish(&state.ifaces, &state.ips).await;
+        let traffic_due = args.traffic_s > 0 && traffic_at.elapsed() >= Duration::from_secs(args.traffic_s);
+        if !store.take_dirty() && !traffic_due && !read {
+            continue;
+        }
         last_full = Instant::now();
         if traffic_due {
             traffic_at = Instant::now();
             match vnetd.request("STATS routes") {
-                Ok(lines) => store.publish_traffic(show::traffic_of(&state, &lines)).await,
+                Ok(lines) => store.publish_traffic(show::traffic_of(state, &lines)).await,
                 Err(e) => tracing::warn!("vnetd: cannot read route counters: {e:#}"),
             }
         }
+        let moved = store.take_moved();
+        let dirty = store.take_dirty_networks();
+        if linked.0 != store.hosts_changed {
+            linked = (store.hosts_changed, BTreeMap::new());
+            if let Some(view) = store.view() {
+                linked.1 = model::hosts_for(view.hosts, args.encrypt);
+            }
+        }
         let Some(view) = store.view() else { continue };
-        if let Some(f) = &args.macs_file {
+        if let (Some(f), true) = (&args.macs_file, moved) {
             write_macs(f, view.guests, &mut last_macs);
         }
+        last_pass = Instant::now();
         let held = store.held(&state.ifaces);
-        let want = model::derive(&args.host, &model::hosts_for(view.hosts, args.encrypt), view.guests, &held);
-        let mut changes = model::plan(&want, &state.links, &state.routes, &state.user_routes);
-        changes.extend(model::plan_neigh(&want, &state.neigh, &state.other_neigh));
-        if want.ip_conflicts != last_conflicts {
-            for (ip, mac) in want.ip_conflicts.iter().filter(|c| !last_conflicts.contains(c)) {
+        let pending = deriver.plan(&args.host, &linked.1, &view, &held, dirty.as_ref(), state, read);
+        let revision = view.revision;
+        if pending.lines.is_empty() {
+            deriver.commit(pending, state);
+        } else {
+            let (n, incremental) = (pending.lines.len(), pending.incremental);
+            match vnetd.apply(&pending.lines) {
+                Ok(_) => {
+                    // vnetd's count one past the cache's, on the same
+                    // session: only this request changed it, and the cache
+                    // is what it left. Otherwise read again at the next pass.
+                    let mine = matches!((vnetd.count(), &cache), (Ok((s, c)), Some(k)) if k.session == s && k.count + 1 == c);
+                    let c = cache.as_mut().expect("read above");
+                    deriver.commit(pending, &mut c.state);
+                    tracing::info!(
+                        "applied {n} change(s) at etcd revision {revision} ({}): {} routes, {} links of ours",
+                        if incremental { "the networks that changed" } else { "everything compared" },
+                        c.state.routes.len(),
+                        c.state.links.len()
+                    );
+                    if mine {
+                        c.count += 1;
+                    } else {
+                        cache = None;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("vnetd refused the agent's changes: {e:#}");
+                    deriver.invalidate();
+                    cache = None;
+                }
+            }
+        }
+        let conflicts = deriver.conflicts();
+        if conflicts != last_conflicts {
+            for (ip, mac) in conflicts.iter().filter(|c| !last_conflicts.contains(c)) {
                 tracing::warn!("address {ip}: guest {mac} says it holds it, but another guest claimed it first: not bound to {mac}");
             }
-            last_conflicts = want.ip_conflicts.clone();
+            last_conflicts = conflicts;
         }
-        last_ifaces = Some(ifaces);
-        if changes.is_empty() {
-            continue;
-        }
-        match vnetd.apply(&changes) {
-            Ok(_) => {
-                tracing::info!(
-                    "applied {} change(s) at etcd revision {}: {} routes, {} links of ours",
-                    changes.len(),
-                    view.revision,
-                    want.routes.len(),
-                    want.links.len()
-                );
-            }
-            Err(e) => {
-                tracing::warn!("vnetd refused the agent's changes: {e:#}");
-                last_ifaces = None;
-            }
-        }
+        pass_took = last_pass.elapsed();
     }
     // The lease is left to expire rather than revoked: an agent restarted
     // within its TTL takes its keys back and no other host notices.

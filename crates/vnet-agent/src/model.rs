@@ -136,82 +136,141 @@ pub fn link_name(host: &str) -> String {
     format!("{LINK_PREFIX}{host}")
 }
 
-/// A network's members as one host sees them: its own guests, and the
-/// others' by host.
-type Members<'a> = (Vec<&'a str>, BTreeMap<&'a str, Vec<&'a str>>);
+/// One network's share of what host `me` wants (`derive_part`): its
+/// routes, the other hosts with members of it (each gets a link), the
+/// bindings of its remote members' addresses, and the addresses its
+/// members say they hold but another guest claimed first.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Part {
+    pub routes: BTreeSet<String>,
+    pub hosts: BTreeSet<String>,
+    pub neigh: BTreeMap<IpAddr, String>,
+    pub ip_conflicts: Vec<(IpAddr, String)>,
+}
 
-/// Host `me`'s links and routes for the overlay `guests` on `hosts`, where
-/// `local` are the guests vnetd has here (MAC → network) that this host
-/// holds in etcd too. MACs are lower case.
-pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String, Guest>, local: &BTreeMap<String, String>) -> Desired {
-    let mut d = Desired::default();
-    // Members of each network: local ones, and remote ones by host (only
-    // hosts that are registered: a guest of a host that is gone is not
-    // reachable).
-    let mut nets: BTreeMap<&str, Members> = BTreeMap::new();
-    for (mac, net) in local {
-        nets.entry(net.as_str()).or_default().0.push(mac.as_str());
-    }
-    for (mac, g) in guests {
+/// A network's share of host `me`'s links and routes, where `local` are
+/// its members held here and `members` all of its guests, `local` among
+/// them (MACs in `guests`; those of hosts not in `hosts` are not reachable
+/// and left out), and `holder` says which guest holds an address (the
+/// first claim of it).
+pub fn derive_part<'a>(
+    me: &str,
+    hosts: &BTreeMap<String, Host>,
+    guests: &'a BTreeMap<String, Guest>,
+    local: &[&'a str],
+    members: impl IntoIterator<Item = &'a str>,
+    holder: &dyn Fn(&IpAddr) -> Option<&'a str>,
+) -> Part {
+    let mut p = Part::default();
+    let mut remote: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for mac in members {
+        let Some(g) = guests.get(mac) else { continue };
+        for ip in &g.ips {
+            if holder(ip).is_some_and(|h| h != mac) {
+                p.ip_conflicts.push((*ip, mac.to_string()));
+            }
+        }
         if g.host == me || !hosts.contains_key(&g.host) {
             continue;
         }
-        if let Some(e) = nets.get_mut(g.network.as_str()) {
-            e.1.entry(g.host.as_str()).or_default().push(mac.as_str());
+        remote.entry(g.host.as_str()).or_default().push(mac);
+    }
+    if local.is_empty() {
+        return p;
+    }
+    for r in remote.values().flatten() {
+        for ip in &guests[*r].ips {
+            if holder(ip) == Some(*r) {
+                p.neigh.insert(*ip, r.to_string());
+            }
         }
     }
-    // Every member's addresses, the first claim of each address holding it.
+    p.hosts = remote.keys().map(|h| h.to_string()).collect();
+    for &s in local {
+        p.routes.insert(format!("any {s} interface {s} edge"));
+        for &t in local.iter().filter(|&&t| t != s) {
+            p.routes.insert(format!("{s} {t} interface {t} interface {s}"));
+            p.routes.insert(format!("{s} {BROADCAST} interface {t} interface {s}"));
+        }
+        for (host, members) in &remote {
+            let link = link_name(host);
+            p.routes.insert(format!("{s} {BROADCAST} edge {link} interface {s}"));
+            for &r in members {
+                p.routes.insert(format!("{s} {r} edge {link} interface {s}"));
+                p.routes.insert(format!("{r} {BROADCAST} interface {s} edge {link}"));
+            }
+        }
+    }
+    p.ip_conflicts.sort();
+    p
+}
+
+/// The link to `host` as host `me` wants it.
+pub fn link_to(hosts: &BTreeMap<String, Host>, host: &str) -> Option<LinkWant> {
+    let h = hosts.get(host)?;
+    let (port, key) = match &h.wireguard {
+        Some((p, k)) => (*p, Some(k.clone())),
+        None => (h.port, None),
+    };
+    Some(LinkWant { name: link_name(host), underlay: h.underlay, port, key })
+}
+
+/// The first claim of each address among `guests` (the lowest `since`;
+/// of equal ones, the first MAC): its holder.
+pub fn ip_holders(guests: &BTreeMap<String, Guest>) -> BTreeMap<IpAddr, (i64, &str)> {
     let mut holders: BTreeMap<IpAddr, (i64, &str)> = BTreeMap::new();
     for (mac, g) in guests {
         for ip in &g.ips {
             match holders.get(ip) {
-                Some((since, _)) if *since <= g.since => d.ip_conflicts.push((*ip, mac.clone())),
-                Some((_, other)) => {
-                    d.ip_conflicts.push((*ip, other.to_string()));
-                    holders.insert(*ip, (g.since, mac.as_str()));
-                }
-                None => {
+                Some((since, _)) if *since <= g.since => {}
+                _ => {
                     holders.insert(*ip, (g.since, mac.as_str()));
                 }
             }
         }
     }
-    for (local_members, remote) in nets.values() {
-        if !local_members.is_empty() {
-            for r in remote.values().flatten() {
-                for ip in &guests[*r].ips {
-                    if holders.get(ip).is_some_and(|(_, m)| m == r) {
-                        d.neigh.insert(*ip, r.to_string());
-                    }
-                }
-            }
+    holders
+}
+
+/// Every network's part of host `me`'s state (networks with a member held
+/// here): `local` are the guests vnetd has here (MAC → network) that this
+/// host holds in etcd too. MACs are lower case.
+pub fn derive_parts(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String, Guest>, local: &BTreeMap<String, String>) -> BTreeMap<String, Part> {
+    let mut nets: BTreeMap<&str, (Vec<&str>, Vec<&str>)> = BTreeMap::new();
+    for (mac, net) in local {
+        nets.entry(net.as_str()).or_default().0.push(mac.as_str());
+    }
+    for (mac, g) in guests {
+        if let Some(e) = nets.get_mut(g.network.as_str()) {
+            e.1.push(mac.as_str());
         }
-        for host in remote.keys() {
-            let h = &hosts[*host];
-            let (port, key) = match &h.wireguard {
-                Some((p, k)) => (*p, Some(k.clone())),
-                None => (h.port, None),
-            };
-            d.links.insert(LinkWant { name: link_name(host), underlay: h.underlay, port, key });
-        }
-        for &s in local_members {
-            d.routes.insert(format!("any {s} interface {s} edge"));
-            for &t in local_members.iter().filter(|&&t| t != s) {
-                d.routes.insert(format!("{s} {t} interface {t} interface {s}"));
-                d.routes.insert(format!("{s} {BROADCAST} interface {t} interface {s}"));
-            }
-            for (host, members) in remote {
-                let link = link_name(host);
-                d.routes.insert(format!("{s} {BROADCAST} edge {link} interface {s}"));
-                for &r in members {
-                    d.routes.insert(format!("{s} {r} edge {link} interface {s}"));
-                    d.routes.insert(format!("{r} {BROADCAST} interface {s} edge {link}"));
-                }
-            }
-        }
+    }
+    let holders = ip_holders(guests);
+    let holder = |ip: &IpAddr| holders.get(ip).map(|(_, m)| *m);
+    nets.into_iter().map(|(n, (local, members))| (n.to_string(), derive_part(me, hosts, guests, &local, members, &holder))).collect()
+}
+
+/// The parts together: host `me`'s links, routes and bindings.
+pub fn merge(hosts: &BTreeMap<String, Host>, parts: &BTreeMap<String, Part>) -> Desired {
+    let mut d = Desired::default();
+    for p in parts.values() {
+        d.routes.extend(p.routes.iter().cloned());
+        d.neigh.extend(p.neigh.iter().map(|(i, m)| (*i, m.clone())));
+        d.links.extend(p.hosts.iter().filter_map(|h| link_to(hosts, h)));
+        d.ip_conflicts.extend(p.ip_conflicts.iter().cloned());
     }
     d.ip_conflicts.sort();
+    d.ip_conflicts.dedup();
     d
+}
+
+/// Host `me`'s links and routes for the overlay `guests` on `hosts`, where
+/// `local` are the guests vnetd has here (MAC → network) that this host
+/// holds in etcd too. MACs are lower case. The whole derivation at once:
+/// what a pass's parts must add up to (passes.rs is tested against it).
+#[cfg(test)]
+pub fn derive(me: &str, hosts: &BTreeMap<String, Host>, guests: &BTreeMap<String, Guest>, local: &BTreeMap<String, String>) -> Desired {
+    merge(hosts, &derive_parts(me, hosts, guests, local))
 }
 
 /// The `NEIGH` changes that take vnetd's bindings of the agent's (`have`:
@@ -233,13 +292,15 @@ pub fn plan_neigh(want: &Desired, have: &BTreeMap<IpAddr, String>, users: &BTree
 }
 
 /// The request that takes vnetd from what it has (`links`: the agent's
-/// links by name → (index, remote ip, port, WireGuard key); `routes`: the agent's routes,
-/// rule → index; `user_routes`: rules a user added, which the agent must
+/// links by name → (remote ip, port, WireGuard key); `routes`: the agent's
+/// routes' rules; `user_routes`: rules a user added, which the agent must
 /// neither add again nor remove) to `want`. Empty when nothing differs.
+/// Links and routes are deleted by name and rule (vnetd holds each rule
+/// once), so a plan needs no index vnetd gave.
 pub fn plan(
     want: &Desired,
-    links: &BTreeMap<String, (u32, IpAddr, u16, Option<String>)>,
-    routes: &BTreeMap<String, u32>,
+    links: &BTreeMap<String, (IpAddr, u16, Option<String>)>,
+    routes: &BTreeSet<String>,
     user_routes: &BTreeSet<String>,
 ) -> Vec<String> {
     let mut req = Vec::new();
@@ -249,20 +310,20 @@ pub fn plan(
     // come back after.
     let moved: BTreeSet<&str> = links
         .iter()
-        .filter(|(n, (_, ip, port, key))| {
+        .filter(|(n, (ip, port, key))| {
             wanted_links.get(n.as_str()).is_some_and(|w| (w.underlay, w.port, &w.key) != (*ip, *port, key))
         })
         .map(|(n, _)| n.as_str())
         .collect();
     let uses = |rule: &str, link: &str| rule.split(' ').any(|w| w == link);
-    for (rule, idx) in routes {
+    for rule in routes {
         if !want.routes.contains(rule) || moved.iter().any(|l| uses(rule, l)) {
-            req.push(format!("ROUTE DEL {idx}"));
+            req.push(format!("ROUTE DEL {rule}"));
         }
     }
-    for (name, (idx, ..)) in links {
+    for name in links.keys() {
         if !wanted_links.contains_key(name.as_str()) || moved.contains(name.as_str()) {
-            req.push(format!("LINK DEL {idx}"));
+            req.push(format!("LINK DEL {name}"));
         }
     }
     for l in &want.links {
@@ -271,7 +332,7 @@ pub fn plan(
         }
     }
     for rule in &want.routes {
-        let kept = routes.contains_key(rule) && !moved.iter().any(|l| uses(rule, l));
+        let kept = routes.contains(rule) && !moved.iter().any(|l| uses(rule, l));
         if !kept && !user_routes.contains(rule) {
             req.push(format!("ROUTE ADD {rule} owner {OWNER}"));
         }
@@ -390,31 +451,30 @@ mod tests {
     fn the_plan_changes_only_what_differs_and_never_a_users_route() {
         let d = derive("h1", &hosts(3), &overlay(), &local("h1"));
         // Nothing yet: every link, then every route.
-        let all = plan(&d, &BTreeMap::new(), &BTreeMap::new(), &BTreeSet::new());
+        let all = plan(&d, &BTreeMap::new(), &BTreeSet::new(), &BTreeSet::new());
         assert_eq!(all.iter().filter(|l| l.starts_with("LINK ADD")).count(), 2);
         assert_eq!(all.iter().filter(|l| l.starts_with("ROUTE ADD")).count(), d.routes.len());
         assert!(all.iter().position(|l| l.starts_with("ROUTE ADD")) > all.iter().position(|l| l.starts_with("LINK ADD")));
         // All there: nothing to do.
-        let links: BTreeMap<String, (u32, IpAddr, u16, Option<String>)> =
-            d.links.iter().enumerate().map(|(i, l)| (l.name.clone(), (i as u32, l.underlay, l.port, None))).collect();
-        let mut routes: BTreeMap<String, u32> = d.routes.iter().enumerate().map(|(i, r)| (r.clone(), i as u32)).collect();
+        let links: BTreeMap<String, (IpAddr, u16, Option<String>)> = d.links.iter().map(|l| (l.name.clone(), (l.underlay, l.port, None))).collect();
+        let mut routes: BTreeSet<String> = d.routes.clone();
         assert!(plan(&d, &links, &routes, &BTreeSet::new()).is_empty());
         // A stale route of ours goes; a user's identical rule is not added twice.
-        routes.insert("any 02:00:00:00:00:99 edge agent.h2 any".into(), 77);
+        routes.insert("any 02:00:00:00:00:99 edge agent.h2 any".into());
         let user_has = d.routes.iter().next().unwrap().clone();
         routes.remove(&user_has);
         let p = plan(&d, &links, &routes, &[user_has].into_iter().collect());
-        assert_eq!(p, ["ROUTE DEL 77"]);
+        assert_eq!(p, ["ROUTE DEL any 02:00:00:00:00:99 edge agent.h2 any"]);
         // h2 moved to another address: its link is replaced, with its routes.
         let mut hs = hosts(3);
         hs.get_mut("h2").unwrap().underlay = "198.18.1.2".parse().unwrap();
         let d2 = derive("h1", &hs, &overlay(), &local("h1"));
-        let routes: BTreeMap<String, u32> = d.routes.iter().enumerate().map(|(i, r)| (r.clone(), i as u32)).collect();
+        let routes = d.routes.clone();
         let p = plan(&d2, &links, &routes, &BTreeSet::new());
         let h2_routes = d.routes.iter().filter(|r| r.contains("agent.h2")).count();
         assert_eq!(p.iter().filter(|l| l.starts_with("ROUTE DEL")).count(), h2_routes);
         assert_eq!(p.iter().filter(|l| l.starts_with("ROUTE ADD")).count(), h2_routes);
-        assert!(p.contains(&"LINK DEL 0".to_string()));
+        assert!(p.contains(&"LINK DEL agent.h2".to_string()));
         assert!(p.contains(&"LINK ADD 198.18.1.2 9000 udp name agent.h2".to_string()));
     }
 
@@ -434,15 +494,15 @@ mod tests {
         assert!(plain.links.iter().all(|l| l.key.is_none() && l.port == 9000) && plain.links.len() == 2);
         // h2's key changes (a rotation): its link is replaced, with its routes
         // deleted first and added back after it.
-        let have: BTreeMap<String, (u32, IpAddr, u16, Option<String>)> =
-            [("agent.h2".to_string(), (7, "198.18.0.2".parse().unwrap(), 51820, Some(k3.clone())))].into();
-        let routes: BTreeMap<String, u32> = d.routes.iter().enumerate().map(|(i, r)| (r.clone(), i as u32)).collect();
+        let have: BTreeMap<String, (IpAddr, u16, Option<String>)> =
+            [("agent.h2".to_string(), ("198.18.0.2".parse().unwrap(), 51820, Some(k3.clone())))].into();
+        let routes = d.routes.clone();
         let req = plan(&d, &have, &routes, &BTreeSet::new());
         let at = |p: &str| req.iter().position(|l| l.starts_with(p)).unwrap();
-        assert!(at("ROUTE DEL") < at("LINK DEL 7") && at("LINK DEL 7") < at("LINK ADD") && at("LINK ADD") < at("ROUTE ADD"), "{req:?}");
+        assert!(at("ROUTE DEL") < at("LINK DEL agent.h2") && at("LINK DEL agent.h2") < at("LINK ADD") && at("LINK ADD") < at("ROUTE ADD"), "{req:?}");
         assert!(req.contains(&format!("LINK ADD 198.18.0.2 51820 wireguard {k2} name agent.h2")));
         // The same key: nothing to do.
-        let same: BTreeMap<_, _> = [("agent.h2".to_string(), (7, "198.18.0.2".parse().unwrap(), 51820, Some(k2.clone())))].into();
+        let same: BTreeMap<_, _> = [("agent.h2".to_string(), ("198.18.0.2".parse().unwrap(), 51820, Some(k2.clone())))].into();
         assert!(plan(&d, &same, &routes, &BTreeSet::new()).is_empty());
         assert!(check_wireguard_key(&k2).is_ok());
         for bad in ["", "short=", "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBm=k", "yAnz5TF+lXXJte14tji3zlMNq+hd2rYUIgJBgB3fBm k="] {

@@ -162,15 +162,28 @@ pub enum Holding<'a> {
 /// of time and take it at the guest's next migration). A claim counts while
 /// its host is registered (`alive`).
 pub fn holder<'a>(claims: &'a Claims, alive: impl Fn(&str) -> bool) -> Holding<'a> {
-    let first = |after: i64| claims.iter().filter(|(_, c)| c.create_revision > after).min_by_key(|(_, c)| c.create_revision);
-    let mut cur = first(i64::MIN);
-    while let Some(((host, _), c)) = cur {
-        if !c.released {
-            return if alive(host) { Holding::Held(host, c) } else { Holding::Stranded(host) };
+    match chain(claims).find(|(_, c)| !c.released) {
+        Some(((host, _), c)) => {
+            if alive(host) {
+                Holding::Held(host, c)
+            } else {
+                Holding::Stranded(host)
+            }
         }
-        cur = first(c.mod_revision);
+        None => Holding::Free,
     }
-    Holding::Free
+}
+
+/// The chain of a MAC's holders, oldest first (`holder`): the released ones
+/// that held it in turn, then the one that holds it now, if any.
+pub fn chain(claims: &Claims) -> impl Iterator<Item = (&(String, String), &ClaimSeen)> {
+    let first = move |after: i64| claims.iter().filter(move |(_, c)| c.create_revision > after).min_by_key(|(_, c)| c.create_revision);
+    let mut cur = first(i64::MIN);
+    std::iter::from_fn(move || {
+        let here = cur?;
+        cur = if here.1.released { first(here.1.mod_revision) } else { None };
+        Some(here)
+    })
 }
 
 /// Whether the released claim `key` can go without changing any reader's

@@ -30,15 +30,18 @@ pub struct ShowArgs {
 /// Builds this host's traffic from `STATS routes` lines and the agent's
 /// routes in `state`.
 pub fn traffic_of(state: &State, stats: &[String]) -> Traffic {
-    let rules: BTreeMap<u32, &str> = state.routes.iter().map(|(r, id)| (*id, r.as_str())).collect();
     let mut t = Traffic {
         at: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         ..Traffic::default()
     };
     for line in stats {
         let w: Vec<&str> = line.split(' ').collect();
-        let (Some(&"route"), Some(id)) = (w.first(), w.get(1).and_then(|i| i.parse::<u32>().ok())) else { continue };
-        let Some(rule) = rules.get(&id) else { continue };
+        // `route <id> frames=.. bytes=.. fast_frames=.. rule=<the rule>`:
+        // the agent's routes by their rule.
+        let (Some(&"route"), Some((_, rule))) = (w.first(), line.split_once(" rule=")) else { continue };
+        if !state.routes.contains(rule) {
+            continue;
+        }
         let num = |k: &str| w.iter().find_map(|x| x.strip_prefix(k)?.strip_prefix('=')?.parse::<u64>().ok()).unwrap_or(0);
         let (frames, bytes) = (num("frames"), num("bytes"));
         let r: Vec<&str> = rule.split(' ').collect();
@@ -192,10 +195,10 @@ mod tests {
         let state = parse_state(&listing).unwrap();
         let stats: Vec<String> = [
             "route 1 frames=10 bytes=1000 fast_frames=4 rule=02:00:00:00:00:0b 02:00:00:00:00:0c edge agent.h2 interface 02:00:00:00:00:0b",
-            "route 2 frames=2 bytes=120 fast_frames=0 rule=...",
-            "route 3 frames=5 bytes=500 fast_frames=0 rule=...",
-            "route 4 frames=7 bytes=700 fast_frames=0 rule=...",
-            "route 5 frames=99 bytes=9900 fast_frames=0 rule=...",
+            "route 2 frames=2 bytes=120 fast_frames=0 rule=02:00:00:00:00:0b ff:ff:ff:ff:ff:ff edge agent.h2 interface 02:00:00:00:00:0b",
+            "route 3 frames=5 bytes=500 fast_frames=0 rule=02:00:00:00:00:0b 02:00:00:00:00:0d interface 02:00:00:00:00:0d interface 02:00:00:00:00:0b",
+            "route 4 frames=7 bytes=700 fast_frames=0 rule=any 02:00:00:00:00:0b interface 02:00:00:00:00:0b edge",
+            "route 5 frames=99 bytes=9900 fast_frames=0 rule=any 02:00:00:00:00:0c edge agent.h2 any",
         ]
         .iter()
         .map(|s| s.to_string())

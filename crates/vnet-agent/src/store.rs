@@ -25,24 +25,36 @@
 //! release`); a host gone does not hand its guests over. Claims are not on
 //! the lease, so that a stranded claim stays to say so.
 //!
-//! When etcd is unreachable, the cache is kept and nothing is changed; when
-//! the watch cannot go on (etcd compacted past it, or restarted), the agent
-//! lists the prefix again and watches from there.
+//! When etcd is unreachable, the cache is kept and nothing is changed; a
+//! watch that broke goes on from the last revision seen, and only when it
+//! cannot (etcd compacted past it) does the agent list the prefix again
+//! (`session.rs`). This host's own writes are in `claims.rs`.
 
-use crate::etcd::{EtcdArgs, OP_TIMEOUT};
+mod claims;
+mod session;
+
+use crate::etcd::EtcdArgs;
+use crate::lease::Lease;
 use crate::model::{Guest, Host};
-use crate::records::{can_forget, check_epoch, guest_key, holder, new_epoch, reg_key, traffic_key, usable_ips, ClaimSeen, Claims, GuestValue, HostValue, Holding, Record, Traffic};
-use etcd_client::{Client, EventType, GetOptions, LeaseKeeper, LeaseKeepAliveStream, PutOptions, WatchOptions, WatchStream};
+use crate::records::{check_epoch, holder, usable_ips, ClaimSeen, Claims, GuestValue, HostValue, Holding, Record, Traffic};
+use etcd_client::{Client, EventType, WatchStream};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
+
+/// The longest a write of a guest's record may take before it is given up
+/// and made again (under the same key, so nothing is written twice): a
+/// proposal the dying leader took with it waits etcd's own request timeout
+/// (7 s with the default 1-s election) before it fails, while the next
+/// leader is elected in 1-2 s.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long after its guest started a host's claim may be made again when
 /// the MAC's holder let it go after the claim was made (a migration whose
 /// new host claimed before the old one released): longer, and the claim is
 /// one that waited behind a holder, which never takes a MAC
 /// (`--handover-ms`).
-pub const HANDOVER: Duration = Duration::from_secs(10);
+pub const HANDOVER: Duration = Duration::from_secs(30);
 
 /// This host's claim on a local interface's MAC.
 #[derive(Clone, Debug)]
@@ -52,7 +64,14 @@ struct Claim {
     network: String,
     /// The epoch of its record in etcd, once written.
     epoch: Option<String>,
-    /// When the guest started here (the interface was first seen).
+    /// The epoch of a write whose answer did not come (etcd may have
+    /// committed it): a retry writes the same key, so a claim is never made
+    /// twice behind itself.
+    trying: Option<String>,
+    /// When the guest started here (the interface was first seen), or,
+    /// once its claim is written, when etcd took it: a migration's hand-over
+    /// window runs from then, so an etcd slow to take writes (or an agent
+    /// slow to get to them) does not close it before it opens.
     since: Instant,
     /// Another claim holds the MAC (logged once).
     waiting: bool,
@@ -63,6 +82,10 @@ struct Claim {
 pub struct View<'a> {
     pub hosts: &'a BTreeMap<String, Host>,
     pub guests: &'a BTreeMap<String, Guest>,
+    /// The guests of each network, and the guests that say they hold each
+    /// address (indexes of `guests`).
+    pub by_net: &'a BTreeMap<String, BTreeSet<String>>,
+    pub by_ip: &'a BTreeMap<IpAddr, BTreeSet<String>>,
     pub revision: i64,
 }
 
@@ -85,7 +108,11 @@ pub struct Store {
     etcd: EtcdArgs,
     me: Registration,
     client: Option<Client>,
-    lease: Option<(i64, LeaseKeeper, LeaseKeepAliveStream, Instant)>,
+    /// The registration's lease, kept alive by a task of its own.
+    lease: Option<Lease>,
+    /// Notified when the lease's task has news (it expired, or a
+    /// keep-alive failed): the agent looks at once.
+    pub attention: std::sync::Arc<tokio::sync::Notify>,
     watch: Option<WatchStream>,
     /// The cache is a true copy of etcd as of `revision` (listed, then
     /// followed by the watch); None until the first listing.
@@ -93,17 +120,44 @@ pub struct Store {
     hosts: BTreeMap<String, Host>,
     /// Every host's claims, by MAC.
     claimed: BTreeMap<String, Claims>,
+    /// The MACs each host has claims of (a host's registration coming or
+    /// going touches these alone).
+    by_host: BTreeMap<String, BTreeSet<String>>,
     /// Each MAC's holder, as the model wants them.
     routed: BTreeMap<String, Guest>,
     claims: BTreeMap<String, Claim>,
     retry_at: Instant,
     /// The registration's value changed (a new WireGuard key): written again.
     reregister: bool,
-    /// A host or guest key changed since `take_dirty` was last asked.
+    /// A change this host routes by (a guest of one of its networks, or
+    /// of an address one of them holds; a claim of ours) since
+    /// `take_dirty` was last asked.
     dirty: bool,
-    /// Claims seen waiting behind another host's (MAC, host, create
+    /// The networks such changes were in (`take_dirty_networks`), or all.
+    dirty_nets: BTreeSet<String>,
+    dirty_all: bool,
+    /// The routed guests of each network.
+    by_net: BTreeMap<String, BTreeSet<String>>,
+    /// How many times a host's registration came, went or changed.
+    pub hosts_changed: u64,
+    /// MACs whose claims changed, and hosts whose registration did, since
+    /// the last `rebuild` (which looks at these alone); or everything.
+    touched: BTreeSet<String>,
+    touched_hosts: BTreeSet<String>,
+    touched_all: bool,
+    /// Claims changed: some released claim of ours may be forgotten now.
+    forget_due: bool,
+    /// Claims of ours given up and not yet written so (a write that timed
+    /// out): MAC and epoch → the network to release it in (a guest moved
+    /// to another network), or nothing to delete it (a claim made again
+    /// after a hand-over, which the old one only waits behind). Written
+    /// at each `publish` until done, and never taken as ours meanwhile.
+    given_up: BTreeMap<(String, String), Option<String>>,
+    /// Which routed guests say they hold each address.
+    by_ip: BTreeMap<IpAddr, BTreeSet<String>>,
+    /// Claims seen waiting behind another host's: MAC → (host, create
     /// revision), each counted once in `contested`.
-    seen_waiting: BTreeSet<(String, String, i64)>,
+    seen_waiting: BTreeMap<String, BTreeSet<(String, i64)>>,
     pub contested: u64,
     /// MACs whose holder's host is gone (logged once).
     stranded: BTreeSet<String>,
@@ -116,10 +170,33 @@ pub struct Store {
     endpoint_at: usize,
     /// Our lease, between a connection lost and the next one.
     lease_id: Option<i64>,
+    /// Failed tries at etcd in a row (`backoff`).
+    failures: u32,
+    /// Some guest's holder changed (`take_moved`).
+    moved: bool,
+    /// A write of `publish` failed: when to try again (a pass then, even
+    /// if nothing else changes).
+    publish_retry: Option<Instant>,
+    /// How long a write is given (`WRITE_TIMEOUT`, doubled after each
+    /// write given up, back after one answered).
+    write_timeout: Duration,
+    /// The watch cannot go on from the last revision seen (etcd compacted
+    /// past it, or a member is behind it): the overlay is listed again.
+    relist_needed: bool,
+    /// How many times the overlay was listed (`relist`).
+    listings: u64,
 }
 
 impl Store {
     pub fn new(etcd: &EtcdArgs, me: Registration) -> Store {
+        // Agents start at different members (by their host's name), so
+        // that a thousand hosts' watches are not all one member's work.
+        let start = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            me.host.hash(&mut h);
+            (h.finish() % etcd.endpoints.len().max(1) as u64) as usize
+        };
         Store {
             etcd: etcd.clone(),
             me,
@@ -129,41 +206,60 @@ impl Store {
             revision: None,
             hosts: BTreeMap::new(),
             claimed: BTreeMap::new(),
+            by_host: BTreeMap::new(),
             routed: BTreeMap::new(),
             claims: BTreeMap::new(),
             retry_at: Instant::now(),
             reregister: false,
             dirty: true,
-            seen_waiting: BTreeSet::new(),
+            dirty_nets: BTreeSet::new(),
+            dirty_all: true,
+            by_net: BTreeMap::new(),
+            hosts_changed: 0,
+            touched: BTreeSet::new(),
+            touched_hosts: BTreeSet::new(),
+            touched_all: true,
+            forget_due: true,
+            given_up: BTreeMap::new(),
+            by_ip: BTreeMap::new(),
+            seen_waiting: BTreeMap::new(),
             contested: 0,
             stranded: BTreeSet::new(),
             handover: HANDOVER,
             traffic_sent: None,
-            endpoint_at: 0,
+            // Agents start at different members (by their host's name), so
+            // that a thousand hosts' watches are not all one member's work.
+            endpoint_at: start,
             lease_id: None,
+            attention: Default::default(),
+            failures: 0,
+            moved: true,
+            publish_retry: None,
+            write_timeout: WRITE_TIMEOUT,
+            relist_needed: true,
+            listings: 0,
         }
     }
 
-    /// Connects, registers the host and lists the overlay, as far as etcd
-    /// lets it; what fails is tried again a second later.
-    pub async fn maintain(&mut self) {
-        if Instant::now() < self.retry_at {
-            return;
-        }
-        if let Err(e) = self.try_maintain().await {
-            tracing::warn!("etcd: {e:#} (routes stay as they are; trying again)");
-            self.retry_at = Instant::now() + Duration::from_millis(200);
-            // Start afresh with the next member: a new connection, the
-            // same lease kept alive through it if it still lives (the
-            // registration stays: a member lost is no host lost), a new
-            // listing.
-            self.watch = None;
-            self.client = None;
-            self.endpoint_at += 1;
-            if let Some((id, ..)) = self.lease.take() {
-                self.lease_id = Some(id);
-            }
-        }
+    /// When `maintain` has work next: the lease's keep-alive (at a third
+    /// of its life), or another try at etcd after a failure. The agent
+    /// wakes for it alone, so that an idle agent wakes no more than its
+    /// lease needs.
+    pub fn due(&self) -> Instant {
+        // Connected, registered and watching: nothing is due (the lease's
+        // task keeps it alive, and says when it cannot) but a write to try
+        // again; otherwise the next try at etcd.
+        let due = match (&self.client, &self.lease, &self.watch) {
+            (Some(_), Some(_), Some(_)) => self.retry_at.max(Instant::now() + Duration::from_secs(3600)),
+            _ => self.retry_at,
+        };
+        self.publish_retry.map_or(due, |t| t.min(due))
+    }
+
+    /// Whether a pass is wanted: the overlay changed, or a write of ours
+    /// failed and is due again.
+    pub fn wants_pass(&self) -> bool {
+        self.dirty || self.publish_retry.is_some_and(|t| Instant::now() >= t)
     }
 
     /// This host's WireGuard port and key as its vnetd has them now: a
@@ -176,104 +272,10 @@ impl Store {
         }
     }
 
-    async fn try_maintain(&mut self) -> anyhow::Result<()> {
-        if self.client.is_none() {
-            let (c, at) = self.etcd.connect_from(self.endpoint_at).await?;
-            self.endpoint_at = at;
-            tracing::info!("etcd: connected to {}", self.etcd.endpoints[at]);
-            self.client = Some(c);
-        }
-        // A lease that lived through a reconnection: kept alive again
-        // through the new one (its keys stay as they are).
-        if let (None, Some(id)) = (&self.lease, self.lease_id.take()) {
-            let client = self.client.as_mut().expect("connected above");
-            let (mut keeper, mut stream) = client.lease_keep_alive(id).await?;
-            keeper.keep_alive().await?;
-            match tokio::time::timeout(OP_TIMEOUT, stream.message()).await {
-                Ok(Ok(Some(r))) if r.ttl() > 0 => {
-                    tracing::info!("etcd: lease {id:x} kept through the new connection");
-                    self.lease = Some((id, keeper, stream, Instant::now()));
-                }
-                Ok(Ok(_)) => tracing::warn!("etcd: our lease expired meanwhile; registering again"),
-                Ok(Err(e)) => return Err(e.into()),
-                Err(_) => anyhow::bail!("lease keep-alive unanswered"),
-            }
-        }
-        // The lease: kept alive at a third of its life; a lost one (etcd
-        // down longer than the TTL) is granted again and everything of ours
-        // written again under it.
-        let ttl = self.me.ttl;
-        let mut lost = false;
-        if let Some((_, keeper, stream, last)) = &mut self.lease {
-            if last.elapsed() >= Duration::from_millis(ttl as u64 * 1000 / 3) {
-                keeper.keep_alive().await?;
-                match tokio::time::timeout(OP_TIMEOUT, stream.message()).await {
-                    Ok(Ok(Some(r))) if r.ttl() > 0 => *last = Instant::now(),
-                    Ok(Ok(_)) => lost = true,
-                    Ok(Err(e)) => return Err(e.into()),
-                    Err(_) => anyhow::bail!("lease keep-alive unanswered"),
-                }
-            }
-        }
-        if lost {
-            tracing::warn!("etcd: our lease expired; registering again");
-            self.lease = None;
-        }
-        let v = self.reg_value()?;
-        let client = self.client.as_mut().expect("connected above");
-        if self.lease.is_none() {
-            let id = client.lease_grant(ttl, None).await?.id();
-            let (keeper, stream) = client.lease_keep_alive(id).await?;
-            client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
-            self.lease = Some((id, keeper, stream, Instant::now()));
-            // A new lease: the traffic key (on the old one) is gone.
-            self.traffic_sent = None;
-            self.reregister = false;
-            tracing::info!("etcd: host {} registered (lease {id:x}, ttl {ttl} s)", self.me.host);
-        }
-        if self.reregister {
-            if let Some((id, ..)) = &self.lease {
-                let (id, v) = (*id, self.reg_value()?);
-                let client = self.client.as_mut().expect("connected above");
-                client.put(reg_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(id))).await?;
-            }
-            self.reregister = false;
-        }
-        if self.watch.is_none() {
-            self.relist().await?;
-        }
-        Ok(())
-    }
-
     /// This host's registration record.
     fn reg_value(&self) -> anyhow::Result<String> {
         let wireguard = self.me.wireguard.clone().map(|(port, public_key)| crate::records::WireGuardValue { port, public_key });
         Ok(serde_json::to_string(&HostValue { underlay: self.me.underlay, port: self.me.port, wireguard })?)
-    }
-
-    /// Lists the prefix and watches from the revision after it.
-    async fn relist(&mut self) -> anyhow::Result<()> {
-        let prefix = format!("{}/", self.etcd.prefix);
-        let client = self.client.as_mut().expect("connected");
-        let resp = client.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await?;
-        let rev = resp.header().map_or(0, |h| h.revision());
-        self.hosts.clear();
-        self.claimed.clear();
-        let kvs: Vec<(String, Vec<u8>, i64, i64)> = resp
-            .kvs()
-            .iter()
-            .map(|kv| (String::from_utf8_lossy(kv.key()).into_owned(), kv.value().to_vec(), kv.create_revision(), kv.mod_revision()))
-            .collect();
-        let stream = client.watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1))).await?;
-        for (k, v, c, m) in kvs {
-            self.put_cached(&k, &v, c, m);
-        }
-        self.watch = Some(stream);
-        self.revision = Some(rev);
-        self.adopt_own_claims();
-        self.rebuild();
-        tracing::info!("etcd: listed {} hosts and {} guests at revision {rev}", self.hosts.len(), self.claimed.len());
-        Ok(())
     }
 
     /// Takes a key into the cache; true if it is a host's registration or
@@ -288,6 +290,8 @@ impl Store {
                 {
                     let wireguard = h.wireguard.map(|w| (w.port, w.public_key));
                     self.hosts.insert(name.to_string(), Host { underlay: h.underlay, port: h.port, wireguard });
+                    self.touched_hosts.insert(name.to_string());
+                    self.hosts_changed += 1;
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a host entry"),
             },
@@ -297,6 +301,9 @@ impl Store {
                 {
                     let ips = usable_ips(&g.ips);
                     let c = ClaimSeen { network: g.network, create_revision, mod_revision, released: g.released, ips };
+                    self.touched.insert(mac.clone());
+                    self.forget_due = true;
+                    self.by_host.entry(host.to_string()).or_default().insert(mac.clone());
                     self.claimed.entry(mac).or_default().insert((host.to_string(), epoch.to_string()), c);
                 }
                 _ => tracing::warn!("etcd: ignoring {key}: not a guest entry"),
@@ -310,11 +317,23 @@ impl Store {
         match Record::parse(&self.etcd.prefix, key) {
             Some(Record::Reg(name)) => {
                 self.hosts.remove(name);
+                self.touched_hosts.insert(name.to_string());
+                self.hosts_changed += 1;
             }
             Some(Record::Guest(host, mac, epoch)) => {
                 let mac = mac.to_ascii_lowercase();
+                self.touched.insert(mac.clone());
+                self.forget_due = true;
                 if let Some(c) = self.claimed.get_mut(&mac) {
                     c.remove(&(host.to_string(), epoch.to_string()));
+                    if !c.keys().any(|(h, _)| h == host) {
+                        if let Some(ms) = self.by_host.get_mut(host) {
+                            ms.remove(&mac);
+                            if ms.is_empty() {
+                                self.by_host.remove(host);
+                            }
+                        }
+                    }
                     if c.is_empty() {
                         self.claimed.remove(&mac);
                     }
@@ -330,18 +349,43 @@ impl Store {
     /// they were for are matched at the next `publish`, which releases the
     /// claims of guests no longer here.
     fn adopt_own_claims(&mut self) {
-        let me = self.me.host.clone();
-        for (mac, claims) in &self.claimed {
-            if self.claims.contains_key(mac) {
-                continue;
-            }
-            let newest = claims.iter().filter(|((h, _), c)| *h == me && !c.released).max_by_key(|(_, c)| c.create_revision);
-            if let Some(((_, epoch), c)) = newest {
-                let since = Instant::now().checked_sub(self.handover).unwrap_or_else(Instant::now);
-                let ips = c.ips.clone();
-                self.claims.insert(mac.clone(), Claim { iface: u32::MAX, network: c.network.clone(), epoch: Some(epoch.clone()), since, waiting: false, ips });
+        let found: Vec<(String, String)> = self
+            .claimed
+            .keys()
+            .filter(|mac| !self.claims.contains_key(*mac))
+            .filter_map(|mac| self.own_claims(mac, None).into_iter().next().map(|e| (mac.clone(), e)))
+            .collect();
+        let since = Instant::now().checked_sub(self.handover).unwrap_or_else(Instant::now);
+        for (mac, epoch) in found {
+            let c = &self.claimed[&mac][&(self.me.host.clone(), epoch.clone())];
+            let claim = Claim { iface: u32::MAX, network: c.network.clone(), epoch: Some(epoch), trying: None, since, waiting: false, ips: c.ips.clone() };
+            self.claims.insert(mac, claim);
+        }
+    }
+
+    /// Our unreleased claims of `mac` (in `network`, or any), never one we
+    /// gave up (`given_up`), the one to take as ours first: the one that
+    /// holds the MAC if one of ours does, else the oldest; the rest, which
+    /// only wait (a write retried before `trying`, an early claim at a
+    /// hand-over), after it by age.
+    fn own_claims(&self, mac: &str, network: Option<&str>) -> Vec<String> {
+        let Some(cl) = self.claimed.get(mac) else { return Vec::new() };
+        let me = self.me.host.as_str();
+        let mut own: Vec<(i64, &String)> = cl
+            .iter()
+            .filter(|((h, e), seen)| {
+                h == me && !seen.released && network.is_none_or(|n| seen.network == n) && !self.given_up.contains_key(&(mac.to_string(), e.clone()))
+            })
+            .map(|((_, e), seen)| (seen.create_revision, e))
+            .collect();
+        own.sort();
+        if let Holding::Held(h, first) = holder(cl, |h| self.hosts.contains_key(h)) {
+            if let Some(i) = own.iter().position(|(r, _)| h == me && *r == first.create_revision) {
+                let held = own.remove(i);
+                own.insert(0, held);
             }
         }
+        own.into_iter().map(|(_, e)| e.clone()).collect()
     }
 
     /// Whether the overlay changed (a host or guest key, or a claim of ours)
@@ -354,47 +398,143 @@ impl Store {
         std::mem::take(&mut self.dirty)
     }
 
-    /// Gives each MAC to its holder, and notes the claims that wait.
+    /// The networks whose guests (or their hosts, or the addresses they
+    /// share) changed since this was last asked; None if every network
+    /// may have (a listing). A pass derives these again and no others.
+    pub fn take_dirty_networks(&mut self) -> Option<BTreeSet<String>> {
+        let nets = std::mem::take(&mut self.dirty_nets);
+        (!std::mem::take(&mut self.dirty_all)).then_some(nets)
+    }
+
+    /// Whether any guest's holder changed, in any network, since this was
+    /// last asked (the overlay's MAC list, `--macs-file`, follows them all).
+    pub fn take_moved(&mut self) -> bool {
+        std::mem::take(&mut self.moved)
+    }
+
+    /// Gives each MAC whose claims changed (or whose claiming hosts came
+    /// or went) to its holder, notes the claims that wait, and marks the
+    /// store dirty if this host routes by any of it: work in proportion to
+    /// the change, not to the overlay (docs/controller.md, "At scale").
     fn rebuild(&mut self) {
-        self.dirty = true;
-        self.routed.clear();
-        let mut waiting = BTreeSet::new();
-        let mut stranded = BTreeSet::new();
-        let hosts = &self.hosts;
-        for (mac, claims) in &self.claimed {
-            let (holder_host, first) = match holder(claims, |h| hosts.contains_key(h)) {
-                Holding::Held(h, c) => (h, c),
-                Holding::Stranded(h) => {
-                    if !self.stranded.contains(mac) {
-                        tracing::warn!("guest {mac}: host {h} holds it and is gone (its lease ran out): nobody else takes it until h comes back or `vnet-agent release` lets it go");
-                    }
-                    stranded.insert(mac.clone());
-                    continue;
-                }
-                Holding::Free => continue,
-            };
-            self.routed.insert(
-                mac.clone(),
-                Guest { host: holder_host.to_string(), network: first.network.clone(), ips: first.ips.clone(), since: first.create_revision },
-            );
-            for ((host, _), c) in claims.iter().filter(|(_, c)| !c.released && *c != first) {
-                let w = (mac.clone(), host.clone(), c.create_revision);
-                if !self.seen_waiting.contains(&w) {
-                    self.contested += 1;
-                    tracing::warn!(
-                        "guest {mac}: host {host} claims it (revision {}), but host {holder_host} holds it (revision {}): \
-                         ignored for good ({} contested claims seen)",
-                        c.create_revision,
-                        first.create_revision,
-                        self.contested
-                    );
-                }
-                waiting.insert(w);
+        let mut touched = std::mem::take(&mut self.touched);
+        let hosts_changed = std::mem::take(&mut self.touched_hosts);
+        if std::mem::take(&mut self.touched_all) {
+            touched.extend(self.claimed.keys().cloned());
+            touched.extend(self.routed.keys().cloned());
+            self.dirty = true;
+            self.dirty_all = true;
+        } else {
+            for h in &hosts_changed {
+                touched.extend(self.by_host.get(h).into_iter().flatten().cloned());
             }
         }
-        self.seen_waiting = waiting;
-        self.stranded = stranded;
-        for (mac, c) in self.claims.iter_mut() {
+        // This host's networks: a change elsewhere is not routed here.
+        let mine: BTreeSet<&str> = self.claims.values().map(|c| c.network.as_str()).collect();
+        let hosts = &self.hosts;
+        let mut relevant = false;
+        for mac in &touched {
+            let before = self.routed.remove(mac);
+            for ip in before.iter().flat_map(|g| &g.ips) {
+                if let Some(ms) = self.by_ip.get_mut(ip) {
+                    ms.remove(mac);
+                    if ms.is_empty() {
+                        self.by_ip.remove(ip);
+                    }
+                }
+            }
+            if let Some(g) = &before {
+                if let Some(ms) = self.by_net.get_mut(&g.network) {
+                    ms.remove(mac);
+                    if ms.is_empty() {
+                        self.by_net.remove(&g.network);
+                    }
+                }
+            }
+            let old_waiting = self.seen_waiting.remove(mac).unwrap_or_default();
+            let was_stranded = self.stranded.remove(mac);
+            let after = match self.claimed.get(mac).map(|claims| (claims, holder(claims, |h| hosts.contains_key(h)))) {
+                Some((_, Holding::Stranded(h))) => {
+                    if !was_stranded {
+                        tracing::warn!("guest {mac}: host {h} holds it and is gone (its lease ran out): nobody else takes it until h comes back or `vnet-agent release` lets it go");
+                    }
+                    self.stranded.insert(mac.clone());
+                    None
+                }
+                Some((claims, Holding::Held(holder_host, first))) => {
+                    let mut waiting = BTreeSet::new();
+                    for ((host, _), c) in claims.iter().filter(|(_, c)| !c.released && *c != first) {
+                        let w = (host.clone(), c.create_revision);
+                        if !old_waiting.contains(&w) {
+                            self.contested += 1;
+                            tracing::warn!(
+                                "guest {mac}: host {host} claims it (revision {}), but host {holder_host} holds it (revision {}): \
+                                 ignored for good ({} contested claims seen)",
+                                c.create_revision,
+                                first.create_revision,
+                                self.contested
+                            );
+                        }
+                        waiting.insert(w);
+                    }
+                    if !waiting.is_empty() {
+                        self.seen_waiting.insert(mac.clone(), waiting);
+                    }
+                    Some(Guest { host: holder_host.to_string(), network: first.network.clone(), ips: first.ips.clone(), since: first.create_revision })
+                }
+                Some((_, Holding::Free)) | None => None,
+            };
+            for ip in after.iter().flat_map(|g| &g.ips) {
+                self.by_ip.entry(*ip).or_default().insert(mac.clone());
+            }
+            if let Some(g) = &after {
+                self.by_net.entry(g.network.clone()).or_default().insert(mac.clone());
+            }
+            // Routed here if it is (or was) in one of this host's networks,
+            // or says it holds an address a guest of one of them says it
+            // holds too (the first claim has it); its holder's
+            // registration changing (a new address or key) changes the
+            // link to it.
+            let of_mine = |g: &Option<Guest>| g.as_ref().is_some_and(|g| mine.contains(g.network.as_str()));
+            let shares_ip = |g: &Option<Guest>| {
+                g.iter().flat_map(|g| &g.ips).any(|ip| {
+                    self.by_ip.get(ip).is_some_and(|ms| {
+                        ms.iter().any(|m| m != mac && self.routed.get(m).is_some_and(|o| mine.contains(o.network.as_str())))
+                    })
+                })
+            };
+            self.moved |= before != after;
+            let host_moved = after.as_ref().is_some_and(|g| hosts_changed.contains(&g.host));
+            let changed = before != after || host_moved;
+            if !relevant && changed {
+                relevant = of_mine(&before) || of_mine(&after) || shares_ip(&before) || shares_ip(&after);
+            }
+            relevant |= self.claims.contains_key(mac);
+            if changed {
+                // The networks it was and is in, and those of every guest
+                // that says it holds one of its addresses (which of them
+                // holds it may have changed).
+                for g in before.iter().chain(after.iter()) {
+                    self.dirty_nets.insert(g.network.clone());
+                    for ip in &g.ips {
+                        for m in self.by_ip.get(ip).into_iter().flatten() {
+                            if let Some(o) = self.routed.get(m) {
+                                self.dirty_nets.insert(o.network.clone());
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(c) = self.claims.get(mac) {
+                self.dirty_nets.insert(c.network.clone());
+            }
+            if let Some(g) = after {
+                self.routed.insert(mac.clone(), g);
+            }
+        }
+        self.dirty |= relevant;
+        for mac in &touched {
+            let Some(c) = self.claims.get_mut(mac) else { continue };
             let ours = self.routed.get(mac).is_some_and(|g| g.host == self.me.host);
             if c.epoch.is_some() && !ours && !c.waiting {
                 c.waiting = true;
@@ -432,6 +572,7 @@ impl Store {
         match r {
             Ok(Some(resp)) => {
                 if resp.canceled() || resp.compact_revision() > 0 {
+                    self.relist_needed = true;
                     tracing::warn!(
                         "etcd: watch ended ({}; compacted to {}): listing again",
                         resp.cancel_reason(),
@@ -458,160 +599,15 @@ impl Store {
                 }
             }
             Ok(None) | Err(_) => {
-                tracing::warn!("etcd: watch broken: listing again once etcd answers");
+                tracing::warn!("etcd: watch broken: watching again from the last revision once etcd answers");
                 self.watch = None;
             }
         }
     }
 
-    /// Claims the MACs of new local interfaces, releases those of
-    /// interfaces gone, makes again a claim that missed a hand-over by a
-    /// moment, and forgets released claims no reader needs. Only while etcd
-    /// answers; otherwise next time.
-    pub async fn publish(&mut self, local: &BTreeMap<String, (u32, String)>, ips: &BTreeMap<String, Vec<IpAddr>>) {
-        if self.lease.is_none() || self.revision.is_none() {
-            return;
-        }
-        let (prefix, host) = (self.etcd.prefix.clone(), self.me.host.clone());
-        // Guests gone: their claims released (a key of ours, rewritten).
-        let gone: Vec<String> = self.claims.keys().filter(|m| !local.contains_key(*m)).cloned().collect();
-        for mac in gone {
-            let c = self.claims.remove(&mac).expect("listed above");
-            if let Some(epoch) = &c.epoch {
-                if let Err(e) = self.release(&mac, epoch, &c.network).await {
-                    tracing::warn!("etcd: cannot release guest {mac}: {e}");
-                    self.claims.insert(mac, c);
-                    continue;
-                }
-                tracing::info!("guest {mac}: released (its interface is gone)");
-            }
-        }
-        let now = Instant::now();
-        for (mac, (id, network)) in local {
-            let c = self
-                .claims
-                .entry(mac.clone())
-                .or_insert_with(|| Claim { iface: *id, network: network.clone(), epoch: None, since: now, waiting: false, ips: Vec::new() });
-            // An interface added again (or renumbered by a restarted vnetd)
-            // keeps its claim, and with it its place.
-            c.iface = *id;
-            let mut stale = None;
-            if &c.network != network {
-                // Moved to another network: claimed again.
-                stale = c.epoch.take().map(|e| (e, c.network.clone(), true));
-                c.network = network.clone();
-            } else if c.epoch.is_some()
-                && now.duration_since(c.since) < self.handover
-                && matches!(self.claimed.get(mac).map(|cl| holder(cl, |h| self.hosts.contains_key(h))), Some(Holding::Free))
-            {
-                // The holder let the MAC go just after our guest started
-                // here and claimed it (a migration): our claim, made before
-                // the release, is off the chain; made again, it is the
-                // first after it.
-                tracing::info!("guest {mac}: its holder let it go just after we claimed it: claiming it again");
-                stale = c.epoch.take().map(|e| (e, c.network.clone(), false));
-            }
-            if let Some((epoch, net, released)) = stale {
-                let r = if released { self.release(mac, &epoch, &net).await } else { self.forget(mac, &epoch).await };
-                if let Err(e) = r {
-                    tracing::warn!("etcd: cannot give up guest {mac}'s old claim: {e}");
-                }
-            }
-            let c = self.claims.get_mut(mac).expect("inserted above");
-            let now_ips = ips.get(mac).map_or_else(Vec::new, |i| usable_ips(i));
-            if let Some(epoch) = c.epoch.clone() {
-                if c.ips != now_ips {
-                    // The guest holds other addresses now: its record says
-                    // so (one write; the claim keeps its place).
-                    let v = serde_json::to_string(&GuestValue { network: c.network.clone(), released: false, ips: now_ips.clone() }).expect("plain struct");
-                    match self.client.as_mut().expect("connected").put(guest_key(&prefix, &host, mac, &epoch), v, None).await {
-                        Ok(_) => {
-                            tracing::info!("guest {mac}: holds {}", now_ips.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", "));
-                            c.ips = now_ips;
-                        }
-                        Err(e) => tracing::warn!("etcd: cannot publish guest {mac}'s addresses: {e}"),
-                    }
-                }
-                continue;
-            }
-            let epoch = new_epoch();
-            c.ips = now_ips;
-            let v = serde_json::to_string(&GuestValue { network: c.network.clone(), released: false, ips: c.ips.clone() }).expect("plain struct");
-            let key = guest_key(&prefix, &host, mac, &epoch);
-            match self.client.as_mut().expect("connected").put(key, v, None).await {
-                Ok(r) => {
-                    tracing::info!("guest {mac}: claimed in network {}", c.network);
-                    // Our own write comes back through the watch too; note it now.
-                    let rev = r.header().map_or(0, |h| h.revision());
-                    let seen = ClaimSeen { network: c.network.clone(), create_revision: rev, mod_revision: rev, released: false, ips: c.ips.clone() };
-                    self.claimed.entry(mac.clone()).or_default().insert((host.clone(), epoch.clone()), seen);
-                    c.epoch = Some(epoch);
-                }
-                Err(e) => tracing::warn!("etcd: cannot publish guest {mac}: {e}"),
-            }
-        }
-        // Released claims of ours that no reader needs any more.
-        let done: Vec<(String, String)> = self
-            .claimed
-            .iter()
-            .flat_map(|(mac, cl)| cl.keys().filter(|k| k.0 == host && can_forget(cl, k)).map(move |k| (mac.clone(), k.1.clone())))
-            .collect();
-        for (mac, epoch) in done {
-            if let Err(e) = self.forget(&mac, &epoch).await {
-                tracing::warn!("etcd: cannot forget guest {mac}'s released claim: {e}");
-            }
-        }
-        self.rebuild();
-    }
-
-    /// Rewrites our claim `epoch` of `mac` as released.
-    async fn release(&mut self, mac: &str, epoch: &str, network: &str) -> Result<(), etcd_client::Error> {
-        let v = serde_json::to_string(&GuestValue { network: network.to_string(), released: true, ips: Vec::new() }).expect("plain struct");
-        let key = guest_key(&self.etcd.prefix, &self.me.host, mac, epoch);
-        let r = self.client.as_mut().expect("connected").put(key, v, None).await?;
-        let rev = r.header().map_or(0, |h| h.revision());
-        if let Some(c) = self.claimed.get_mut(mac).and_then(|cl| cl.get_mut(&(self.me.host.clone(), epoch.to_string()))) {
-            c.released = true;
-            c.mod_revision = rev;
-        }
-        Ok(())
-    }
-
-    /// Deletes our claim `epoch` of `mac`.
-    async fn forget(&mut self, mac: &str, epoch: &str) -> Result<(), etcd_client::Error> {
-        let key = guest_key(&self.etcd.prefix, &self.me.host, mac, epoch);
-        self.client.as_mut().expect("connected").delete(key, None).await?;
-        if let Some(cl) = self.claimed.get_mut(mac) {
-            cl.remove(&(self.me.host.clone(), epoch.to_string()));
-            if cl.is_empty() {
-                self.claimed.remove(mac);
-            }
-        }
-        Ok(())
-    }
-
-    /// Publishes this host's traffic counters (on its lease, so they go
-    /// with the host).
-    pub async fn publish_traffic(&mut self, mut t: Traffic) {
-        t.contested = self.contested;
-        // Nothing moved since the last write: nothing to write.
-        let at = std::mem::take(&mut t.at);
-        if self.traffic_sent.as_ref() == Some(&t) {
-            return;
-        }
-        let unstamped = Traffic { at: 0, to_hosts: t.to_hosts.clone(), guests: t.guests.clone(), contested: t.contested };
-        t.at = at;
-        let (Some((lease, ..)), Some(client)) = (self.lease.as_ref(), self.client.as_mut()) else { return };
-        let v = serde_json::to_string(&t).expect("plain struct");
-        match client.put(traffic_key(&self.etcd.prefix, &self.me.host), v, Some(PutOptions::new().with_lease(*lease))).await {
-            Ok(_) => self.traffic_sent = Some(unstamped),
-            Err(e) => tracing::warn!("etcd: cannot publish traffic: {e}"),
-        }
-    }
-
     /// The overlay as last seen, once it has been listed.
     pub fn view(&self) -> Option<View<'_>> {
-        Some(View { hosts: &self.hosts, guests: &self.routed, revision: self.revision? })
+        Some(View { hosts: &self.hosts, guests: &self.routed, by_net: &self.by_net, by_ip: &self.by_ip, revision: self.revision? })
     }
 
     /// The local interfaces this host holds in etcd (MAC → network): a

@@ -18,11 +18,14 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use vnet_client::{Error, Session};
 
-use crate::model::{LINK_PREFIX, OWNER};
+use crate::model::{Desired, LINK_PREFIX, OWNER};
 
 pub struct Vnetd {
     path: PathBuf,
     session: Option<Session>,
+    /// How many sessions were opened: a new one may be a new vnetd, whose
+    /// change count starts again (`Cache`).
+    sessions: u64,
 }
 
 /// What vnetd has, as the agent sees it.
@@ -30,10 +33,10 @@ pub struct Vnetd {
 pub struct State {
     /// Local guests: MAC (lower case) → (interface id, network).
     pub ifaces: BTreeMap<String, (u32, String)>,
-    /// The agent's links: name → (index, remote ip, port, WireGuard peer key).
-    pub links: BTreeMap<String, (u32, IpAddr, u16, Option<String>)>,
-    /// The agent's routes: rule → index.
-    pub routes: BTreeMap<String, u32>,
+    /// The agent's links: name → (remote ip, port, WireGuard peer key).
+    pub links: BTreeMap<String, (IpAddr, u16, Option<String>)>,
+    /// The agent's routes' rules.
+    pub routes: BTreeSet<String>,
     /// Every other route's rule (a user's).
     pub user_routes: BTreeSet<String>,
     /// What each local guest said it holds (`ips=`).
@@ -44,9 +47,54 @@ pub struct State {
     pub other_neigh: BTreeSet<IpAddr>,
 }
 
+impl State {
+    /// What vnetd holds once the agent's request for `want` committed (all
+    /// or nothing): the agent's links, routes and bindings are `want`'s
+    /// (less what a user holds); the rest is as it was.
+    pub fn after(&mut self, want: &Desired) {
+        self.links = want.links.iter().map(|l| (l.name.clone(), (l.underlay, l.port, l.key.clone()))).collect();
+        self.routes = want.routes.iter().filter(|r| !self.user_routes.contains(*r)).cloned().collect();
+        self.neigh = want.neigh.iter().filter(|(ip, _)| !self.other_neigh.contains(ip)).map(|(ip, m)| (*ip, m.clone())).collect();
+    }
+}
+
+/// vnetd's tables as the agent last read them, at vnetd's change count
+/// `count` (`WAIT`), on session `session`: while vnetd's count is the same
+/// on the same session, nothing changed there, and a pass needs no
+/// reading (docs/controller.md, "At scale").
+pub struct Cache {
+    pub session: u64,
+    pub count: u64,
+    pub state: State,
+}
+
 impl Vnetd {
     pub fn new(path: &Path) -> Vnetd {
-        Vnetd { path: path.to_path_buf(), session: None }
+        Vnetd { path: path.to_path_buf(), session: None, sessions: 0 }
+    }
+
+    /// vnetd's count of changes (`WAIT` without a count answers at once),
+    /// and the session it was read on.
+    pub fn count(&mut self) -> Result<(u64, u64)> {
+        let lines = self.request("WAIT")?;
+        let n = parse_changes(&lines).ok_or_else(|| anyhow!("vnetd answered WAIT with {lines:?}"))?;
+        Ok((self.sessions, n))
+    }
+
+    /// vnetd's tables, from `cache` if vnetd's count says nothing changed
+    /// since it was read, else read now (and cached); and whether they were
+    /// read.
+    pub fn tables<'c>(&mut self, cache: &'c mut Option<Cache>) -> Result<(&'c mut State, bool)> {
+        let (session, count) = self.count()?;
+        let fresh = cache.as_ref().is_some_and(|c| c.session == session && c.count == count);
+        if !fresh {
+            // Read after the count: a change made between the two shows as
+            // a count past this one at the next pass, and is read then.
+            *cache = None;
+            let state = self.state()?;
+            *cache = Some(Cache { session, count, state });
+        }
+        Ok((&mut cache.as_mut().expect("set above").state, !fresh))
     }
 
     /// One request; its output lines, or vnetd's error. A broken session is
@@ -58,6 +106,7 @@ impl Vnetd {
     fn with_session(&mut self, f: impl FnOnce(&mut Session) -> Result<Vec<String>, Error>) -> Result<Vec<String>> {
         if self.session.is_none() {
             self.session = Some(Session::unix(&self.path, Some(Duration::from_secs(30)))?);
+            self.sessions += 1;
         }
         let r = f(self.session.as_mut().expect("opened above"));
         if matches!(r, Err(Error::Unreachable(_))) {
@@ -71,14 +120,6 @@ impl Vnetd {
     pub fn state(&mut self) -> Result<State> {
         let lines = self.request("BEGIN\nINTERFACE LIST\nLINK LIST\nROUTE LIST\nNEIGH LIST\nCOMMIT")?;
         parse_state(&lines)
-    }
-
-    /// The local interfaces alone: MAC → (id, network), and MAC → the
-    /// addresses the guest said it holds.
-    pub fn interfaces(&mut self) -> Result<(BTreeMap<String, (u32, String)>, BTreeMap<String, Vec<IpAddr>>)> {
-        let lines = self.request("INTERFACE LIST")?;
-        let st = parse_state(&lines)?;
-        Ok((st.ifaces, st.ips))
     }
 
     /// Applies `changes` as one request (all or nothing).
@@ -179,7 +220,6 @@ pub fn parse_state(lines: &[String]) -> Result<State> {
                 st.ifaces.insert(mac, (id, net));
             }
             Some("link") => {
-                let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("link line without an id")?;
                 let name = field(line, "name").context("link line without name=")?;
                 if !name.starts_with(LINK_PREFIX) {
                     continue;
@@ -189,7 +229,7 @@ pub fn parse_state(lines: &[String]) -> Result<State> {
                     .parse()
                     .map_err(|_| anyhow!("bad remote= in '{line}'"))?;
                 let key = field(line, "peer_key").map(str::to_string);
-                st.links.insert(name.to_string(), (id, remote.ip(), remote.port(), key));
+                st.links.insert(name.to_string(), (remote.ip(), remote.port(), key));
             }
             Some("neigh") => {
                 let Some(ip) = words.get(1).and_then(|w| w.parse::<IpAddr>().ok()) else { continue };
@@ -203,11 +243,11 @@ pub fn parse_state(lines: &[String]) -> Result<State> {
                 }
             }
             Some("route") => {
-                let id: u32 = words.get(1).and_then(|w| w.parse().ok()).context("route line without an id")?;
+                words.get(1).and_then(|w| w.parse::<u32>().ok()).context("route line without an id")?;
                 let rest = &words[2..];
                 match rest {
                     [rule @ .., "owner", o] if *o == OWNER => {
-                        st.routes.insert(rule.join(" "), id);
+                        st.routes.insert(rule.join(" "));
                     }
                     [rule @ .., "owner", _] => {
                         st.user_routes.insert(rule.join(" "));
@@ -251,11 +291,41 @@ mod tests {
         assert_eq!(parse_changes(&["changes 42".to_string()]), Some(42));
         assert_eq!(parse_changes(&["route 1".to_string()]), None);
         assert_eq!(st.links.len(), 1, "only the agent's links");
-        assert_eq!(st.links["agent.h2"], (0, "198.18.0.2".parse().unwrap(), 9000, None));
-        assert_eq!(st.routes["02:00:00:00:00:01 02:00:00:00:00:a2 edge agent.h2 interface 02:00:00:00:00:01"], 4);
+        assert_eq!(st.links["agent.h2"], ("198.18.0.2".parse().unwrap(), 9000, None));
+        assert!(st.routes.contains("02:00:00:00:00:01 02:00:00:00:00:a2 edge agent.h2 interface 02:00:00:00:00:01"));
         assert_eq!(st.routes.len(), 1);
         assert!(st.user_routes.contains("any ff:ff:ff:ff:ff:ff edge mine interface"));
         assert!(st.user_routes.contains("any 02:00:00:00:00:09 edge mine any"));
+    }
+
+    /// The cache the agent keeps after its own commit (`State::after`) is
+    /// what vnetd then holds: planning against it again asks nothing, and
+    /// a user's route and binding stay the user's. Catches a cache that
+    /// drifts from vnetd (the agent would re-add or never remove routes
+    /// until the next full read).
+    #[test]
+    fn the_cache_after_a_commit_plans_nothing_more() {
+        use crate::model::{derive, plan, plan_neigh, Guest, Host};
+        let hosts: BTreeMap<String, Host> = (1..=2)
+            .map(|i| (format!("h{i}"), Host { underlay: format!("198.18.0.{i}").parse().unwrap(), port: 9000, wireguard: None }))
+            .collect();
+        let g = |h: &str, ip: &str| Guest { host: h.into(), network: "a".into(), ips: vec![ip.parse().unwrap()], since: 1 };
+        let guests: BTreeMap<String, Guest> =
+            [("02:00:00:00:00:01".to_string(), g("h1", "10.0.0.1")), ("02:00:00:00:00:02".to_string(), g("h2", "10.0.0.2"))].into();
+        let local: BTreeMap<String, String> = [("02:00:00:00:00:01".to_string(), "a".to_string())].into();
+        let want = derive("h1", &hosts, &guests, &local);
+        let user_rule = want.routes.iter().next().unwrap().clone();
+        let mut st = State::default();
+        st.user_routes.insert(user_rule.clone());
+        st.other_neigh.insert("10.0.0.2".parse().unwrap());
+        st.routes.insert("any 02:00:00:00:00:99 edge agent.h2 any".into());
+        let first = plan(&want, &st.links, &st.routes, &st.user_routes);
+        assert!(first.iter().any(|l| l.starts_with("ROUTE DEL any 02:00:00:00:00:99")) && !first.is_empty());
+        st.after(&want);
+        assert!(plan(&want, &st.links, &st.routes, &st.user_routes).is_empty());
+        assert!(plan_neigh(&want, &st.neigh, &st.other_neigh).is_empty());
+        assert!(!st.routes.contains(&user_rule), "a user's route became the agent's");
+        assert!(st.neigh.is_empty(), "a user's binding became the agent's");
     }
 
     #[test]
@@ -265,7 +335,7 @@ mod tests {
             "link 2 name=agent.h3 proto=wireguard remote=198.18.0.3:51820 mtu=1500 max_frame=1412 peer_key={key} endpoint=198.18.0.3:51820 handshake_age_s=4"
         )];
         let st = parse_state(&lines).unwrap();
-        assert_eq!(st.links["agent.h3"], (2, "198.18.0.3".parse().unwrap(), 51820, Some(key.to_string())));
+        assert_eq!(st.links["agent.h3"], ("198.18.0.3".parse().unwrap(), 51820, Some(key.to_string())));
         let show = vec!["vnetd version=0.1.0".to_string(), format!("wireguard listen=0.0.0.0:51821 public_key={key} peers=2 cookies_sent=0")];
         assert_eq!(parse_wireguard(&show), Some((51821, key.to_string())));
         assert_eq!(parse_wireguard(&show[..1]), None);

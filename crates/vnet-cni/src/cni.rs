@@ -142,6 +142,19 @@ pub fn neighbour_routes(mac: Mac, ipam: &AddResult) -> Vec<String> {
     lines
 }
 
+/// The IPAM plugin's addresses bound to the container's MAC, as soon as
+/// IPAM has answered, before the container sends anything: its host's
+/// vnetd answers ARP and neighbour solicitations for them, and vnet-agent
+/// publishes them with the container's MAC claim, so that every host of
+/// its network answers them too (docs/controller.md, "Broadcast kept at
+/// home"). Owner-tagged: they go with the interface.
+pub fn address_bindings(mac: Mac, ipam: &AddResult) -> Vec<String> {
+    let mut lines: Vec<String> = ipam.ips.iter().map(|ip| format!("NEIGH ADD {} {mac} owner {OWNER}", ip.address.addr)).collect();
+    lines.sort();
+    lines.dedup();
+    lines
+}
+
 /// The result of this plugin's own work: the container interface and the
 /// IPAM plugin's addresses on it. The config's `dns`, if any, is preferred
 /// to the IPAM plugin's (as the reference plugins do).
@@ -259,14 +272,15 @@ fn add_steps(
         Some(ipam) => undo.ipam.insert(ipam).add()?,
         None => AddResult::default(),
     };
+    // Known only now that IPAM has answered; owner-tagged like the others,
+    // so the interface's deletion (or the undo) takes them.
+    let mut later = address_bindings(mac, &ipam_result);
     if conf.routes == Routes::Local {
-        // Known only now that IPAM has answered; owner-tagged like the
-        // others, so the interface's deletion (or the undo) takes them.
-        let nd = neighbour_routes(mac, &ipam_result);
-        if !nd.is_empty() {
-            Vnetd::connect(&conf.socket)?.apply(&nd)?;
-            commands.extend(nd);
-        }
+        later.extend(neighbour_routes(mac, &ipam_result));
+    }
+    if !later.is_empty() {
+        Vnetd::connect(&conf.socket)?.apply(&later)?;
+        commands.extend(later);
     }
     let ours = container_result(conf, &env.ifname, mac, sandbox, ipam_result);
     netns::configure(&ns.name, &env.ifname, &ours)?;
