@@ -53,7 +53,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "tests"))
-from netlab import BIN, Lab, guest_mac, mesh_config, overlay_ip, underlay_ip  # noqa: E402
+from netlab import BIN, Lab, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until  # noqa: E402
 
 VXLAN_OVERHEAD = 50
 VNET_OVERHEAD = 42
@@ -239,6 +239,12 @@ def build(lab: Lab, with_vxlan=True, with_tap=True) -> tuple[dict[str, Pair], di
     # ICMP is not TCP: vnet-vtoe's pings would be vnet-kernel's, so none.
     pairs["vnet-vtoe"] = Pair(k[1], k[2], "198.19.0.0/24", None, vtoe_agent,
                               wrap=[str(BIN / "vtoe")], env=[f"VNETD_SOCKET={vtoe_sock[1]}"])
+    # MPI's daemons give up on a peer they cannot reach at once: each pair
+    # answers a ping first (a loaded machine attaches a guest later).
+    for name, pair in pairs.items():
+        if pair.ping_ip and not wait_until(lambda: lab.x(pair.a, "ping", "-n", "-c", "1", "-W", "1", pair.ping_ip,
+                                                         check=False).returncode == 0, timeout=30, interval=0.2):
+            raise RuntimeError(f"{name}: {pair.a} cannot ping {pair.ping_ip} after 30 s")
     return pairs, daemons
 
 

@@ -41,7 +41,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "tools"))
-from netlab import Lab, underlay_ip  # noqa: E402
+from netlab import Lab, tcp_and_pings, underlay_ip  # noqa: E402
 from test_wireguard import link_stats, public_key  # noqa: E402
 from test_wireguard_attacks import WGPEER, link_index, remake_link  # noqa: E402
 from wireguard import setup_wireguard  # noqa: E402
@@ -67,23 +67,6 @@ def vnetd_pid(d) -> int:
     """The vnetd process under `ip netns exec`."""
     kids = subprocess.run(["pgrep", "-P", str(d.proc.pid)], capture_output=True, text=True).stdout.split()
     return int(kids[0]) if kids else d.proc.pid
-
-
-def window(lab: Lab, g, seconds: float) -> dict:
-    """iperf3 g1 → g2 and pings every 10 ms, side by side."""
-    srv = lab.popen(g[2].ns, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
-    time.sleep(0.3)
-    count = int(seconds * 100)
-    ping = lab.popen(g[1].ns, "ping", "-n", "-q", "-i", "0.01", "-c", str(count), "-W", "1", g[2].ip,
-                     stdout=subprocess.PIPE, text=True)
-    out = lab.x(g[1].ns, "iperf3", "-c", g[2].ip, "-t", f"{seconds:g}", "--json", timeout=seconds + 60).stdout
-    srv.wait(timeout=30)
-    p = ping.communicate(timeout=seconds + 30)[0]
-    sent = int(p.split(" packets transmitted")[0].split()[-1])
-    got = int(p.split(" packets transmitted, ")[1].split()[0])
-    rtt = float(p.split(" = ")[1].split("/")[1]) if " = " in p else float("nan")
-    return {"gbps": json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9,
-            "ping_sent": sent, "ping_lost": sent - got, "loss_pct": 100.0 * (sent - got) / max(sent, 1), "rtt_ms": rtt}
 
 
 def main():
@@ -116,7 +99,9 @@ def main():
                                       str(link_index(d[2], "h1")), stdout=subprocess.PIPE, text=True)
                     time.sleep(1.5)
                 w0, t0 = thread_ticks(pid2), time.monotonic()
-                p = {"mode": mode, "rep": rep, **window(lab, g, args.seconds)}
+                w = tcp_and_pings(lab, g[1], g[2], args.seconds)
+                p = {"mode": mode, "rep": rep, "gbps": w["gbps"], "ping_sent": w["ping_sent"], "ping_lost": w["ping_lost"],
+                     "loss_pct": 100.0 * w["ping_lost"] / max(w["ping_sent"], 1), "rtt_ms": w["rtt_avg_ms"]}
                 w1, t1 = thread_ticks(pid2), time.monotonic()
                 p["cpu_pct"] = {k: round(100.0 * (w1.get(k, 0) - w0.get(k, 0)) / hz / (t1 - t0), 1) for k in w1
                                 if w1.get(k, 0) - w0.get(k, 0) > 0}
