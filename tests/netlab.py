@@ -1,7 +1,8 @@
 """A lab of network namespaces for VNET's end-to-end tests, demo and benchmark.
 
 Hosts are namespaces joined by veth pairs to a Linux bridge in a "switch"
-namespace (the physical LAN, 198.18.0.0/24: the benchmarking range). Each host
+namespace (the physical LAN, 198.18.0.0/16: the benchmarking range; host i
+is 198.18.0.i up to 255, and 198.18.<i/256>.<i%256> past it). Each host
 runs its own vnetd; guests are namespaces holding the TAP their host's vnetd
 made for them (overlay addresses in 198.19.0.0/24).
 
@@ -13,6 +14,7 @@ PIDs the lab started, never by name.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shutil
@@ -43,7 +45,7 @@ def run(cmd, check=True, timeout=60, **kw) -> subprocess.CompletedProcess:
 
 
 def underlay_ip(i: int) -> str:
-    return f"198.18.0.{i}"
+    return f"198.18.{i >> 8}.{i & 255}"
 
 
 def overlay_ip(n: int) -> str:
@@ -193,7 +195,7 @@ class Lab:
         run(["ip", "link", "add", "eth0", "netns", host, "mtu", mtu, "type", "veth",
              "peer", "name", f"p{i}", "netns", self.switch, "mtu", mtu])
         self.x(self.switch, "ip", "link", "set", f"p{i}", "master", "br0", "up")
-        self.x(host, "ip", "addr", "add", f"{underlay_ip(i)}/24", "dev", "eth0")
+        self.x(host, "ip", "addr", "add", f"{underlay_ip(i)}/16", "dev", "eth0")
         self.x(host, "ip", "-6", "addr", "add", f"{underlay_ip6(i)}/64", "dev", "eth0", "nodad")
         self.x(host, "ip", "link", "set", "eth0", "up")
         self.hosts[host] = i
@@ -417,6 +419,24 @@ def wait_until(cond, timeout=5.0, interval=0.05):
         if v or time.monotonic() > deadline:
             return v
         time.sleep(interval)
+
+
+def tcp_and_pings(lab: Lab, src, dst, seconds: float) -> dict:
+    """iperf3 TCP from guest `src` to `dst` for `seconds` and pings every
+    10 ms beside it (the benchmarks' window of a neighbour's traffic):
+    Gbit/s received, pings sent and lost, RTT avg and max (ms)."""
+    srv = lab.popen(dst.ns, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
+    time.sleep(0.3)
+    ping = lab.popen(src.ns, "ping", "-n", "-q", "-i", "0.01", "-c", str(int(seconds * 100)), "-W", "1", dst.ip,
+                     stdout=subprocess.PIPE, text=True)
+    out = lab.x(src.ns, "iperf3", "-c", dst.ip, "-t", f"{seconds:g}", "--json", timeout=seconds + 60).stdout
+    srv.wait(timeout=30)
+    p = ping.communicate(timeout=seconds + 30)[0]
+    sent = int(p.split(" packets transmitted")[0].split()[-1])
+    got = int(p.split(" packets transmitted, ")[1].split()[0])
+    rtt = [float(x) for x in p.split(" = ")[1].split()[0].split("/")] if " = " in p else [float("nan")] * 4
+    return {"gbps": json.loads(out)["end"]["sum_received"]["bits_per_second"] / 1e9,
+            "ping_sent": sent, "ping_lost": sent - got, "rtt_avg_ms": rtt[1], "rtt_max_ms": rtt[2]}
 
 
 def wait_listening(lab: Lab, ns: str, port: int, udp=False, timeout=10.0):

@@ -841,6 +841,16 @@ def test_routes_agent_adds_no_route_and_vnet_agent_routes_by_network(lab):
         lab.popen(hosts[i], BIN / "vnet-agent", "run", "--etcd", url, "--host", f"h{i}", "--underlay", underlay_ip(i),
                   "--socket", d[i].sock, "--ttl", 2, "--interval-ms", 100, "--traffic-s", 1,
                   stdout=open(lab.tmp / f"agent-h{i}.log", "a"), stderr=subprocess.STDOUT)
+    # The IPAM addresses are bound on each container's host from ADD on
+    # (owner cni), and published with its claim before it sends a frame:
+    # host 2 answers ARP for blue's b1 from the start, and knows nothing of
+    # red's r1 (no red container there).
+    own = d[1].ctl("NEIGH", "LIST").stdout
+    assert "neigh 10.77.14.11 " in own and "neigh 10.77.14.21 " in own and own.count(" owner cni") == 2, own
+    assert wait_until(lambda: "neigh 10.77.14.11 " in d[2].ctl("NEIGH", "LIST").stdout, timeout=20), \
+        (lab.tmp / "agent-h1.log").read_text()
+    bound = d[2].ctl("NEIGH", "LIST").stdout
+    assert "neigh 10.77.14.11 " in bound and " owner agent" in bound and "10.77.14.21" not in bound, bound
     assert wait_until(lambda: ping(lab, ns["b1"], "10.77.14.12", tries=1), timeout=20), \
         (lab.tmp / "agent-h1.log").read_text()
     assert ping(lab, ns["b2"], "10.77.14.11")
@@ -849,6 +859,14 @@ def test_routes_agent_adds_no_route_and_vnet_agent_routes_by_network(lab):
     for h in (1, 2):
         routes = d[h].ctl("ROUTE", "LIST").stdout.splitlines()
         assert routes and all(r.endswith(" owner agent") for r in routes), routes
+    # DEL: the container's bindings go with its interface, here and (its
+    # claim released) on host 2.
+    ok(cni("DEL", plugin_conf(lab, "h1", d[1].sock, "", network="blue", routes="agent", ipam={
+        "type": "host-local", "dataDir": str(lab.tmp / "ipam-b1"),
+        "ranges": [[{"subnet": "10.77.14.0/24", "rangeStart": "10.77.14.11", "rangeEnd": "10.77.14.11"}]]}),
+        cid="b1", netns=netns_path(ns["b1"])))
+    assert "10.77.14.11" not in d[1].ctl("NEIGH", "LIST").stdout
+    assert wait_until(lambda: "10.77.14.11" not in d[2].ctl("NEIGH", "LIST").stdout, timeout=20)
 
 
 def test_a_mac_another_guest_holds_is_refused_on_this_host_and_across_the_overlay(lab):

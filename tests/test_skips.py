@@ -63,7 +63,7 @@ def run_cases(tmp_path, files=("test_cases.py",), **env):
     (tmp_path / "test_cases.py").write_text(CASES)
     (tmp_path / "test_module_skip.py").write_text(MODULE_SKIP)
     (tmp_path / "test_import_skip.py").write_text(IMPORT_SKIP)
-    e = {k: v for k, v in os.environ.items() if k not in ("CI", "VNET_STRICT_SKIPS")}
+    e = {k: v for k, v in os.environ.items() if k not in ("CI", "VNET_STRICT_SKIPS", "VNET_STREAM")}
     e.update(env, VNET_BIN=str(tmp_path))  # no cargo build for this inner run
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *files],

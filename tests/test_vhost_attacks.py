@@ -172,6 +172,18 @@ ROUTE ADD {g4} {BCAST} interface {g3} interface {g4}
                        check=False, timeout=n * interval + 30)
         return Pings(n, [float(t) for t in re.findall(r"time=([\d.]+) ms", p.stdout)])
 
+    def median_pings(self, what: str) -> "Pings":
+        """Three runs of 200 pings g3 -> g4, the run of the median p99
+        returned: one run's p99 (its second slowest ping) on this 2-core VM
+        swings from 0.3 to 4 ms with nobody attacking; a starved or frozen
+        dispatcher shows in every run. Every run's losses are kept on the
+        one returned."""
+        runs = sorted((self.pings() for _ in range(3)), key=lambda r: (r.lost, r.p99))
+        median = runs[1]
+        median.lost_all = sum(r.lost for r in runs)
+        print(f"g3 -> g4 {what}: {median} (runs {[round(r.p99, 3) for r in runs]})", flush=True)
+        return median
+
     def iperf(self, seconds=3) -> float:
         """iperf3 TCP from g3 to g4 for `seconds`: Gbit/s received (0 if
         it could not run)."""
@@ -358,7 +370,8 @@ def test_s3_receive_chains_of_65535_empty_descriptors_cost_the_neighbours_nothin
     zero-length read-only descriptors (longer than the queue: refused), with
     mergeable receive buffers (so that vnetd may gather a frame from many
     chains), and g1 sending fe 20 frames a second. Meanwhile g3 pings g4: no loss, and a
-    p99 within 1.5 times the one measured just before without the attack.
+    p99 (the median run's of three runs of 200) within 1.5 times the worse
+    of those measured just before and just after without the attack.
     The ring is marked broken (`vhost_broken_rings`, `broken=` in INTERFACE
     LIST) and left alone until fe connects again. Then, on a new connection,
     two receive chains with no writable byte ahead of good buffers: each is
@@ -369,24 +382,30 @@ def test_s3_receive_chains_of_65535_empty_descriptors_cost_the_neighbours_nothin
     the dispatcher sits at the real-time throttle and the other guests
     lose all their pings."""
     t = Lab3(lab)
-    base = t.pings()
-    print(f"g3 -> g4 before the attack: {base}")
-    assert base.lost == 0, base
+    base = t.median_pings("before the attack")
+    assert base.lost_all == 0, base
     f = vf.Frontend(t.sock, features=vf.BOMB_FEATURES, size=256, mem_size=4 * vf.MEM)
     vf.empty_chain_bomb(f)
     feed = t.feeder(20)
     try:
         time.sleep(1)
-        attacked = t.pings()
+        dropped = t.counter("drop_down")
+        attacked = t.median_pings("under 256 chains of 65535 empty descriptors, 20 frames/s to them")
+        # The attack was on while measured: g1's frames kept coming to fe
+        # and were dropped for its broken ring (`drop_down`).
+        assert t.counter("drop_down") > dropped, t.fe()
     finally:
         feed.kill()
         feed.wait()
-    print(f"g3 -> g4 under 256 chains of 65535 empty descriptors, 20 frames/s to them: {attacked}")
-    assert attacked.lost == 0, f"g3 -> g4 lost {attacked.lost} of {attacked.sent} pings under the attack"
-    # Within 1.5x, or 0.3 ms on a sub-millisecond baseline (one scheduler
-    # hiccup on a loaded 2-core machine); the attack before the fix cost 9 ms
-    # on average at 5 frames/s and every ping at 20.
-    assert attacked.p99 <= max(1.5 * base.p99, base.p99 + 0.3), f"p99 {attacked.p99} ms under the attack, {base.p99} ms before"
+    after = t.median_pings("after the attack")
+    assert attacked.lost_all == 0, f"g3 -> g4 lost {attacked.lost_all} of 600 pings under the attack"
+    # Within 1.5x the worse of the quiet runs before and after, or 0.3 ms
+    # on a sub-millisecond baseline (one scheduler hiccup on a loaded
+    # 2-core machine); the attack before the fix cost 9 ms on average at
+    # 5 frames/s and every ping at 20.
+    quiet = max(base.p99, after.p99)
+    assert attacked.p99 <= max(1.5 * quiet, quiet + 0.3), \
+        f"p99 {attacked.p99} ms under the attack, {base.p99} ms before and {after.p99} after"
     t.alive()
     assert t.counter("vhost_broken_rings") >= 1, t.fe()
     assert "broken=" in t.fe_line(), t.fe_line()
@@ -616,7 +635,8 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     65535 empty descriptors with g1 sending it 20 frames a second, S4
     truncated memory on an interface with `unsealed-memory`, random bytes
     and well-formed wrong messages on its socket, reconnecting whenever
-    vnetd drops it), g3 and g4's ping p99 and iperf3 TCP throughput stay
+    vnetd drops it), g3 and g4's ping p99 (the median run's of three runs
+    of 200) and iperf3 TCP throughput stay
     within 1.5 times their values without it, and no frame crosses
     networks (g2 receives nothing); a sub-millisecond ping p99 may grow by
     0.3 ms (one scheduler tick's worth, as in S3's test). Measured
@@ -636,16 +656,22 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     g2_before = rx_packets(lab, t.g2)
 
     def measure(what):
-        p, gbps = t.pings(), t.iperf(3)
-        print(f"noisy neighbour, {what}: g3 -> g4 ping {p}, iperf3 {gbps:.2f} Gbit/s", flush=True)
-        return p, gbps
+        # Three runs of 200 pings, judged by the run of the median p99: one
+        # run's p99 (its second slowest ping) on this 2-core VM swings from
+        # 0.3 to 4 ms with nobody attacking; a starved dispatcher shows in
+        # every run.
+        runs = sorted((t.pings() for _ in range(3)), key=lambda r: (r.lost, r.p99))
+        p, gbps = runs[1], t.iperf(3)
+        print(f"noisy neighbour, {what}: g3 -> g4 ping {p} (runs {[round(r.p99, 3) for r in runs]}), "
+              f"iperf3 {gbps:.2f} Gbit/s", flush=True)
+        return p, gbps, runs
 
     base1 = measure("baseline")
     assert base1[0].lost == 0 and base1[1] > 0, base1
     feed = t.feeder(20)
     attacker = lab.popen(t.h2, "chrt", "-i", "0", "nice", "-n", "19", sys.executable,
                          REPO / "tests" / "tools" / "vhost_frontend.py", "attack", t.sock,
-                         t.g1.mac, t.g2.mac, FE_MAC, 14, 26, stdout=subprocess.PIPE, text=True)
+                         t.g1.mac, t.g2.mac, FE_MAC, 18, 26, stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(3)
         attacked = measure("under attack")
@@ -658,7 +684,8 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     base2 = measure("baseline again")
     quiet_p99 = max(base1[0].p99, base2[0].p99)
     best_gbps = max(base1[1], base2[1])
-    assert attacked[0].lost == 0, f"g3 -> g4 lost {attacked[0].lost} of {attacked[0].sent} pings under attack"
+    lost = sum(r.lost for r in attacked[2])
+    assert lost == 0, f"g3 -> g4 lost {lost} of 600 pings under attack"
     # Within 1.5x, or 0.3 ms on a sub-millisecond baseline, as S3's test:
     # a full run once had 0.42 ms against 0.20 on this shared
     # machine; what the attacks did before (a frozen or starved dispatcher,

@@ -457,6 +457,7 @@ def test_an_offloaded_socket_cannot_be_turned_to_the_host_by_whoever_holds_it(wo
     target = host_listener(w, 1, 7999)
     w.popen(2, "python3", PROBE, "serve", "7010", "2")
     wait_listening(w.lab, w.ns(2), 7010)
+    listened = 0
     for supervised in (True, False):
         before = host_listening_ports(w, 1)
         if supervised:
@@ -476,10 +477,15 @@ def test_an_offloaded_socket_cannot_be_turned_to_the_host_by_whoever_holds_it(wo
         # The guard: a disconnect goes through (no cgroup hook sees it), but
         # then no connect, no bind, no device, and ...
         assert r["connect_host"] == "EPERM" and r["bind"] == "EPERM" and r["bindtodevice"] == "EPERM", r
-        # ... a listen on the host port it holds reaches nobody.
-        assert r["listen"] == "OK", r
+        # ... a listen on the host port it holds reaches nobody. (This
+        # machine's kernel, 6.18.44, refuses a listen on a socket disconnected
+        # from an established connection, EINVAL: then no port listens at all.)
         rogue = host_listening_ports(w, 1) - before
-        assert rogue and unreachable_from_host(w, 1, rogue), rogue
+        if r["listen"] == "OK":
+            assert rogue and unreachable_from_host(w, 1, rogue), rogue
+            listened += 1
+        else:
+            assert r["listen"] == "EINVAL" and not rogue, (r, rogue)
         if supervised:
             assert r["ifconf"] == "EPERM", r  # the runner: no interface ioctl on a host socket
         holder.stdin.close()
@@ -488,7 +494,7 @@ def test_an_offloaded_socket_cannot_be_turned_to_the_host_by_whoever_holds_it(wo
     assert "GOT" not in target.communicate()[0]
     c1, _ = w.vtoe_stats(1)
     assert c1["guard_denied_connect"] == 2 and c1["guard_denied_bind"] == 2 and c1["guard_denied_sockopt"] == 2, c1
-    assert c1["guard_dropped_in"] >= 2 and c1["runner_refused_ioctl"] == 1, c1
+    assert c1["guard_dropped_in"] >= listened and c1["runner_refused_ioctl"] == 1, c1
 
 
 def test_a_shadow_connection_needs_the_links_key_and_the_routes(world):
