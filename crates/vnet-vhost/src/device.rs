@@ -1,14 +1,20 @@
-//! One vhost-user virtio-net device: its two rings, the features the
-//! frontend acknowledged, its counters, and what a dispatcher does with it
-//! (take frames the guest sent, put frames into its receive buffers,
+//! One vhost-user virtio-net device: its queue pairs (up to `MAX_PAIRS`,
+//! `VIRTIO_NET_F_MQ`), the features the frontend acknowledged, its
+//! counters, and what a dispatcher does with it (take frames the guest sent
+//! on one pair's transmit queue, put frames into its receive buffers,
 //! interrupt it once per burst).
 //!
-//! The dispatcher watches one descriptor per device (`event_fd`): an epoll
-//! set holding the transmit queue's kick eventfd (which changes with each
-//! connection) and a poke the protocol thread uses when a ring starts, and
-//! the device itself uses when a pass stopped at its budget. Receive-queue
-//! kicks are never asked for: a frame for a guest with no posted buffers is
-//! dropped and counted (`queue_full`), as a full TAP's is.
+//! A queue pair is the unit a dispatcher serves: it watches one descriptor
+//! per pair (`event_fd(pair)`): an epoll set holding that pair's transmit
+//! kick eventfd (which changes with each connection) and a poke the
+//! protocol thread uses when a ring starts, and the device itself uses when
+//! a pass stopped at its budget. A guest's driver picks the transmit queue
+//! per flow (Linux: XPS), and one dispatcher drains each, so a flow's
+//! frames stay in order. Frames for the guest go to the receive queue of
+//! the pair their flow hashes to (`steer`), among the pairs the guest has
+//! running. Receive-queue kicks are never asked for: a frame for a guest
+//! with no posted buffers is dropped and counted (`queue_full`), as a full
+//! TAP's is.
 
 use crate::counters::Counters;
 use crate::frame::{GuestFrame, MAX_HEAD};
@@ -17,7 +23,7 @@ use crate::memory::{DirtyLog, MemoryPolicy};
 use crate::queue::{Health, Popped, Ring};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use vnet_core::offload::VnetHdr;
 use vnet_sys::epoll::{self, Epoll};
@@ -41,10 +47,16 @@ pub mod feature {
     pub const EVENT_IDX: u64 = 1 << 29;
     pub const PROTOCOL_FEATURES: u64 = 1 << 30;
     pub const VERSION_1: u64 = 1 << 32;
+    /// Multi-queue: up to `MAX_PAIRS` queue pairs. The control queue that
+    /// sets how many the guest uses is the VMM's (QEMU, DPDK's virtio-user
+    /// answer it and enable or disable the pairs' rings with
+    /// `SET_VRING_ENABLE`), never the backend's.
+    pub const MQ: u64 = 1 << 22;
     /// What vnetd offers: what a modern guest uses. Offloads both ways, so
     /// that a guest's 64 KiB segments cross whole and merged runs reach it
-    /// whole; one queue pair (a NIC is served by one dispatcher).
+    /// whole; several queue pairs, each served by a dispatcher.
     pub const OFFERED: u64 = CSUM
+        | MQ
         | GUEST_CSUM
         | GUEST_TSO4
         | GUEST_TSO6
@@ -68,9 +80,35 @@ pub mod feature {
 /// to it, mid-burst.
 pub const PUBLISH_EVERY: u16 = 64;
 
-/// Queue 0 receives (vnetd → guest), queue 1 transmits.
+/// Queue 2k receives (vnetd → guest) and queue 2k+1 transmits, for pair k
+/// (virtio-net's receiveq(k+1) and transmitq(k+1)); pair 0's are these.
 pub const RX: usize = 0;
 pub const TX: usize = 1;
+
+/// Queue pairs a device serves at most (`GET_QUEUE_NUM` says twice as many
+/// queues). Each pair costs an epoll set and an eventfd, and a watched
+/// descriptor in its dispatcher, whether the guest uses it or not.
+pub const MAX_PAIRS: usize = 8;
+
+/// Which pair a queue is in, and whether it is that pair's receive queue.
+#[inline]
+pub fn pair_of(queue: usize) -> (usize, bool) {
+    (queue / 2, queue % 2 == RX)
+}
+
+/// One queue pair: its rings, and the descriptor its dispatcher watches.
+struct Pair<B: DirtyLog> {
+    rings: [Mutex<Ring<B>>; 2],
+    /// The transmit kick and `poke` in it.
+    epoll: Epoll,
+    poke: EventFd,
+    /// Frames written into its receive ring, and taken from its transmit
+    /// ring (`vhost_pair_frames` in `STATS`: which pairs carry traffic).
+    rx_frames: AtomicU64,
+    tx_frames: AtomicU64,
+    /// Its dispatcher wants kicks (guest-driven) or polls (VMM-driven).
+    kicks_on: AtomicBool,
+}
 
 /// What the protocol thread and the dispatchers share.
 pub struct Device<B: DirtyLog = ()> {
@@ -78,15 +116,20 @@ pub struct Device<B: DirtyLog = ()> {
     /// (`take_burst`), forwarding each frame as it is taken, so it may lock
     /// any device's receive ring under it; nothing is ever locked under a
     /// receive ring, and the protocol thread holds one ring at a time.
-    rings: [Mutex<Ring<B>>; 2],
+    pairs: Box<[Pair<B>]>,
+    /// The pairs whose receive ring runs (bit k: pair k), where frames for
+    /// the guest may go; kept by the protocol thread as rings start and
+    /// stop.
+    rx_running: AtomicU32,
+    /// The pairs whose transmit ring runs: a polled pair that does not is
+    /// passed over without a lock.
+    tx_running: AtomicU32,
+    /// The pairs with receive entries not yet made visible (bit k), for
+    /// the next `flush` by whichever dispatcher comes first.
+    pending: AtomicU32,
     /// The features the frontend acknowledged.
     pub(crate) acked: AtomicU64,
     pub(crate) memory: MemoryPolicy,
-    /// The dispatcher's descriptor: the transmit kick and `poke` in it.
-    epoll: Epoll,
-    poke: EventFd,
-    /// The dispatcher wants kicks (guest-driven) or polls (VMM-driven).
-    kicks_on: AtomicBool,
     pub connected: AtomicBool,
     pub counters: Arc<Counters>,
 }
@@ -157,31 +200,66 @@ impl Tally {
     }
 }
 
+impl<B: DirtyLog> Pair<B> {
+    fn new(counters: &Arc<Counters>) -> io::Result<Pair<B>> {
+        let p = Pair {
+            rings: [Mutex::new(Ring::new(counters.clone())), Mutex::new(Ring::new(counters.clone()))],
+            epoll: Epoll::new(0)?,
+            poke: EventFd::new()?,
+            rx_frames: AtomicU64::new(0),
+            tx_frames: AtomicU64::new(0),
+            kicks_on: AtomicBool::new(true),
+        };
+        p.epoll.add(p.poke.as_raw_fd(), epoll::IN, 0)?;
+        Ok(p)
+    }
+
+    fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring<B>> {
+        self.rings[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The bits of `mask`, lowest first.
+fn bits(mut mask: u32) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        (mask != 0).then(|| {
+            let k = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            k
+        })
+    })
+}
+
 impl<B: DirtyLog> Device<B> {
     pub fn new(memory: MemoryPolicy) -> io::Result<Device<B>> {
         let counters = Arc::new(Counters::default());
-        let d = Device {
-            rings: [Mutex::new(Ring::new(counters.clone())), Mutex::new(Ring::new(counters.clone()))],
+        let pairs = (0..MAX_PAIRS).map(|_| Pair::new(&counters)).collect::<io::Result<Vec<_>>>()?;
+        Ok(Device {
+            pairs: pairs.into_boxed_slice(),
+            rx_running: AtomicU32::new(0),
+            tx_running: AtomicU32::new(0),
+            pending: AtomicU32::new(0),
             acked: AtomicU64::new(0),
             memory,
-            epoll: Epoll::new(0)?,
-            poke: EventFd::new()?,
-            kicks_on: AtomicBool::new(true),
             connected: AtomicBool::new(false),
             counters,
-        };
-        d.epoll.add(d.poke.as_raw_fd(), epoll::IN, 0)?;
-        Ok(d)
+        })
     }
 
+    /// Queue `i` (2k receives, 2k+1 transmits, for pair k), locked.
     pub fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring<B>> {
-        self.rings[i].lock().unwrap_or_else(|e| e.into_inner())
+        self.pairs[i / 2].ring(i % 2)
     }
 
-    /// Whether the guest's driver works the device: both rings started. A
-    /// VMM starts them when the VM runs (on a migration's destination, when
-    /// it resumes there) and stops them when it stops (the source, at the
-    /// switch-over).
+    /// How many queues the device has (twice its pairs).
+    pub fn queues(&self) -> usize {
+        2 * self.pairs.len()
+    }
+
+    /// Whether the guest's driver works the device: pair 0's rings
+    /// started. A VMM starts them when the VM runs (on a migration's
+    /// destination, when it resumes there) and stops them when it stops
+    /// (the source, at the switch-over).
     pub fn running(&self) -> bool {
         // One ring at a time (the lock order): a guard held to the end of
         // the `&&` would hold the receive ring while taking the transmit one.
@@ -189,25 +267,41 @@ impl<B: DirtyLog> Device<B> {
         rx && self.ring(TX).running()
     }
 
-    /// The transmit queue's kick descriptor changed from `old` to `new`.
-    pub(crate) fn watch_kick(&self, old: Option<RawFd>, new: Option<RawFd>) {
+    /// Queue `queue` is running or not (the protocol thread, after any
+    /// message that may have started or stopped it): a receive queue
+    /// joins or leaves the pairs frames for the guest go to.
+    pub(crate) fn note_running(&self, queue: usize, running: bool) {
+        let (k, rx) = pair_of(queue);
+        let mask = if rx { &self.rx_running } else { &self.tx_running };
+        if running {
+            mask.fetch_or(1 << k, Relaxed);
+        } else {
+            mask.fetch_and(!(1 << k), Relaxed);
+        }
+    }
+
+    /// The pairs whose receive ring runs, as a count (for `STATS`).
+    pub fn pairs_running(&self) -> u32 {
+        self.rx_running.load(Relaxed).count_ones()
+    }
+
+    /// The transmit queue `queue`'s kick descriptor changed from `old` to
+    /// `new`.
+    pub(crate) fn watch_kick(&self, queue: usize, old: Option<RawFd>, new: Option<RawFd>) {
+        let ep = &self.pairs[queue / 2].epoll;
         if let Some(o) = old {
-            self.epoll.delete(o);
+            ep.delete(o);
         }
         if let Some(n) = new {
             // A failure (already there) changes nothing.
-            let _ = self.epoll.add(n, epoll::IN, 0);
+            let _ = ep.add(n, epoll::IN, 0);
         }
     }
 
-    /// Wakes the dispatcher (a ring started with frames perhaps waiting,
-    /// or a pass stopped at its budget).
-    pub(crate) fn poke(&self) {
-        let _ = self.poke.notify();
-    }
-
-    fn clear_poke(&self) {
-        self.poke.drain();
+    /// Wakes the dispatcher of the pair queue `queue` is in (a ring started
+    /// with frames perhaps waiting, or a pass stopped at its budget).
+    pub(crate) fn poke(&self, queue: usize) {
+        let _ = self.pairs[queue / 2].poke.notify();
     }
 
     fn hdr_len(&self) -> usize {
@@ -218,22 +312,28 @@ impl<B: DirtyLog> Device<B> {
         }
     }
 
-    /// The descriptor the dispatcher watches while the device runs
-    /// guest-driven.
-    pub fn event_fd(&self) -> RawFd {
-        self.epoll.as_raw_fd()
+    /// The descriptor pair `pair`'s dispatcher watches while the device
+    /// runs guest-driven.
+    pub fn event_fd(&self, pair: usize) -> RawFd {
+        self.pairs[pair].epoll.as_raw_fd()
     }
 
-    /// Takes up to `max` frames from the guest's transmit queue, the ring
+    /// Takes up to `max` frames from pair `pair`'s transmit queue, the ring
     /// held once for the whole burst and its counters added once at its
     /// end: each frame goes to `each` in `buf`, or, given `frame`
     /// (cut-through), with its head copied there and the rest in place
     /// (`each` must be done with it when it returns). How many frames
     /// `each` was given.
-    pub fn take_burst(&self, buf: &mut [u8], mut frame: Option<&mut GuestFrame>, max: usize, mut each: impl FnMut(Taken, &mut [u8], Option<&mut GuestFrame>)) -> usize {
+    pub fn take_burst(&self, pair: usize, buf: &mut [u8], mut frame: Option<&mut GuestFrame>, max: usize, mut each: impl FnMut(Taken, &mut [u8], Option<&mut GuestFrame>)) -> usize {
+        let p = &self.pairs[pair];
+        if !p.kicks_on.load(Relaxed) && self.tx_running.load(Relaxed) & (1 << pair) == 0 {
+            // Polled, and not set up by the guest (a pair it does not use):
+            // nothing to take, and no kick to clear.
+            return 0;
+        }
         let hdr_len = self.hdr_len();
         let mut tally = Tally::default();
-        let mut tx = self.ring(TX);
+        let mut tx = p.ring(TX);
         // Kicks re-armed and frames found waiting: look once more, never in a
         // loop (a guest whose avail index is nonsense would hold us there);
         // found waiting a second time, the next pass looks.
@@ -242,7 +342,7 @@ impl<B: DirtyLog> Device<B> {
         while n < max {
             if !tx.running() {
                 tx.clear_kick();
-                self.clear_poke();
+                p.poke.drain();
                 break;
             }
             let taken = match tx.pop_frame(buf, hdr_len, frame.as_deref_mut()) {
@@ -266,22 +366,22 @@ impl<B: DirtyLog> Device<B> {
                 Popped::TooBig => Taken::TooBig,
                 Popped::Later => {
                     // Come back after the other NICs had their turn.
-                    self.poke();
+                    let _ = p.poke.notify();
                     break;
                 }
                 Popped::Empty => {
                     tx.clear_kick();
-                    self.clear_poke();
+                    p.poke.drain();
                     // Re-armed at every empty ring, where the ring stands now:
                     // with event index the guest kicks only on crossing that
                     // point, so one left at an earlier empty ring (before the
                     // frames taken since) would never be crossed again.
-                    if self.kicks_on.load(Relaxed) && tx.set_kicks(true) {
+                    if p.kicks_on.load(Relaxed) && tx.set_kicks(true) {
                         if !looked_again {
                             looked_again = true;
                             continue;
                         }
-                        self.poke();
+                        let _ = p.poke.notify();
                     }
                     break;
                 }
@@ -289,34 +389,70 @@ impl<B: DirtyLog> Device<B> {
             n += 1;
             each(taken, buf, frame.as_deref_mut());
         }
+        // Its used entries are made visible (and its budget whole again) by
+        // `release`, once what was taken has left.
         drop(tx);
+        if n > 0 {
+            p.tx_frames.fetch_add(n as u64, Relaxed);
+        }
         tally.add_to(&self.counters);
         n
     }
 
-    /// Writes one frame into the guest's receive buffers; its length.
+    /// The pair a frame for the guest goes to: by its flow (`steer`) among
+    /// the pairs whose receive ring runs; pair 0 if none or one does.
+    #[inline]
+    fn rx_pair(&self, frame: &[u8]) -> usize {
+        let mask = self.rx_running.load(Relaxed);
+        if mask & (mask.wrapping_sub(1)) == 0 {
+            // None (frames are held for pair 0's start) or one.
+            return if mask == 0 { 0 } else { mask.trailing_zeros() as usize };
+        }
+        let k = crate::steer::flow_hash(frame) % mask.count_ones();
+        bits(mask).nth(k as usize).unwrap_or(0)
+    }
+
+    /// Writes one frame into the guest's receive buffers (the pair its
+    /// flow goes to); its length.
     pub fn send(&self, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
         let to = self.receiving();
-        let mut rx = self.ring(RX);
-        let len = self.put(&mut rx, &to, vnet, parts)?;
+        let k = self.rx_pair(parts.first().copied().unwrap_or_default());
+        let p = &self.pairs[k];
+        let mut rx = p.ring(RX);
+        let len = self.put(&mut rx, &to, vnet, parts);
+        drop(rx);
+        self.pending.fetch_or(1 << k, Relaxed);
+        let len = len?;
+        p.rx_frames.fetch_add(1, Relaxed);
         self.counters.rx_frames.fetch_add(1, Relaxed);
         Ok(len)
     }
 
     /// Writes a burst of plain frames (each one piece, all with offload
-    /// header `vnet`) into the guest's receive buffers, the ring held once
-    /// and the frames counted once; `done(its length or why it was
-    /// dropped)` is told of each frame in turn.
+    /// header `vnet`) into the guest's receive buffers, each pair's ring
+    /// held once per stretch of frames for it and the frames counted once;
+    /// `done(its length or why it was dropped)` is told of each frame in
+    /// turn.
     pub fn send_burst<'a>(&self, vnet: &VnetHdr, frames: impl Iterator<Item = &'a [u8]>, mut done: impl FnMut(io::Result<usize>)) {
         let to = self.receiving();
-        let mut rx = self.ring(RX);
+        let mut held: Option<(usize, std::sync::MutexGuard<'_, Ring<B>>)> = None;
         let mut sent = 0;
         for f in frames {
-            let r = self.put(&mut rx, &to, vnet, &[f]);
-            sent += r.is_ok() as u64;
+            let k = self.rx_pair(f);
+            if held.as_ref().is_none_or(|(at, _)| *at != k) {
+                drop(held.take());
+                held = Some((k, self.pairs[k].ring(RX)));
+                self.pending.fetch_or(1 << k, Relaxed);
+            }
+            let (_, rx) = held.as_mut().expect("just locked");
+            let r = self.put(rx, &to, vnet, &[f]);
+            if r.is_ok() {
+                sent += 1;
+                self.pairs[k].rx_frames.fetch_add(1, Relaxed);
+            }
             done(r);
         }
-        drop(rx);
+        drop(held);
         if sent > 0 {
             self.counters.rx_frames.fetch_add(sent, Relaxed);
         }
@@ -328,7 +464,8 @@ impl<B: DirtyLog> Device<B> {
         Receiving { mergeable: self.acked.load(Relaxed) & feature::MRG_RXBUF != 0, hdr_len: self.hdr_len() }
     }
 
-    /// Writes one frame into the held receive ring; its length.
+    /// Writes one frame into a held receive ring; its length. (The caller
+    /// marks the pair for the next flush.)
     fn put(&self, rx: &mut Ring<B>, to: &Receiving, vnet: &VnetHdr, parts: &[&[u8]]) -> io::Result<usize> {
         if !rx.running() {
             // Held for the ring's start, within bounds (`held`); a broken
@@ -384,21 +521,24 @@ impl<B: DirtyLog> Device<B> {
         }
     }
 
-    /// Guest-driven (kicks on) or VMM-driven (polled).
-    pub fn set_notify(&self, on: bool) {
-        self.kicks_on.store(on, Relaxed);
-        let mut tx = self.ring(TX);
+    /// Pair `pair` guest-driven (kicks on) or VMM-driven (polled).
+    pub fn set_notify(&self, pair: usize, on: bool) {
+        let p = &self.pairs[pair];
+        p.kicks_on.store(on, Relaxed);
+        let mut tx = p.ring(TX);
         if tx.set_kicks(on) {
-            self.poke();
+            let _ = p.poke.notify();
         }
     }
 
     /// Optimistic interrupts' early virtual interrupt: sent before the
     /// frames are copied in if the guest has interrupts on; if it has them
     /// off (it is polling its ring), the attempt fails and the end of
-    /// coalescing will interrupt it.
+    /// coalescing will interrupt it. Only while the guest runs one pair: with
+    /// several, which pairs a burst's frames go to is known only as each is
+    /// written, and the end of coalescing alone decides.
     pub fn arriving(&self, irq: &IrqPolicy) {
-        if !irq.optimistic {
+        if !irq.optimistic || self.rx_running.load(Relaxed) != 1 {
             return;
         }
         let c = &*self.counters;
@@ -418,13 +558,37 @@ impl<B: DirtyLog> Device<B> {
     }
 
     /// The end of a burst (the paper's end of coalescing): the frames
-    /// become visible and the guest is interrupted as `irq::IrqDecision`
-    /// says. True if an interrupt was held back for `idle`.
+    /// written into any pair's receive queue since its last flush become
+    /// visible and the guest is interrupted as `irq::IrqDecision` says. True
+    /// if an interrupt was held back for `idle`.
     pub fn flush(&self, irq: &IrqPolicy) -> bool {
+        let mut deferred = false;
+        for k in bits(self.pending.swap(0, Relaxed)) {
+            deferred |= self.flush_rx(k, irq);
+        }
+        deferred
+    }
+
+    /// The frames taken from pair `pair`'s transmit queue have left (the
+    /// sends of the pass that took them are done): their buffers go back
+    /// to the guest, and the queue's budget is whole again. Only the
+    /// dispatcher that drained the queue calls this, after its sends: a
+    /// frame sent from where it lay (cut-through) must not be handed back
+    /// before (a flush by another dispatcher, sending to this guest, would
+    /// have).
+    pub fn release(&self, pair: usize) {
+        let mut tx = self.pairs[pair].ring(TX);
+        if tx.publish() && tx.guest_wants_interrupt() && tx.signal() {
+            self.counters.tx_interrupts.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn flush_rx(&self, k: usize, irq: &IrqPolicy) -> bool {
         let c = &*self.counters;
+        let p = &self.pairs[k];
         let mut deferred = false;
         {
-            let mut rx = self.ring(RX);
+            let mut rx = p.ring(RX);
             if rx.publish() {
                 let wants = rx.guest_wants_interrupt();
                 let d = rx.irq.end_of_coalescing(irq, wants);
@@ -448,20 +612,18 @@ impl<B: DirtyLog> Device<B> {
                 }
             }
         }
-        let mut tx = self.ring(TX);
-        if tx.publish() && tx.guest_wants_interrupt() && tx.signal() {
-            c.tx_interrupts.fetch_add(1, Relaxed);
-        }
         deferred
     }
 
     /// The dispatcher that flushed this device has no more work: deliver
-    /// an interrupt held back.
+    /// the interrupts held back.
     pub fn idle(&self) {
-        let mut rx = self.ring(RX);
-        if std::mem::take(&mut rx.irq.deferred) && rx.signal() {
-            self.counters.idle_interrupts.fetch_add(1, Relaxed);
-            self.counters.rx_interrupts.fetch_add(1, Relaxed);
+        for k in bits(self.rx_running.load(Relaxed) | 1) {
+            let mut rx = self.pairs[k].ring(RX);
+            if std::mem::take(&mut rx.irq.deferred) && rx.signal() {
+                self.counters.idle_interrupts.fetch_add(1, Relaxed);
+                self.counters.rx_interrupts.fetch_add(1, Relaxed);
+            }
         }
     }
 
@@ -478,7 +640,7 @@ impl<B: DirtyLog> Device<B> {
 
     /// Why the device is broken, if a ring is.
     pub fn broken(&self) -> Option<&'static str> {
-        [RX, TX].into_iter().find_map(|i| match self.ring(i).health() {
+        (0..self.queues()).find_map(|i| match self.ring(i).health() {
             Health::Broken(why) => Some(why),
             Health::Ok => None,
         })
@@ -492,6 +654,12 @@ impl<B: DirtyLog> Device<B> {
         s.push_str(&format!(" vhost_features={:#x}", self.acked.load(Relaxed)));
         c.render_into(s);
         s.push_str(&format!(" vhost_rx_interrupts_per_frame={per_frame:.3}"));
+        // Per pair, up to the last that carried a frame: frames into the
+        // guest's receive queue and out of its transmit queue.
+        let per: Vec<(u64, u64)> = self.pairs.iter().map(|p| (p.rx_frames.load(Relaxed), p.tx_frames.load(Relaxed))).collect();
+        let used = per.iter().rposition(|&(r, t)| r + t > 0).map_or(1, |i| i + 1);
+        let list = |f: fn(&(u64, u64)) -> u64| per[..used].iter().map(|p| f(p).to_string()).collect::<Vec<_>>().join(",");
+        s.push_str(&format!(" vhost_pairs_running={} vhost_pair_rx_frames={} vhost_pair_tx_frames={}", self.pairs_running(), list(|p| p.0), list(|p| p.1)));
     }
 }
 
@@ -523,7 +691,7 @@ mod tests {
         let d = Device::<()>::new(MemoryPolicy::default()).unwrap();
         let ring = Ring::with_layout(d.counters.clone(), mem.clone(), SIZE, DESC, AVAIL, USED, true).unwrap();
         let kick = ring.kick.as_ref().unwrap().as_raw_fd();
-        d.watch_kick(None, Some(kick));
+        d.watch_kick(TX, None, Some(kick));
         *d.ring(TX) = ring;
         // One 74-byte buffer per descriptor: a 10-byte header and a frame.
         for i in 0..SIZE {
@@ -572,7 +740,7 @@ mod tests {
                 }
             });
             let mut ep = Epoll::new(4).unwrap();
-            ep.add(d.event_fd(), epoll::IN, 0).unwrap();
+            ep.add(d.event_fd(0), epoll::IN, 0).unwrap();
             let policy = IrqPolicy { optimistic: false, alpha: 0, beta: 0 };
             let mut buf = vec![0u8; 2048];
             while taken.load(Relaxed) < FRAMES {
@@ -586,10 +754,116 @@ mod tests {
                     }
                     continue;
                 }
-                let n = d.take_burst(&mut buf, None, 256, |_, _, _| {});
+                let n = d.take_burst(0, &mut buf, None, 256, |_, _, _| {});
                 taken.fetch_add(n as u64, Relaxed);
                 d.flush(&policy);
+                d.release(0);
             }
         });
+    }
+
+    /// Two pairs set up as a multi-queue guest's driver lays them out: pair
+    /// k's rings at `0x10000 * (k + 1)`, 64 receive buffers of 2 KiB posted
+    /// on each receive ring.
+    fn two_pairs() -> (Device<()>, Arc<GuestMemory<()>>) {
+        let mem = GuestMemory::<()>::anonymous(&[(GuestAddress(0), 4 << 20)]);
+        let d = Device::<()>::new(MemoryPolicy::default()).unwrap();
+        d.acked.store(feature::VERSION_1 | feature::MRG_RXBUF, Relaxed);
+        for q in 0..4 {
+            let base = 0x10000 * (q as u64 + 1);
+            let ring = Ring::with_layout(d.counters.clone(), mem.clone(), SIZE, base, base + 0x1000, base + 0x2000, false).unwrap();
+            if q % 2 == RX {
+                for i in 0..SIZE {
+                    let mut e = [0u8; 16];
+                    e[..8].copy_from_slice(&(0x100000 + 0x80000 * q as u64 + 2048 * u64::from(i)).to_le_bytes());
+                    e[8..12].copy_from_slice(&2048u32.to_le_bytes());
+                    e[12..14].copy_from_slice(&2u16.to_le_bytes()); // write-only
+                    mem.write_slice(&e, GuestAddress(base + 16 * u64::from(i))).unwrap();
+                    mem.store(i, GuestAddress(base + 0x1000 + 4 + 2 * u64::from(i)), Ordering::Relaxed).unwrap();
+                }
+                mem.store(SIZE, GuestAddress(base + 0x1000 + 2), Ordering::Release).unwrap();
+            } else {
+                d.watch_kick(q, None, Some(ring.kick.as_ref().unwrap().as_raw_fd()));
+            }
+            *d.ring(q) = ring;
+            d.note_running(q, true);
+        }
+        (d, mem)
+    }
+
+    fn used_idx(mem: &GuestMemory<()>, q: usize) -> u16 {
+        mem.load(GuestAddress(0x10000 * (q as u64 + 1) + 0x2002), Ordering::Acquire).unwrap()
+    }
+
+    fn udp(port: u16, seq: u8) -> Vec<u8> {
+        let mut f = vec![0u8; 60];
+        f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+        f[14] = 0x45;
+        f[23] = 17;
+        f[26..34].copy_from_slice(&[198, 19, 0, 1, 198, 19, 0, 2]);
+        f[34..36].copy_from_slice(&port.to_be_bytes());
+        f[36..38].copy_from_slice(&5201u16.to_be_bytes());
+        f[59] = seq;
+        f
+    }
+
+    #[test]
+    fn each_flow_reaches_the_guest_on_one_pair_and_flows_use_every_pair_running() {
+        let (d, mem) = two_pairs();
+        let policy = IrqPolicy { optimistic: false, alpha: 0, beta: 0 };
+        let mut on = [0u32; 2];
+        for port in 40000..40024u16 {
+            let mut pair = None;
+            for seq in 0..2 {
+                let before = [used_idx(&mem, 0), used_idx(&mem, 2)];
+                let f = udp(port, seq);
+                d.send_burst(&VnetHdr::default(), std::iter::once(&f[..]), |r| assert_eq!(r.unwrap(), 60));
+                d.flush(&policy);
+                let grew: Vec<usize> = (0..2).filter(|&k| used_idx(&mem, 2 * k) != before[k]).collect();
+                assert_eq!(grew.len(), 1, "one frame, one pair: {grew:?}");
+                assert!(pair.is_none_or(|p| p == grew[0]), "flow {port}: its frames went to pairs {pair:?} and {}", grew[0]);
+                pair = Some(grew[0]);
+            }
+            on[pair.unwrap()] += 1;
+        }
+        assert!(on.iter().all(|&n| n >= 4), "24 flows over 2 pairs: {on:?}");
+        let mut st = String::new();
+        d.render_stats(&mut st);
+        assert!(st.contains(&format!("vhost_pair_rx_frames={},{}", 2 * on[0], 2 * on[1])), "{st}");
+        assert!(st.contains("vhost_pairs_running=2"), "{st}");
+        // The guest disables pair 1 (fewer combined channels): everything
+        // goes to pair 0.
+        d.note_running(2, false);
+        let before = used_idx(&mem, 0);
+        for port in 50000..50010u16 {
+            let f = udp(port, 0);
+            d.send(&VnetHdr::default(), &[&f]).unwrap();
+        }
+        d.flush(&policy);
+        assert_eq!(used_idx(&mem, 0).wrapping_sub(before), 10);
+    }
+
+    #[test]
+    fn each_pairs_transmit_queue_is_taken_by_its_own_burst() {
+        let (d, mem) = two_pairs();
+        // One 74-byte frame queued on pair 1's transmit queue (queue 3).
+        let base = 0x40000u64;
+        let mut e = [0u8; 16];
+        e[..8].copy_from_slice(&0x300000u64.to_le_bytes());
+        e[8..12].copy_from_slice(&74u32.to_le_bytes());
+        mem.write_slice(&e, GuestAddress(base)).unwrap();
+        mem.store(0u16, GuestAddress(base + 0x1000 + 4), Ordering::Relaxed).unwrap();
+        mem.store(1u16, GuestAddress(base + 0x1000 + 2), Ordering::Release).unwrap();
+        let mut buf = vec![0u8; 2048];
+        assert_eq!(d.take_burst(0, &mut buf, None, 64, |_, _, _| {}), 0, "pair 0's queue is empty");
+        let mut got = Vec::new();
+        assert_eq!(d.take_burst(1, &mut buf, None, 64, |t, _, _| if let Taken::Copied { len, .. } = t { got.push(len) }), 1);
+        assert_eq!(got, vec![62]);
+        // Its buffer goes back when its dispatcher says it has left.
+        assert_eq!(used_idx(&mem, 3), 0);
+        d.flush(&IrqPolicy { optimistic: false, alpha: 0, beta: 0 });
+        assert_eq!(used_idx(&mem, 3), 0, "a flush (any dispatcher's) leaves the transmit queue alone");
+        d.release(1);
+        assert_eq!(used_idx(&mem, 3), 1);
     }
 }

@@ -28,8 +28,9 @@
 //!   optimistic interrupts), as decisions.
 //! - [`state`]: a connected device's state, exported by a vnetd handing it
 //!   over at an upgrade and imported (through the same checks) by the next.
-//! - [`device`]: one NIC's two rings, features and counters, as the
-//!   dispatcher uses them; [`protocol`]: what each vhost-user message does
+//! - [`device`]: one NIC's queue pairs (multi-queue), features and
+//!   counters, as the dispatchers use them ([`steer`]: which receive queue
+//!   a flow's frames go to); [`protocol`]: what each vhost-user message does
 //!   to the device (the `vhost` crate reads and answers the messages).
 
 pub mod counters;
@@ -44,9 +45,10 @@ pub mod notify;
 pub mod protocol;
 pub mod queue;
 pub mod state;
+pub mod steer;
 
 pub use counters::Counters;
-pub use device::{Device, Taken};
+pub use device::{Device, Taken, MAX_PAIRS};
 pub use dirty::DirtyPages;
 pub use frame::{GuestFrame, HeadCopy, MAX_HEAD, MIN_HEAD};
 pub use irq::IrqPolicy;

@@ -1,6 +1,6 @@
 //! The vhost-user protocol, from the device's side: what a frontend (QEMU,
 //! cloud-hypervisor, DPDK's virtio-user) sets up is applied to the device's
-//! two rings. The `vhost` crate reads and answers the messages; this is what
+//! queue pairs. The `vhost` crate reads and answers the messages; this is what
 //! each one does to a virtio-net device, and what it refuses: memory files
 //! that can shrink (`memory`), call and kick descriptors that are not
 //! eventfds (`notify`), queue sizes past `MAX_QUEUE_SIZE`, addresses outside
@@ -10,7 +10,7 @@
 //! from its own threads, and VNET's dispatchers (pinned by `--cpus`, in the
 //! papers' modes) must own them.
 
-use crate::device::{feature, Device, RX, TX};
+use crate::device::{feature, pair_of, Device};
 use crate::dirty::LogMap;
 use crate::memory::{DirtyLog, GuestMemory};
 use crate::notify::{Kick, Notifier};
@@ -54,7 +54,7 @@ impl<B: DirtyLog> Frontend<B> {
         f
     }
 
-    /// Both rings back to nothing, guest memory and the log let go (a
+    /// Every ring back to nothing, guest memory and the log let go (a
     /// reset, or the frontend went away).
     pub fn reset(&mut self) {
         self.logging = false;
@@ -62,13 +62,14 @@ impl<B: DirtyLog> Frontend<B> {
         self.table.clear();
         self.mem = None;
         self.apply_log();
-        for i in [RX, TX] {
+        for i in 0..self.shared.queues() {
             let mut r = self.shared.ring(i);
-            if i == TX {
-                self.shared.watch_kick(r.kick.as_ref().map(|k| k.as_raw_fd()), None);
+            if !pair_of(i).1 {
+                self.shared.watch_kick(i, r.kick.as_ref().map(|k| k.as_raw_fd()), None);
             }
             r.reset();
             r.mem = None;
+            self.shared.note_running(i, false);
         }
         self.shared.acked.store(0, Relaxed);
     }
@@ -85,7 +86,7 @@ impl<B: DirtyLog> Frontend<B> {
     fn apply_log(&self) {
         let Some(mem) = &self.mem else { return };
         let stale = mem.set_log(self.log_in_force());
-        for i in [RX, TX] {
+        for i in 0..self.shared.queues() {
             drop(self.shared.ring(i));
         }
         drop(stale);
@@ -93,7 +94,7 @@ impl<B: DirtyLog> Frontend<B> {
 
     fn ring(&self, index: u32) -> Result<std::sync::MutexGuard<'_, Ring<B>>> {
         match index as usize {
-            RX | TX => Ok(self.shared.ring(index as usize)),
+            i if i < self.shared.queues() => Ok(self.shared.ring(i)),
             _ => Err(Error::InvalidParam),
         }
     }
@@ -105,16 +106,18 @@ impl<B: DirtyLog> Frontend<B> {
     /// A ring that has all it needs starts; the dispatcher is told so it
     /// looks at frames the guest queued before.
     pub(crate) fn start(&self, index: u32, r: &mut Ring<B>) {
+        let i = index as usize;
         if r.running() || !r.try_start() {
+            self.shared.note_running(i, r.running());
             return;
         }
         if r.running() {
             tracing::debug!(queue = index, "vhost-user ring started");
-            if index as usize == TX {
-                self.shared.poke();
-            }
-            if index as usize == RX {
+            self.shared.note_running(i, true);
+            if pair_of(i).1 {
                 self.shared.release_held(r);
+            } else {
+                self.shared.poke(i);
             }
         }
     }
@@ -158,7 +161,7 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
             self.apply_log();
         }
         self.shared.acked.store(features, Relaxed);
-        for i in [RX, TX] {
+        for i in 0..self.shared.queues() {
             let mut r = self.shared.ring(i);
             r.queue.set_event_idx(features & feature::EVENT_IDX != 0);
         }
@@ -182,7 +185,7 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         drop(mem.set_log(self.log_in_force()));
         self.table = if copies.len() == ctx.len() { ctx.iter().copied().zip(copies).collect() } else { Vec::new() };
         self.mem = Some(mem.clone());
-        for i in [RX, TX] {
+        for i in 0..self.shared.queues() {
             self.shared.ring(i).mem = Some(mem.clone());
         }
         Ok(None)
@@ -222,12 +225,13 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         // The ring stops: publish what was done, then say where it stopped.
         r.publish();
         let next = r.queue.next_avail();
-        if index as usize == TX {
-            self.shared.watch_kick(r.kick.as_ref().map(|k| k.as_raw_fd()), None);
+        if !pair_of(index as usize).1 {
+            self.shared.watch_kick(index as usize, r.kick.as_ref().map(|k| k.as_raw_fd()), None);
         }
         r.queue.set_ready(false);
         r.kick = None;
         r.call = None;
+        self.shared.note_running(index as usize, false);
         Ok(VhostUserVringState::new(index, u32::from(next)))
     }
 
@@ -242,8 +246,8 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
                 return Err(Error::InvalidParam);
             }
         };
-        if usize::from(index) == TX {
-            self.shared.watch_kick(r.kick.as_ref().map(|k| k.as_raw_fd()), kick.as_ref().map(|k| k.as_raw_fd()));
+        if !pair_of(usize::from(index)).1 {
+            self.shared.watch_kick(usize::from(index), r.kick.as_ref().map(|k| k.as_raw_fd()), kick.as_ref().map(|k| k.as_raw_fd()));
         }
         r.kick = kick;
         self.start(u32::from(index), &mut r);
@@ -273,7 +277,7 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
 
     fn get_protocol_features(&mut self) -> Result<VhostUserProtocolFeatures> {
         let log = if B::LOGS { VhostUserProtocolFeatures::LOG_SHMFD } else { VhostUserProtocolFeatures::empty() };
-        Ok(VhostUserProtocolFeatures::REPLY_ACK | log)
+        Ok(VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::MQ | log)
     }
 
     fn set_protocol_features(&mut self, features: u64) -> Result<()> {
@@ -282,25 +286,27 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
     }
 
     fn get_queue_num(&mut self) -> Result<u64> {
-        Ok(2)
+        Ok(self.shared.queues() as u64)
     }
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> Result<()> {
         tracing::debug!(index, ?enable, "vhost-user set_vring_enable");
         let mut r = self.ring(index)?;
         r.enabled = enable;
+        let (i, rx) = (index as usize, pair_of(index as usize).1);
         if enable {
             self.start(index, &mut r);
             // Frames the guest queued while the ring was disabled: their
             // kicks were consumed then, so the dispatcher is told to look.
-            if index as usize == TX && r.running() {
-                self.shared.poke();
+            if !rx && r.running() {
+                self.shared.poke(i);
             }
             // Frames held for the guest while it was disabled.
-            if index as usize == RX && r.running() {
+            if rx && r.running() {
                 self.shared.release_held(&mut r);
             }
         }
+        self.shared.note_running(i, r.running());
         Ok(())
     }
 

@@ -14,7 +14,7 @@
 //! logging on) or is not set up is not handed over: its frontend
 //! reconnects, as after a restart.
 
-use crate::device::{RX, TX};
+use crate::device::pair_of;
 use crate::memory::{DirtyLog, GuestMemory};
 use crate::notify::{Kick, Notifier};
 use crate::protocol::Frontend;
@@ -52,8 +52,13 @@ impl<B: DirtyLog> Frontend<B> {
             words.push(format!("region {gpa:x} {size:x} {ua:x} {off:x}"));
             fds.push((format!("mem {i}"), f.as_fd().try_clone_to_owned().ok()?));
         }
-        for i in [RX, TX] {
+        for i in 0..self.shared.queues() {
             let mut r = self.shared.ring(i);
+            // Queues of pairs past the first that the frontend never set
+            // up are left out.
+            if i >= 2 && r.kick.is_none() && r.call.is_none() && !r.queue.ready() {
+                continue;
+            }
             // The rings stopped (a hand-over): what was done is published
             // first, so the next index is where the guest sees it.
             if position {
@@ -105,7 +110,7 @@ impl<B: DirtyLog> Frontend<B> {
                 }
                 ["ring", i, size, desc, avail, used, next, enabled, ready] => {
                     let i: usize = i.parse().map_err(|_| "a ring index")?;
-                    if i != RX && i != TX {
+                    if i >= f.shared.queues() {
                         return Err(format!("no ring {i}"));
                     }
                     let size: u16 = size.parse().map_err(|_| "a ring size")?;
@@ -152,8 +157,8 @@ impl<B: DirtyLog> Frontend<B> {
             }
             if let Some(file) = take(&format!("kick {i}")) {
                 let kick = Kick::new(file).map_err(|e| format!("kick {i}: {e:?}"))?;
-                if i == TX {
-                    f.shared.watch_kick(None, Some(kick.as_raw_fd()));
+                if !pair_of(i).1 {
+                    f.shared.watch_kick(i, None, Some(kick.as_raw_fd()));
                 }
                 r.kick = Some(kick);
             }
