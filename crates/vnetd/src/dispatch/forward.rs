@@ -566,8 +566,9 @@ impl Forwarder {
                 self.st.sent_at(&link.stats, frames, bytes);
             }
         }
-        // NICs last: a guest's transmit buffers sent in place (cut-through)
-        // go back to it only once the sends above are done.
+        // NICs last: the frames written into guests become visible (the
+        // transmit buffers this pass took go back to their guests after
+        // this, from the dispatcher that drained them: `release`).
         if !self.touched.is_empty() {
             let irq = irq_policy(&snap.dispatch);
             for slot in self.touched.drain(..) {

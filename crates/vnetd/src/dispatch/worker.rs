@@ -62,6 +62,9 @@ const BUF_LEN: usize = 65536 + 128;
 struct Owned {
     id: u32,
     slot: u32,
+    /// Which of the NIC's queues (a multi-queue NIC's pairs are spread over
+    /// the dispatchers, each owned by one).
+    queue: u32,
     fd: RawFd,
     settings: IfaceDispatch,
     /// Running VMM-driven (polled) right now.
@@ -98,6 +101,9 @@ struct Worker {
     realtime_ok: bool,
     /// The last poll pass found no work.
     idle_pass: bool,
+    /// The NIC queues drained this pass (slot, queue), released after the
+    /// pass's sends.
+    drained: Vec<(u32, u32)>,
 }
 
 pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
@@ -120,6 +126,7 @@ pub fn run(dp: Arc<Datapath>, index: usize) -> Result<()> {
         last_work: Instant::now(),
         realtime: false,
         realtime_ok: true,
+        drained: Vec::new(),
         idle_pass: false,
     };
     w.reload();
@@ -204,8 +211,8 @@ impl Worker {
                 match token & KIND_MASK {
                     KIND_NIC => {
                         if let Some(o) = self.owned.get(at) {
-                            let slot = o.slot;
-                            self.drain_nic(slot);
+                            let (slot, queue) = (o.slot, o.queue);
+                            self.drain_nic(slot, queue);
                         }
                     }
                     KIND_LINK => {
@@ -214,7 +221,7 @@ impl Worker {
                     _ => {}
                 }
             }
-            self.fwd.flush(&self.snap);
+            self.flush();
             if woken {
                 self.dp.workers[self.index].wake.drain();
                 self.reload();
@@ -228,7 +235,7 @@ impl Worker {
         let mut work = 0;
         for i in 0..self.owned.len() {
             if self.owned[i].polled {
-                work += self.drain_nic(self.owned[i].slot);
+                work += self.drain_nic(self.owned[i].slot, self.owned[i].queue);
             }
         }
         for k in 0..self.sources.len() {
@@ -236,19 +243,32 @@ impl Worker {
                 work += self.drain_source(k, 0, epoll::IN);
             }
         }
-        self.fwd.flush(&self.snap);
+        self.flush();
         work
     }
 
-    /// Takes up to `quota` frames from the NIC at `slot`; returns how many.
-    fn drain_nic(&mut self, slot: u32) -> usize {
+    /// The pass ends: its sends go out, the frames it wrote into guests
+    /// become visible, and then the transmit buffers it took go back to
+    /// the guests they came from (`VirtualNic::release`).
+    fn flush(&mut self) {
+        self.fwd.flush(&self.snap);
+        for (slot, queue) in self.drained.drain(..) {
+            if let Some(iface) = self.snap.ifaces.get(slot as usize) {
+                iface.nic.release(queue as usize);
+            }
+        }
+    }
+
+    /// Takes up to `quota` frames from queue `queue` of the NIC at `slot`;
+    /// returns how many.
+    fn drain_nic(&mut self, slot: u32, queue: u32) -> usize {
         let snap = &self.snap;
         let Some(iface) = snap.ifaces.get(slot as usize) else { return 0 };
         let quota = snap.dispatch.quota as usize;
         let (fwd, st) = (&mut self.fwd, &*self.st);
         let mut rx = RxBuffers { buf: &mut self.buf, in_place: snap.dispatch.cut_through.then_some(&mut self.in_place) };
         let mut n = 0;
-        let r = iface.nic.recv_burst(&mut rx, quota, &mut |f| {
+        let r = iface.nic.recv_burst(queue as usize, &mut rx, quota, &mut |f| {
             match f {
                 RxFrame::Copied(frame, vnet) => {
                     n += 1;
@@ -278,6 +298,9 @@ impl Worker {
         }
         // The buffers read go back to the guest at the end of the pass.
         self.fwd.touch(slot);
+        if !self.drained.contains(&(slot, queue)) {
+            self.drained.push((slot, queue));
+        }
         n
     }
 
@@ -327,30 +350,30 @@ impl Worker {
         }
         let workers = self.dp.worker_count();
         let me = self.index;
-        let mine = |id: u32| id as usize % workers == me;
+        // Queue q of interface `id` is dispatcher (id + q)'s: a multi-queue
+        // NIC's pairs go round the dispatchers.
+        let mine = |id: u32, q: usize| (id as usize + q) % workers == me;
         let mut owned = Vec::new();
-        for (slot, iface) in next.ifaces.iter().enumerate() {
-            if !mine(iface.id) {
-                continue;
-            }
+        let queues = next.ifaces.iter().enumerate().flat_map(|(slot, iface)| (0..iface.nic.queues()).map(move |q| (slot, iface, q)));
+        for (slot, iface, queue) in queues.filter(|&(_, i, q)| mine(i.id, q)) {
             let settings = next.iface_dispatch[slot];
             // An interface keeps its running mode across unrelated changes.
-            let was = self.owned.iter().find(|o| o.id == iface.id);
+            let was = self.owned.iter().find(|o| o.id == iface.id && o.queue as usize == queue);
             let was_polled = was.map(|o| o.polled);
             let polled = match settings.mode {
                 Mode::GuestDriven => false,
                 Mode::VmmDriven => true,
                 Mode::Adaptive => was_polled.unwrap_or(false),
             };
-            let fd = iface.nic.event_fd();
-            iface.nic.set_notify(!polled);
+            let fd = iface.nic.event_fd(queue);
+            iface.nic.set_notify(queue, !polled);
             if !polled && self.epoll.add(fd, epoll::IN, KIND_NIC | owned.len() as u64).is_err() {
                 tracing::warn!(iface = %iface.name, "cannot watch NIC");
             }
             iface.running_mode.store(if polled { Mode::VmmDriven } else { Mode::GuestDriven } as u8, Relaxed);
             let count = iface.stats.in_frames.load(Relaxed) + iface.stats.out_frames.load(Relaxed);
             let window_start = was.map_or_else(Instant::now, |o| o.window_start);
-            owned.push(Owned { id: iface.id, slot: slot as u32, fd, settings, polled, window_count: count, window_start });
+            owned.push(Owned { id: iface.id, slot: slot as u32, queue: queue as u32, fd, settings, polled, window_count: count, window_start });
         }
         self.owned = owned;
         // Link sources: this thread's socket of every carrier, the streams
@@ -391,7 +414,7 @@ impl Worker {
                 continue;
             }
             o.polled = !o.polled;
-            iface.nic.set_notify(!o.polled);
+            iface.nic.set_notify(o.queue as usize, !o.polled);
             if o.polled {
                 self.epoll.delete(o.fd);
             } else if self.epoll.add(o.fd, epoll::IN, KIND_NIC | at as u64).is_err() {

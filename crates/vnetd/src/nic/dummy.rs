@@ -120,7 +120,7 @@ impl VirtualNic for DummyNic {
         self.0.bursts.lock().unwrap().push(n);
     }
 
-    fn event_fd(&self) -> RawFd {
+    fn event_fd(&self, _queue: usize) -> RawFd {
         self.0.event.as_raw_fd()
     }
 

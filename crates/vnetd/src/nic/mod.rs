@@ -77,14 +77,20 @@ pub trait VirtualNic: Send + Sync {
     /// metadata (every NIC kind here speaks virtio-net headers, so a guest's
     /// super-frames and partial checksums arrive labelled).
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received>;
-    /// Reads up to `quota` frames without blocking, handing each to `each`
+    /// How many queues the NIC takes frames from, each a source of its own
+    /// that one dispatcher drains (`recv_burst`, `event_fd`, `set_notify`):
+    /// a multi-queue vhost-user NIC's pairs; 1 for the others.
+    fn queues(&self) -> usize {
+        1
+    }
+    /// Reads up to `quota` frames of queue `queue` without blocking, handing each to `each`
     /// as it comes (the burst is the unit: a NIC with shared rings holds
     /// its ring once for all of them). Given `rx.in_place`, a NIC that
     /// shares the guest's memory may leave most of a frame where it lies
     /// (cut-through): its headers are copied there, the rest noted, and
     /// `each` must be done with it when it returns. An error other than
     /// "nothing waits" ends the burst.
-    fn recv_burst(&self, rx: &mut RxBuffers, quota: usize, each: &mut dyn FnMut(RxFrame)) -> io::Result<()> {
+    fn recv_burst(&self, _queue: usize, rx: &mut RxBuffers, quota: usize, each: &mut dyn FnMut(RxFrame)) -> io::Result<()> {
         for _ in 0..quota {
             match self.recv(rx.buf) {
                 Ok(r) => each(RxFrame::Copied(&mut rx.buf[r.start..r.end], r.vnet)),
@@ -106,14 +112,14 @@ pub trait VirtualNic: Send + Sync {
             done(self.send(vnet, &[f]));
         }
     }
-    /// A descriptor that is readable while frames wait: the dispatcher
-    /// watches it while the NIC runs guest-driven.
-    fn event_fd(&self) -> RawFd;
-    /// Notifications on (guest-driven: the dispatcher sleeps until a frame)
+    /// A descriptor that is readable while frames wait in queue `queue`:
+    /// its dispatcher watches it while the NIC runs guest-driven.
+    fn event_fd(&self, queue: usize) -> RawFd;
+    /// Notifications for queue `queue` on (guest-driven: the dispatcher sleeps until a frame)
     /// or off (VMM-driven: it polls). For a TAP the dispatcher's epoll
     /// membership is the whole switch; a NIC with shared rings would also
     /// tell the guest here (virtio's `VRING_USED_F_NO_NOTIFY`).
-    fn set_notify(&self, _on: bool) {}
+    fn set_notify(&self, _queue: usize, _on: bool) {}
     /// Whether a guest works this NIC now. A VM's vhost-user NIC runs while
     /// its rings do: not yet on the host a VM is migrating to (QEMU starts
     /// them when the VM resumes there), no more on the host it left, nor
@@ -159,6 +165,11 @@ pub trait VirtualNic: Send + Sync {
     /// The dispatcher that flushed this NIC has no more work: deliver an
     /// interrupt held back.
     fn idle(&self) {}
+    /// The frames this dispatcher took from queue `queue` this pass have
+    /// left (its flush is done): a NIC with shared rings hands their
+    /// buffers back to the guest now, never before (cut-through sends them
+    /// from there). Only the queue's own dispatcher calls it.
+    fn release(&self, _queue: usize) {}
     /// Whether the guest takes super-frames and partial checksums as they
     /// are (a TAP or veth always does; a virtio driver only if it
     /// negotiated them); otherwise the forwarder finishes them first.

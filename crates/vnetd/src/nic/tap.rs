@@ -385,7 +385,7 @@ impl VirtualNic for Tap {
         send_vnet(self.as_raw_fd(), vnet, parts)
     }
 
-    fn event_fd(&self) -> RawFd {
+    fn event_fd(&self, _queue: usize) -> RawFd {
         self.as_raw_fd()
     }
 

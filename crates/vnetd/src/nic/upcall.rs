@@ -158,7 +158,7 @@ impl<D: PortDevice> VirtualNic for PortNic<D> {
         self.port.send(vnet, parts)
     }
 
-    fn event_fd(&self) -> RawFd {
+    fn event_fd(&self, _queue: usize) -> RawFd {
         self.port.fd()
     }
 

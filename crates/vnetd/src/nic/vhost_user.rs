@@ -98,9 +98,11 @@ fn store(control: &Control, fe: &Mutex<Frontend<DirtyPages>>) {
     match last.take() {
         Some((_, names)) => names.iter().for_each(|n| keep::unstore(n)),
         // What a vnetd before this one stored of it.
-        None => ["conn", "state", "kick 0", "kick 1", "call 0", "call 1", "mem 0", "mem 1", "mem 2", "mem 3", "mem 4", "mem 5", "mem 6", "mem 7"]
-            .iter()
-            .for_each(|n| keep::unstore(&format!("{} {n}", control.key))),
+        None => {
+            let queues = (0..2 * vnet_vhost::MAX_PAIRS).flat_map(|i| [format!("kick {i}"), format!("call {i}")]);
+            let mems = (0..8).map(|i| format!("mem {i}"));
+            ["conn".to_string(), "state".to_string()].into_iter().chain(queues).chain(mems).for_each(|n| keep::unstore(&format!("{} {n}", control.key)))
+        }
     }
     let mut names = Vec::new();
     for (n, fd) in &x.fds {
@@ -592,18 +594,24 @@ impl Drop for VhostUserNic {
 impl VirtualNic for VhostUserNic {
     fn recv(&self, buf: &mut [u8]) -> io::Result<Received> {
         let mut got = Err(io::ErrorKind::WouldBlock.into());
-        self.shared.take_burst(buf, None, 1, |t, _, _| {
+        self.shared.take_burst(0, buf, None, 1, |t, _, _| {
             got = match t {
                 Taken::Copied { len, vnet } => Ok(Received { start: 0, end: len, vnet }),
                 Taken::TooBig => Err(io::Error::from_raw_os_error(libc::EMSGSIZE)),
                 Taken::InPlace => unreachable!("in place only when asked"),
             }
         });
+        // Copied out: its buffer goes back at once.
+        self.shared.release(0);
         got
     }
 
-    fn recv_burst(&self, rx: &mut RxBuffers, quota: usize, each: &mut dyn FnMut(RxFrame)) -> io::Result<()> {
-        self.shared.take_burst(rx.buf, rx.in_place.as_deref_mut(), quota, |t, buf, frame| match t {
+    fn queues(&self) -> usize {
+        vnet_vhost::MAX_PAIRS
+    }
+
+    fn recv_burst(&self, pair: usize, rx: &mut RxBuffers, quota: usize, each: &mut dyn FnMut(RxFrame)) -> io::Result<()> {
+        self.shared.take_burst(pair, rx.buf, rx.in_place.as_deref_mut(), quota, |t, buf, frame| match t {
             Taken::Copied { len, vnet } => each(RxFrame::Copied(&mut buf[..len], vnet)),
             Taken::InPlace => each(RxFrame::InPlace(frame.expect("in place only when asked"))),
             Taken::TooBig => each(RxFrame::Oversize),
@@ -619,16 +627,16 @@ impl VirtualNic for VhostUserNic {
         self.shared.send_burst(vnet, frames, done);
     }
 
-    fn event_fd(&self) -> RawFd {
-        self.shared.event_fd()
+    fn event_fd(&self, pair: usize) -> RawFd {
+        self.shared.event_fd(pair)
     }
 
     fn running(&self) -> bool {
         self.control.running.load(Relaxed)
     }
 
-    fn set_notify(&self, on: bool) {
-        self.shared.set_notify(on);
+    fn set_notify(&self, pair: usize, on: bool) {
+        self.shared.set_notify(pair, on);
     }
 
     fn arriving(&self, irq: &IrqPolicy) {
@@ -641,6 +649,10 @@ impl VirtualNic for VhostUserNic {
 
     fn idle(&self) {
         self.shared.idle();
+    }
+
+    fn release(&self, pair: usize) {
+        self.shared.release(pair);
     }
 
     fn takes_offloads(&self) -> bool {
