@@ -200,7 +200,7 @@ def test_a_hostile_frontend_breaks_nothing_but_its_own_frames(lab):
     # connection and serves the next one.
     f = vf.Frontend(t.sock)
     f.vring_addr(1, vf.USER_BASE + 4 * vf.MEM, vf.USER_BASE, vf.USER_BASE)  # outside every region
-    f.send(vf.SET_VRING_NUM, struct.pack("<II", 5, 16))  # no queue 5
+    f.send(vf.SET_VRING_NUM, struct.pack("<II", 16, 16))  # no queue 16 (8 pairs: 0..15)
     f.send(vf.SET_VRING_NUM, struct.pack("<II", 1, 3))  # not a power of two
     f.send(999)  # no such request
     time.sleep(0.3)
@@ -337,23 +337,23 @@ def test_bad_protocol_messages_are_refused_with_an_ack_and_change_nothing(lab):
     f.negotiate(vf.F_VERSION_1 | vf.F_INDIRECT, vf.MEM)
     u, outside = vf.USER_BASE, vf.USER_BASE + 4 * vf.MEM
     bad = {
-        "size of queue 5": (vf.SET_VRING_NUM, struct.pack("<II", 5, vf.SIZE)),
+        "size of queue 16": (vf.SET_VRING_NUM, struct.pack("<II", 16, vf.SIZE)),
         "size 3": (vf.SET_VRING_NUM, struct.pack("<II", 1, 3)),
         "size 0": (vf.SET_VRING_NUM, struct.pack("<II", 1, 0)),
         "size 2048": (vf.SET_VRING_NUM, struct.pack("<II", 1, 2048)),
-        "base of queue 5": (vf.SET_VRING_BASE, struct.pack("<II", 5, 0)),
-        "addresses of queue 5": (vf.SET_VRING_ADDR, f.vring_addr_body(5, u + 0x4000, u + 0x6000, u + 0x5000)),
+        "base of queue 16": (vf.SET_VRING_BASE, struct.pack("<II", 16, 0)),
+        "addresses of queue 16": (vf.SET_VRING_ADDR, f.vring_addr_body(16, u + 0x4000, u + 0x6000, u + 0x5000)),
         "descriptors outside memory": (vf.SET_VRING_ADDR, f.vring_addr_body(1, outside, u + 0x6000, u + 0x5000)),
         "used ring outside memory": (vf.SET_VRING_ADDR, f.vring_addr_body(1, u + 0x4000, outside, u + 0x5000)),
         "avail ring outside memory": (vf.SET_VRING_ADDR, f.vring_addr_body(1, u + 0x4000, u + 0x6000, outside)),
-        "enable queue 5": (vf.SET_VRING_ENABLE, struct.pack("<II", 5, 1)),
+        "enable queue 16": (vf.SET_VRING_ENABLE, struct.pack("<II", 16, 1)),
     }
 
     def all_refused():
         for what, (req, body) in bad.items():
             assert f.request(req, body) != 0, what
-        assert f.request(vf.SET_VRING_KICK, struct.pack("<Q", 5), fds=[f.kick[1]]) != 0, "kick of queue 5"
-        assert f.request(vf.SET_VRING_CALL, struct.pack("<Q", 5), fds=[f.call[1]]) != 0, "call of queue 5"
+        assert f.request(vf.SET_VRING_KICK, struct.pack("<Q", 16), fds=[f.kick[1]]) != 0, "kick of queue 16"
+        assert f.request(vf.SET_VRING_CALL, struct.pack("<Q", 16), fds=[f.call[1]]) != 0, "call of queue 16"
 
     all_refused()
     f.setup_rings()  # every message acknowledged with 0, or it raises

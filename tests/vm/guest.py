@@ -154,14 +154,16 @@ def qemu_command(tap: str, mac: str, ip_cidr: str, script: str, mem_mb: int = 25
 
 def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: int = 256,
                             server: bool = False, module_args: dict[str, str] | None = None,
-                            host_mtu: int | None = None) -> list[str]:
+                            host_mtu: int | None = None, queues: int = 1) -> list[str]:
     """QEMU (TCG) booting the guest on a vhost-user virtio-net device whose
     backend is at `sock`: QEMU connects there (and reconnects each second
     when the backend restarts), or with `server` listens there for the
     backend. Guest memory must be shared (memfd); `vectors=0` because QEMU
     7.2 under TCG crashes setting up MSI-X for vhost-user. `module_args`:
     parameters for the guest's modules, e.g. {"virtio_net": "napi_tx=0"}.
-    `host_mtu`: the MTU QEMU gives the guest's NIC."""
+    `host_mtu`: the MTU QEMU gives the guest's NIC. `queues`: queue pairs
+    (multi-queue, `mq=on`), with as many vCPUs, so that the guest's driver
+    uses them all by default."""
     import base64
 
     vmlinux, initrd = build()
@@ -169,14 +171,15 @@ def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: i
     mods = "".join(f" vnet.{m}={a.replace(' ', ',')}" for m, a in (module_args or {}).items())
     chardev = f"socket,id=c0,path={sock}," + ("server=on,wait=off" if server else "reconnect=1")
     return [
-        "qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", str(mem_mb), "-smp", "1",
+        "qemu-system-x86_64", "-accel", "tcg", "-cpu", "max", "-m", str(mem_mb), "-smp", str(queues),
         "-nodefaults", "-no-user-config", "-display", "none", "-serial", "stdio", "-no-reboot",
         "-object", f"memory-backend-memfd,id=mem,size={mem_mb}M,share=on", "-numa", "node,memdev=mem",
         "-kernel", str(vmlinux), "-initrd", str(initrd),
         "-append", f"console=ttyS0 panic=-1 quiet vnet.ip={ip_cidr}{mods} vnet.script={b64}",
         "-chardev", chardev,
-        "-netdev", "vhost-user,id=n0,chardev=c0",
-        "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=" + (f",host_mtu={host_mtu}" if host_mtu else ""),
+        "-netdev", "vhost-user,id=n0,chardev=c0" + (f",queues={queues}" if queues > 1 else ""),
+        "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=" + (f",host_mtu={host_mtu}" if host_mtu else "")
+        + (",mq=on" if queues > 1 else ""),
     ]
 
 
