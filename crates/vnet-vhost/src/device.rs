@@ -334,6 +334,7 @@ impl<B: DirtyLog> Device<B> {
         let hdr_len = self.hdr_len();
         let mut tally = Tally::default();
         let mut tx = p.ring(TX);
+        tx.share_budget(self.tx_running.load(Relaxed).count_ones());
         // Kicks re-armed and frames found waiting: look once more, never in a
         // loop (a guest whose avail index is nonsense would hold us there);
         // found waiting a second time, the next pass looks.
@@ -419,6 +420,7 @@ impl<B: DirtyLog> Device<B> {
         let k = self.rx_pair(parts.first().copied().unwrap_or_default());
         let p = &self.pairs[k];
         let mut rx = p.ring(RX);
+        rx.share_budget(self.rx_running.load(Relaxed).count_ones());
         let len = self.put(&mut rx, &to, vnet, parts);
         drop(rx);
         self.pending.fetch_or(1 << k, Relaxed);
@@ -441,7 +443,9 @@ impl<B: DirtyLog> Device<B> {
             let k = self.rx_pair(f);
             if held.as_ref().is_none_or(|(at, _)| *at != k) {
                 drop(held.take());
-                held = Some((k, self.pairs[k].ring(RX)));
+                let mut rx = self.pairs[k].ring(RX);
+                rx.share_budget(self.rx_running.load(Relaxed).count_ones());
+                held = Some((k, rx));
                 self.pending.fetch_or(1 << k, Relaxed);
             }
             let (_, rx) = held.as_mut().expect("just locked");
@@ -668,6 +672,7 @@ mod tests {
     //! The device against a driver on another thread, as a guest runs it.
     use super::*;
     use crate::memory::GuestMemory;
+    use crate::queue::Budget;
     use std::sync::atomic::{fence, AtomicU64, Ordering};
     use std::time::Duration;
     use vm_memory::{Bytes, GuestAddress};
@@ -865,5 +870,58 @@ mod tests {
         assert_eq!(used_idx(&mem, 3), 0, "a flush (any dispatcher's) leaves the transmit queue alone");
         d.release(1);
         assert_eq!(used_idx(&mem, 3), 1);
+    }
+
+    /// A guest running two pairs gets no more work per pass out of vnetd
+    /// than one running a pair: the transmit rings share one descriptor
+    /// budget. Each ring holds 256 chains of 256 one-byte descriptors (an
+    /// indirect table each), far more than a pass may read.
+    #[test]
+    fn pairs_share_one_pass_budget() {
+        const Q: u16 = 256;
+        let mem = GuestMemory::<()>::anonymous(&[(GuestAddress(0), 8 << 20)]);
+        let d = Device::<()>::new(MemoryPolicy::default()).unwrap();
+        d.acked.store(feature::VERSION_1 | feature::INDIRECT_DESC, Relaxed);
+        let table = 0x400000u64; // one indirect table, shared by every chain
+        for j in 0..Q {
+            let mut e = [0u8; 16];
+            e[..8].copy_from_slice(&(0x600000 + u64::from(j)).to_le_bytes());
+            e[8..12].copy_from_slice(&1u32.to_le_bytes());
+            let next = if j + 1 < Q { 1u16 } else { 0 };
+            e[12..14].copy_from_slice(&next.to_le_bytes());
+            e[14..16].copy_from_slice(&(j + 1).to_le_bytes());
+            mem.write_slice(&e, GuestAddress(table + 16 * u64::from(j))).unwrap();
+        }
+        for pair in 0..2usize {
+            let base = 0x20000 * (pair as u64 + 1);
+            let ring = Ring::with_layout(d.counters.clone(), mem.clone(), Q, base, base + 0x8000, base + 0x10000, false).unwrap();
+            for i in 0..Q {
+                let mut e = [0u8; 16];
+                e[..8].copy_from_slice(&table.to_le_bytes());
+                e[8..12].copy_from_slice(&(16 * u32::from(Q)).to_le_bytes());
+                e[12..14].copy_from_slice(&4u16.to_le_bytes()); // indirect
+                mem.write_slice(&e, GuestAddress(base + 16 * u64::from(i))).unwrap();
+                mem.store(i, GuestAddress(base + 0x8000 + 4 + 2 * u64::from(i)), Ordering::Relaxed).unwrap();
+            }
+            mem.store(Q, GuestAddress(base + 0x8000 + 2), Ordering::Release).unwrap();
+            *d.ring(2 * pair + 1) = ring;
+        }
+        let mut buf = vec![0u8; 4096];
+        let pass = |d: &Device<()>, pair: usize, buf: &mut Vec<u8>| {
+            d.take_burst(pair, buf, None, 1 << 20, |_, _, _| {});
+            let spent = d.ring(2 * pair + 1).spent();
+            d.release(pair);
+            spent
+        };
+        let full = Budget::default().descs_per_pass;
+        // One pair running: one budget (plus the chain that crossed it).
+        d.note_running(TX, true);
+        let one = pass(&d, 0, &mut buf);
+        assert!(one >= full && one <= full + u32::from(Q), "one pair: {one} descriptors in a pass");
+        // Two: half each, one budget between them.
+        d.note_running(3, true);
+        let (a, b) = (pass(&d, 0, &mut buf), pass(&d, 1, &mut buf));
+        assert!(a <= full / 2 + u32::from(Q) && b <= full / 2 + u32::from(Q), "two pairs: {a} and {b} descriptors in a pass");
+        assert!(a + b <= full + 2 * u32::from(Q), "{a} + {b}");
     }
 }

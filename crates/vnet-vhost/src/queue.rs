@@ -193,6 +193,15 @@ impl<B: DirtyLog> Ring<B> {
         self.budget
     }
 
+    /// This ring's share of a pass's descriptor budget: the device's rings
+    /// of one direction share one budget (`share` of them run), so that a
+    /// guest running many queue pairs causes no more work per pass than one
+    /// running a pair.
+    #[inline]
+    pub fn share_budget(&mut self, share: u32) {
+        self.budget.descs_per_pass = Budget::default().descs_per_pass / share.max(1);
+    }
+
     pub fn health(&self) -> Health {
         self.health
     }
