@@ -437,26 +437,36 @@ impl<B: DirtyLog> Device<B> {
     /// turn.
     pub fn send_burst<'a>(&self, vnet: &VnetHdr, frames: impl Iterator<Item = &'a [u8]>, mut done: impl FnMut(io::Result<usize>)) {
         let to = self.receiving();
-        let mut held: Option<(usize, std::sync::MutexGuard<'_, Ring<B>>)> = None;
+        // The pair held, its ring, and the frames written into it since it
+        // was taken (counted once per stretch, not per frame).
+        let mut held: Option<(usize, std::sync::MutexGuard<'_, Ring<B>>, u64)> = None;
         let mut sent = 0;
+        let count = |held: Option<(usize, std::sync::MutexGuard<'_, Ring<B>>, u64)>| {
+            if let Some((k, rx, n)) = held {
+                drop(rx);
+                if n > 0 {
+                    self.pairs[k].rx_frames.fetch_add(n, Relaxed);
+                }
+            }
+        };
         for f in frames {
             let k = self.rx_pair(f);
-            if held.as_ref().is_none_or(|(at, _)| *at != k) {
-                drop(held.take());
+            if held.as_ref().is_none_or(|(at, _, _)| *at != k) {
+                count(held.take());
                 let mut rx = self.pairs[k].ring(RX);
                 rx.share_budget(self.rx_running.load(Relaxed).count_ones());
-                held = Some((k, rx));
+                held = Some((k, rx, 0));
                 self.pending.fetch_or(1 << k, Relaxed);
             }
-            let (_, rx) = held.as_mut().expect("just locked");
+            let (_, rx, n) = held.as_mut().expect("just locked");
             let r = self.put(rx, &to, vnet, &[f]);
             if r.is_ok() {
                 sent += 1;
-                self.pairs[k].rx_frames.fetch_add(1, Relaxed);
+                *n += 1;
             }
             done(r);
         }
-        drop(held);
+        count(held);
         if sent > 0 {
             self.counters.rx_frames.fetch_add(sent, Relaxed);
         }
