@@ -24,6 +24,8 @@ pub const HOLD_AGE: Duration = Duration::from_secs(1);
 pub struct Held {
     frames: VecDeque<(Instant, VnetHdr, Vec<u8>)>,
     bytes: usize,
+    /// The guest left this host (`leave`): nothing is held for it.
+    left: bool,
 }
 
 impl Held {
@@ -32,7 +34,7 @@ impl Held {
     pub fn hold(&mut self, now: Instant, vnet: &VnetHdr, parts: &[&[u8]], c: &Counters) -> bool {
         self.expire(now, c);
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        if self.frames.len() >= HOLD_FRAMES || self.bytes + len > HOLD_BYTES {
+        if self.left || self.frames.len() >= HOLD_FRAMES || self.bytes + len > HOLD_BYTES {
             return false;
         }
         self.frames.push_back((now, *vnet, parts.concat()));
@@ -58,6 +60,27 @@ impl Held {
         self.expire(now, c);
         self.bytes = 0;
         std::mem::take(&mut self.frames)
+    }
+
+    /// The guest left this host: its ring stopped at the end of a live
+    /// migration (the frontend logging dirty pages), so it starts next on
+    /// another host, and a frame held here would never reach it. Until the
+    /// ring starts again (`resume`), frames for it are refused (the caller
+    /// drops and counts them, as for a ring down); any held go, counted as
+    /// expired.
+    pub fn leave(&mut self, c: &Counters) {
+        c.rx_held_expired.fetch_add(self.frames.len() as u64, Relaxed);
+        self.frames.clear();
+        self.bytes = 0;
+        self.left = true;
+    }
+
+    /// The ring started again here (a migration that failed at its end, or
+    /// the guest came back): frames are held for it again while it is
+    /// down. (A frontend's reconnection alone does not: an incoming QEMU
+    /// waiting here has no guest yet.)
+    pub fn resume(&mut self) {
+        self.left = false;
     }
 
     pub fn is_empty(&self) -> bool {
@@ -91,5 +114,20 @@ mod tests {
         // Bytes: one frame too many for the budget is refused.
         assert!(h.hold(later, &v, &[&vec![0u8; HOLD_BYTES]], &c));
         assert!(!h.hold(later, &v, &[&[0u8; 1]], &c));
+    }
+
+    #[test]
+    fn a_guest_that_left_has_nothing_held_until_its_ring_starts_again() {
+        let c = Counters::default();
+        let mut h = Held::default();
+        let (t0, v) = (Instant::now(), VnetHdr::default());
+        assert!(h.hold(t0, &v, &[&[1u8; 60]], &c));
+        h.leave(&c);
+        assert!(h.is_empty());
+        assert_eq!(c.rx_held_expired.load(Relaxed), 1, "the one held, counted as it went");
+        assert!(!h.hold(t0, &v, &[&[1u8; 60]], &c), "refused: the caller drops it, counted");
+        assert_eq!(c.rx_held_frames.load(Relaxed), 1);
+        h.resume();
+        assert!(h.hold(t0, &v, &[&[1u8; 60]], &c));
     }
 }

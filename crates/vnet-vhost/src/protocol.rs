@@ -115,6 +115,7 @@ impl<B: DirtyLog> Frontend<B> {
             tracing::debug!(queue = index, "vhost-user ring started");
             self.shared.note_running(i, true);
             if pair_of(i).1 {
+                r.held.resume();
                 self.shared.release_held(r);
             } else {
                 self.shared.poke(i);
@@ -224,6 +225,13 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         let mut r = self.ring(index)?;
         // The ring stops: publish what was done, then say where it stopped.
         r.publish();
+        if self.logging && pair_of(index as usize).1 {
+            // Stopped while the frontend logs dirty pages: a live
+            // migration's end, the guest's next start is on another host.
+            // Frames for it from here are dropped as for a ring down
+            // (`drop_down`), not held for a start that never comes here.
+            r.held.leave(&self.shared.counters);
+        }
         let next = r.queue.next_avail();
         if !pair_of(index as usize).1 {
             self.shared.watch_kick(index as usize, r.kick.as_ref().map(|k| k.as_raw_fd()), None);
