@@ -66,6 +66,8 @@ COLUMNS = [
     ("pings_lost", "pings lost"),
     ("pings_lost_in_a_row", "pings lost in a row"),
     ("slowest_ping_reply_ms", "slowest ping reply (ms)"),
+    ("lost_at_host_3", "pings lost at host 3"),
+    ("lost_on_the_vm_side", "pings lost on the VM's side"),
     ("drops_counted", "drops counted"),
     ("tcp_longest_wait_ms", "TCP longest echo wait (ms)"),
 ]

@@ -28,6 +28,7 @@ import time
 
 import pytest
 
+from pings import Capture, echoes, place
 from netlab import overlay_ip, underlay_ip, wait_until
 from test_controller import Overlay, converged, gkey, mac, pytestmark  # noqa: F401 (etcd needed)
 from vm import guest
@@ -188,6 +189,7 @@ class Pinger:
                 # answered (the ones still in flight when ping was stopped
                 # are not lost).
                 "lost": seqs[-1] - seqs[0] + 1 - len(seqs) if seqs else sent,
+                "lost_seqs": sorted(set(range(seqs[0], seqs[-1] + 1)) - set(seqs)) if seqs else [],
                 "longest_gap_ms": round(max(gaps) * 1000) if gaps else None,
                 # Requests lost in a row (the network's own outage, in pings)
                 # and the slowest answer (a guest slow to answer after it
@@ -210,12 +212,34 @@ def stamp(text: str, what: str, after: float) -> float | None:
     return None
 
 
-def drops(o: Overlay) -> int:
-    """Frames every host's vnetd counted as dropped, all reasons."""
-    total = 0
-    for d in o.d.values():
-        total += sum(v for k, v in d.stats()["global"].items() if k.startswith("drop_") and isinstance(v, int))
-    return total
+def counted(o: Overlay, i: int) -> int:
+    """Frames host i's vnetd counted as dropped, all reasons, with the
+    frames it held for the VM's ring and let expire (`vhost_rx_held_expired`)."""
+    st = o.d[i].stats()
+    total = sum(v for k, v in st["global"].items() if k.startswith("drop_") and isinstance(v, int))
+    return total + st.get("interface vm", {}).get("vhost_rx_held_expired", 0)
+
+
+def held(o: Overlay, i: int) -> int:
+    """Frames host i's vnetd held for the VM's receive ring while it was down."""
+    return o.d[i].stats().get("interface vm", {}).get("vhost_rx_held_frames", 0)
+
+
+class Echoes:
+    """Every ICMP echo on host 3's guest's interface and on the three hosts'
+    underlays while running (tcpdump), so a lost ping can be placed."""
+
+    def __init__(self, o: Overlay):
+        t = time.monotonic_ns()
+        self.hosts = {i: Capture(o.lab, h, "eth0", o.lab.tmp / f"h{i}-{t}.pcap", "udp port 9000")
+                      for i, h in o.hosts.items()}
+        self.guest = Capture(o.lab, o.guest_ns[13], "g13", o.lab.tmp / f"g13-{t}.pcap", "icmp")
+
+    def place(self, lost: list[int]) -> dict[int, str]:
+        for c in (self.guest, *self.hosts.values()):
+            c.stop()
+        return place(lost, echoes(self.guest.path, None),
+                     {f"h{i}": (underlay_ip(i), echoes(c.path, 9000)) for i, c in self.hosts.items()}, "h3")
 
 
 def setup(lab) -> Overlay:
@@ -275,15 +299,19 @@ def incoming(o: Overlay, i: int) -> Vm:
 def move(o: Overlay, frm: int, to: int, vm_from: Vm, vm_to: Vm, ping_interval=0.01) -> dict:
     """Migrates the VM from host `frm` to `to` while host 3's guest pings it
     and holds a TCP echo stream to it; checks what a user would (the stream
-    intact, no duplicate reply, no more pings lost than drops vnetd counted, the claim
-    and routes moved, the VM reachable from its network's other guests);
+    intact, no duplicate reply, each lost ping placed from captures and no
+    more lost on either side, host 3's or the VM's, than that side's vnetds
+    counted, nothing held for the VM on the host it left, the claim and
+    routes moved, the VM reachable from its network's other guests);
     returns the figures."""
     srv = o.lab.popen(o.guest_ns[13], "python3", "-c", CLIENT, VM_IP, stdin=subprocess.PIPE,
                       stdout=subprocess.PIPE, text=True)
     assert srv.stdout.readline().strip() == "connected"
+    caught = Echoes(o)
     pinger = Pinger(o, ping_interval)
     time.sleep(1)
-    dropped_before = drops(o)
+    before = {i: counted(o, i) for i in o.d}
+    held_before = held(o, frm)
     began = time.time()
     report = migrate(vm_from, to)
     done = time.monotonic()
@@ -297,15 +325,28 @@ def move(o: Overlay, frm: int, to: int, vm_from: Vm, vm_to: Vm, ping_interval=0.
     pings = pinger.stop()
     out = srv.communicate(input="", timeout=30)[0].split()
     assert out[:1] == ["ok"] and int(out[1]) > 100, out
-    lost = pings["lost"]
-    counted = drops(o) - dropped_before
+    drops = {i: counted(o, i) - before[i] for i in o.d}
     assert pings["dups"] == 0, pings
     assert pings["replies"] > 150 and pings["longest_gap_ms"] is not None, pings
-    # No more pings lost than frames the vnetds dropped and counted in the
-    # window (the old host's interface down, the new one not yet routed): a
-    # bound on the sum, so a frame lost uncounted shows only where it
-    # outnumbers the drops.
-    assert lost <= counted, (pings, counted)
+    # Each lost ping placed from the captures: its request never left host
+    # 3 ("h3 out", host 3 had no route to the VM), or reached host X and
+    # was answered by nobody (lost on the VM's side: X's vnetd, the VM, or
+    # the new host's vnetd dropping the VM's reply before its routes were
+    # in), or its reply reached host 3 and not its guest ("h3 in").
+    where = caught.place(pings["lost_seqs"])
+    home = sum(1 for w in where.values() if w in ("h3 out", "h3 in"))
+    vm_side = sum(1 for w in where.values() if w in (f"h{frm}", f"h{to}"))
+    assert home + vm_side == len(where), ("lost between the hosts' underlays", where)
+    # No ping lost uncounted, on either side: host 3's losses within its
+    # vnetd's drops, the VM side's within the two VM hosts' drops (a bound
+    # per side: a frame lost uncounted shows where it outnumbers the
+    # frames of the TCP stream dropped beside it).
+    assert home <= drops[3], (where, drops)
+    assert vm_side <= drops[frm] + drops[to], (where, drops)
+    # The old host held nothing for a VM that left it: frames for it after
+    # its rings stopped were dropped and counted (`drop_down`), never held
+    # for a start that would be on the other host.
+    assert held(o, frm) == held_before, ("frames held for a VM that left", held(o, frm) - held_before, drops)
     # From the other members of network a too.
     assert o.ping(11, VM) and o.ping(12, VM)
     # The switch-over from the logs: the VM's rings stopped on the old
@@ -320,7 +361,8 @@ def move(o: Overlay, frm: int, to: int, vm_from: Vm, vm_to: Vm, ping_interval=0.
             "started_to_rerouted_ms": round((routed - started) * 1000, 1),
             "route_seen_after_completion_ms": round(seen_ms), "ping_outage_ms": pings["longest_gap_ms"],
             "pings_lost_in_a_row": pings["most_lost_in_a_row"], "slowest_ping_reply_ms": pings["slowest_reply_ms"],
-            "pings_sent": pings["sent"], "pings_lost": lost, "drops_counted": counted,
+            "pings_sent": pings["sent"], "pings_lost": pings["lost"], "drops_counted": sum(drops.values()),
+            "lost_at_host_3": home, "lost_on_the_vm_side": vm_side,
             "tcp_echoes": int(out[1]), "tcp_longest_wait_ms": int(out[2])}
 
 
@@ -328,7 +370,8 @@ def describe(r: dict) -> str:
     return (f"migrated h{r['from']} -> h{r['to']}: QEMU total {r['qemu_total_ms']} ms, downtime {r['qemu_downtime_ms']} ms; "
             f"rings stopped -> started {r['rings_stopped_to_started_ms']:.0f} ms, started -> host 3 re-routed "
             f"{r['started_to_rerouted_ms']:.0f} ms; ping outage {r['ping_outage_ms']} ms ({r['pings_lost']} of "
-            f"{r['pings_sent']} lost, at most {r['pings_lost_in_a_row']} in a row, {r['drops_counted']} drops counted; "
+            f"{r['pings_sent']} lost, at most {r['pings_lost_in_a_row']} in a row: {r['lost_at_host_3']} at host 3, "
+            f"{r['lost_on_the_vm_side']} on the VM's side; {r['drops_counted']} drops counted; "
             f"slowest reply {r['slowest_ping_reply_ms']} ms); TCP {r['tcp_echoes']} echoes in order, "
             f"longest wait {r['tcp_longest_wait_ms']} ms")
 
