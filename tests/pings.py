@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import struct
 import subprocess
-import time
 from pathlib import Path
 
 ECHO_REQUEST, ECHO_REPLY = 8, 0
@@ -92,11 +91,9 @@ class Capture:
         line = self.p.stderr.readline()
         assert "listening on" in line, line
 
-    def stop(self) -> str:
-        time.sleep(0.2)
+    def stop(self):
         self.p.send_signal(signal.SIGINT)
-        err = self.p.communicate(timeout=10)[1]
-        return err
+        self.p.communicate(timeout=10)
 
 
 def place(lost: list[int], pinger: list, hosts: dict[str, tuple[str, list]], home: str) -> dict[int, str]:

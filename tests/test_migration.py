@@ -236,6 +236,9 @@ class Echoes:
         self.guest = Capture(o.lab, o.guest_ns[13], "g13", o.lab.tmp / f"g13-{t}.pcap", "icmp")
 
     def place(self, lost: list[int]) -> dict[int, str]:
+        """Stops the captures (a moment after the last echo) and places each
+        lost seq (`pings.place`)."""
+        time.sleep(0.2)
         for c in (self.guest, *self.hosts.values()):
             c.stop()
         return place(lost, echoes(self.guest.path, None),
