@@ -47,6 +47,10 @@ vnet_core::counter_set! {
         rx_held_frames as "vhost_rx_held_frames",
         rx_held_delivered as "vhost_rx_held_delivered",
         rx_held_expired as "vhost_rx_held_expired",
+        /// Frames a vnetd that was killed had taken from the guest (sent, or
+        /// being sent) that the vnetd after it handed back unsent instead of
+        /// sending again (`taken`): at most once across a crash.
+        tx_handed_back_at_takeover as "vhost_tx_handed_back_at_takeover",
         /// Times a long burst was made visible to the guest before its end
         /// (every `PUBLISH_EVERY` frames).
         rx_mid_burst as "vhost_rx_mid_burst_publishes",

@@ -21,6 +21,8 @@ use crate::frame::{GuestFrame, MAX_HEAD};
 use crate::irq::{IrqDecision, IrqPolicy};
 use crate::memory::{DirtyLog, MemoryPolicy};
 use crate::queue::{Health, Popped, Ring};
+use crate::taken::TakenLog;
+use virtio_queue::QueueT;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -132,6 +134,10 @@ pub struct Device<B: DirtyLog = ()> {
     pub(crate) memory: MemoryPolicy,
     pub connected: AtomicBool,
     pub counters: Arc<Counters>,
+    /// How far each transmit ring was taken, for the vnetd after a crash
+    /// (`taken`); None where no memfd could be made (then a crash may
+    /// send the frames in flight twice).
+    pub(crate) taken: Option<TakenLog>,
 }
 
 /// A frame taken from the guest.
@@ -243,6 +249,7 @@ impl<B: DirtyLog> Device<B> {
             memory,
             connected: AtomicBool::new(false),
             counters,
+            taken: TakenLog::new().ok(),
         })
     }
 
@@ -272,11 +279,25 @@ impl<B: DirtyLog> Device<B> {
     /// joins or leaves the pairs frames for the guest go to.
     pub(crate) fn note_running(&self, queue: usize, running: bool) {
         let (k, rx) = pair_of(queue);
+        if !running && !rx {
+            if let Some(l) = &self.taken {
+                l.clear(k);
+            }
+        }
         let mask = if rx { &self.rx_running } else { &self.tx_running };
         if running {
             mask.fetch_or(1 << k, Relaxed);
         } else {
             mask.fetch_and(!(1 << k), Relaxed);
+        }
+    }
+
+    /// A running transmit queue `queue` takes from where its ring stands
+    /// (started, or resumed after a crash): so the taken log says.
+    pub(crate) fn mark_taken(&self, queue: usize, r: &Ring<B>) {
+        let (k, rx) = pair_of(queue);
+        if let (false, true, Some(l)) = (rx, r.running(), &self.taken) {
+            l.set(k, r.queue.next_avail());
         }
     }
 
@@ -388,6 +409,11 @@ impl<B: DirtyLog> Device<B> {
                 }
             };
             n += 1;
+            // Before it is sent: a vnetd started after a crash hands it
+            // back, never sends it again.
+            if let Some(l) = &self.taken {
+                l.set(pair, tx.queue.next_avail());
+            }
             each(taken, buf, frame.as_deref_mut());
         }
         // Its used entries are made visible (and its budget whole again) by
@@ -856,6 +882,70 @@ mod tests {
         }
         d.flush(&policy);
         assert_eq!(used_idx(&mem, 0).wrapping_sub(before), 10);
+    }
+
+    /// vnetd killed after sending 4 of the 10 frames a guest queued and
+    /// before handing their buffers back (the used index still 0): the
+    /// vnetd after it, on the same guest memory and the taken log the
+    /// store kept, hands those 4 back unsent and sends the 6 others once.
+    /// Catches: a restart that resumes from the used index alone (the 4
+    /// sent twice: a ping answered twice), or a log written after the send.
+    #[test]
+    fn after_a_crash_the_frames_sent_are_handed_back_never_sent_twice() {
+        let (d, mem) = two_pairs();
+        let base = 0x20000u64; // queue 1: pair 0's transmit queue
+        for i in 0..10u16 {
+            let at = 0x300000 + 0x100 * u64::from(i);
+            let mut e = [0u8; 16];
+            e[..8].copy_from_slice(&at.to_le_bytes());
+            e[8..12].copy_from_slice(&74u32.to_le_bytes());
+            mem.write_slice(&e, GuestAddress(base + 16 * u64::from(i))).unwrap();
+            mem.store(i, GuestAddress(base + 0x1000 + 4 + 2 * u64::from(i)), Ordering::Relaxed).unwrap();
+            mem.write_slice(&[i as u8 + 1], GuestAddress(at + 73)).unwrap(); // its last byte
+        }
+        mem.store(10u16, GuestAddress(base + 0x1000 + 2), Ordering::Release).unwrap();
+        d.mark_taken(TX, &d.ring(TX));
+        let mut buf = vec![0u8; 2048];
+        let mut sent = Vec::new();
+        let mut log_before_send = Vec::new();
+        let log = d.taken.as_ref().unwrap().fd().try_clone_to_owned().unwrap();
+        d.take_burst(0, &mut buf, None, 4, |t, b, _| {
+            // What the store holds when this frame goes out.
+            log_before_send.push(crate::taken::TakenLog::read(&log)[0]);
+            if let Taken::Copied { len, .. } = t {
+                sent.push(b[len - 1]);
+            }
+        });
+        assert_eq!(sent, [1, 2, 3, 4]);
+        assert_eq!(log_before_send, [Some(1), Some(2), Some(3), Some(4)], "the log says a frame was taken before it is sent");
+        assert_eq!(used_idx(&mem, 1), 0, "killed before the release");
+        drop(d);
+        // The next vnetd: the ring as the store describes it, started on
+        // the used index read back from guest memory.
+        let d2 = Device::<()>::new(MemoryPolicy::default()).unwrap();
+        d2.acked.store(feature::VERSION_1 | feature::MRG_RXBUF, Relaxed);
+        let mut ring = Ring::with_layout(d2.counters.clone(), mem.clone(), SIZE, base, base + 0x1000, base + 0x2000, false).unwrap();
+        let was = crate::taken::TakenLog::read(&log)[0].unwrap();
+        assert_eq!(ring.resume_after_crash(was), 4);
+        assert_eq!(used_idx(&mem, 1), 4, "the 4 sent are the guest's again");
+        *d2.ring(TX) = ring;
+        d2.note_running(TX, true);
+        let mut again = Vec::new();
+        d2.take_burst(0, &mut buf, None, 64, |t, b, _| {
+            if let Taken::Copied { len, .. } = t {
+                again.push(b[len - 1]);
+            }
+        });
+        assert_eq!(again, [5, 6, 7, 8, 9, 10], "each frame sent once");
+        d2.release(0);
+        assert_eq!(used_idx(&mem, 1), 10);
+        // A log that does not fit the ring (another setup's, or past what
+        // the guest queued) changes nothing.
+        let mut r = d2.ring(TX);
+        assert_eq!(r.resume_after_crash(12), 0);
+        assert_eq!(r.resume_after_crash(10), 0);
+        assert_eq!(r.resume_after_crash(3), 0);
+        assert_eq!(used_idx(&mem, 1), 10);
     }
 
     #[test]

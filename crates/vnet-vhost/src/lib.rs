@@ -27,7 +27,9 @@
 //! - [`irq`]: when the guest is interrupted (event index, and VNET/P+'s
 //!   optimistic interrupts), as decisions.
 //! - [`state`]: a connected device's state, exported by a vnetd handing it
-//!   over at an upgrade and imported (through the same checks) by the next.
+//!   over at an upgrade and imported (through the same checks) by the next;
+//!   [`taken`]: how far each transmit ring was taken, so that a vnetd
+//!   started after a crash sends no frame twice.
 //! - [`device`]: one NIC's queue pairs (multi-queue), features and
 //!   counters, as the dispatchers use them ([`steer`]: which receive queue
 //!   a flow's frames go to); [`protocol`]: what each vhost-user message does
@@ -46,6 +48,7 @@ pub mod protocol;
 pub mod queue;
 pub mod state;
 pub mod steer;
+pub mod taken;
 
 pub use counters::Counters;
 pub use device::{Device, Taken, MAX_PAIRS};

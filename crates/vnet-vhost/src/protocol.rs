@@ -109,8 +109,10 @@ impl<B: DirtyLog> Frontend<B> {
         let i = index as usize;
         if r.running() || !r.try_start() {
             self.shared.note_running(i, r.running());
+            self.shared.mark_taken(i, r);
             return;
         }
+        self.shared.mark_taken(i, r);
         if r.running() {
             tracing::debug!(queue = index, "vhost-user ring started");
             self.shared.note_running(i, true);

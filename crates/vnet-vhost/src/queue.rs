@@ -611,6 +611,36 @@ impl<B: DirtyLog> Ring<B> {
         self.unpublished = self.unpublished.wrapping_add(1);
     }
 
+    /// After a crash (a transmit ring, just started on the used index read
+    /// back from guest memory): the chains from there up to `to` were taken
+    /// by the vnetd that died (sent, or being sent: `taken`), and go back
+    /// to the guest unsent, published; `to` is taken next. How many.
+    /// Nothing if `to` is not between the used index and the guest's avail
+    /// index (a log left by another setup of the ring, or a guest that
+    /// moved its avail index back), or a head is out of the queue (the
+    /// chains from that one on are taken again).
+    pub fn resume_after_crash(&mut self, to: u16) -> u16 {
+        let Some(mem) = self.mem.clone() else { return 0 };
+        let (used, size, ring) = (self.queue.next_used(), self.queue.size(), self.queue.avail_ring());
+        let Ok(avail) = mem.load::<u16>(GuestAddress(ring + 2), Ordering::Acquire) else { return 0 };
+        let n = to.wrapping_sub(used);
+        if n == 0 || n > size || n > u16::from_le(avail).wrapping_sub(used) {
+            return 0;
+        }
+        let mut done = 0;
+        while done < n {
+            let slot = u64::from(used.wrapping_add(done) % size);
+            match mem.load::<u16>(GuestAddress(ring + 4 + 2 * slot), Ordering::Acquire) {
+                Ok(head) if u16::from_le(head) < size => self.push_used(u16::from_le(head), 0),
+                _ => break,
+            }
+            done += 1;
+        }
+        self.queue.set_next_avail(used.wrapping_add(done));
+        self.publish_used();
+        done
+    }
+
     /// Makes the used entries written so far visible to the guest; true if
     /// there were any. A new pass begins: the descriptor budget is whole
     /// again.

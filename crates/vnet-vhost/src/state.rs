@@ -19,6 +19,7 @@ use crate::memory::{DirtyLog, GuestMemory};
 use crate::notify::{Kick, Notifier};
 use crate::protocol::Frontend;
 use crate::queue::MAX_QUEUE_SIZE;
+use crate::taken::TakenLog;
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -39,8 +40,10 @@ impl<B: DirtyLog> Frontend<B> {
     /// handed over (not set up, or logging dirty pages for a migration).
     /// `position`: with each ring's next index (a hand-over, the rings
     /// stopped); without, for a store that outlives a crash, the next index
-    /// is the used one read back from guest memory then (every chain vnetd
-    /// takes is used at once: nothing is in flight).
+    /// is the used one read back from guest memory then, or for a transmit
+    /// ring the one its `taken` log (a descriptor, kept live) says: a frame
+    /// taken is handed back only once it was sent, so the used index alone
+    /// would send the frames in flight at the crash a second time.
     pub fn export(&self, position: bool) -> Option<Exported> {
         if self.logging || self.log.is_some() || self.table.is_empty() || self.mem.is_none() {
             return None;
@@ -84,6 +87,11 @@ impl<B: DirtyLog> Frontend<B> {
                 fds.push((format!("call {i}"), c.fd().try_clone_to_owned().ok()?));
             }
         }
+        if !position {
+            if let Some(l) = &self.shared.taken {
+                fds.push(("taken".to_string(), l.fd().try_clone_to_owned().ok()?));
+            }
+        }
         Some(Exported { text: words.join(";"), fds })
     }
 
@@ -123,6 +131,7 @@ impl<B: DirtyLog> Frontend<B> {
                 _ => return Err(format!("not a device state: {part}")),
             }
         }
+        let taken = take("taken").map(|f| TakenLog::read(&f.into())).unwrap_or([None; crate::MAX_PAIRS]);
         let acked = acked.ok_or("no features")?;
         vhost::vhost_user::VhostUserBackendReqHandlerMut::set_features(&mut f, acked).map_err(|_| "features this build does not offer")?;
         f.protocol = protocol;
@@ -165,9 +174,20 @@ impl<B: DirtyLog> Frontend<B> {
             if ready {
                 f.start(i as u32, &mut r);
                 if next.is_none() {
-                    // After a crash: on from the last chain used.
+                    // After a crash: on from the last chain used, or, for a
+                    // transmit ring, from the last chain taken (`taken`:
+                    // the frames between were sent, or being sent).
                     let used = r.queue.next_used();
                     r.queue.set_next_avail(used);
+                    let (k, rx) = pair_of(i);
+                    if let (false, Some(to)) = (rx, taken[k]) {
+                        let n = r.resume_after_crash(to);
+                        if n > 0 {
+                            f.shared.counters.tx_handed_back_at_takeover.fetch_add(u64::from(n), Relaxed);
+                            tracing::info!(queue = i, frames = n, "frames the killed vnetd had taken handed back to the guest unsent");
+                        }
+                    }
+                    f.shared.mark_taken(i, &r);
                 }
             }
         }

@@ -101,7 +101,7 @@ fn store(control: &Control, fe: &Mutex<Frontend<DirtyPages>>) {
         None => {
             let queues = (0..2 * vnet_vhost::MAX_PAIRS).flat_map(|i| [format!("kick {i}"), format!("call {i}")]);
             let mems = (0..8).map(|i| format!("mem {i}"));
-            ["conn".to_string(), "state".to_string()].into_iter().chain(queues).chain(mems).for_each(|n| keep::unstore(&format!("{} {n}", control.key)))
+            ["conn".to_string(), "state".to_string(), "taken".to_string()].into_iter().chain(queues).chain(mems).for_each(|n| keep::unstore(&format!("{} {n}", control.key)))
         }
     }
     let mut names = Vec::new();
