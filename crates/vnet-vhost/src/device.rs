@@ -911,7 +911,7 @@ mod tests {
         let log = d.taken.as_ref().unwrap().fd().try_clone_to_owned().unwrap();
         d.take_burst(0, &mut buf, None, 4, |t, b, _| {
             // What the store holds when this frame goes out.
-            log_before_send.push(crate::taken::TakenLog::read(&log)[0]);
+            log_before_send.push(crate::taken::TakenLog::read::<1>(&log)[0]);
             if let Taken::Copied { len, .. } = t {
                 sent.push(b[len - 1]);
             }
@@ -925,7 +925,7 @@ mod tests {
         let d2 = Device::<()>::new(MemoryPolicy::default()).unwrap();
         d2.acked.store(feature::VERSION_1 | feature::MRG_RXBUF, Relaxed);
         let mut ring = Ring::with_layout(d2.counters.clone(), mem.clone(), SIZE, base, base + 0x1000, base + 0x2000, false).unwrap();
-        let was = crate::taken::TakenLog::read(&log)[0].unwrap();
+        let was = crate::taken::TakenLog::read::<1>(&log)[0].unwrap();
         assert_eq!(ring.resume_after_crash(was), 4);
         assert_eq!(used_idx(&mem, 1), 4, "the 4 sent are the guest's again");
         *d2.ring(TX) = ring;

@@ -131,7 +131,7 @@ impl<B: DirtyLog> Frontend<B> {
                 _ => return Err(format!("not a device state: {part}")),
             }
         }
-        let taken = take("taken").map(|f| TakenLog::read(&f.into())).unwrap_or([None; crate::MAX_PAIRS]);
+        let taken = take("taken").map(|f| TakenLog::read::<{ crate::MAX_PAIRS }>(&f.into())).unwrap_or([None; crate::MAX_PAIRS]);
         let acked = acked.ok_or("no features")?;
         vhost::vhost_user::VhostUserBackendReqHandlerMut::set_features(&mut f, acked).map_err(|_| "features this build does not offer")?;
         f.protocol = protocol;

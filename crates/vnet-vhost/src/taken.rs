@@ -14,7 +14,6 @@
 //! one a vnetd was killed in the middle of sending may be lost, never
 //! duplicated. One relaxed store per frame, into memory vnetd owns.
 
-use crate::device::MAX_PAIRS;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
@@ -24,6 +23,8 @@ use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 /// running has none.
 const SET: u32 = 1 << 16;
 const LEN: usize = 4096;
+/// Pairs a log has room for (a device has `MAX_PAIRS`).
+const WORDS: usize = LEN / 4;
 
 /// One word per pair: the next index its transmit ring takes.
 pub struct TakenLog {
@@ -57,7 +58,7 @@ impl TakenLog {
     }
 
     fn word(&self, pair: usize) -> &AtomicU32 {
-        assert!(pair < MAX_PAIRS);
+        assert!(pair < WORDS);
         // SAFETY: inside the page mapped for the log's life, aligned.
         unsafe { &*self.words.as_ptr().add(pair) }
     }
@@ -78,11 +79,11 @@ impl TakenLog {
         self.fd.as_fd()
     }
 
-    /// What a log another vnetd kept says, pair by pair: read, never
-    /// mapped (a file shorter than a page, or unreadable, says nothing).
-    pub fn read(fd: &OwnedFd) -> [Option<u16>; MAX_PAIRS] {
-        let mut buf = [0u8; 4 * MAX_PAIRS];
-        let mut out = [None; MAX_PAIRS];
+    /// What a log another vnetd kept says of its first `N` pairs: read,
+    /// never mapped (a file too short, or unreadable, says nothing).
+    pub fn read<const N: usize>(fd: &OwnedFd) -> [Option<u16>; N] {
+        let mut buf = vec![0u8; 4 * N.min(WORDS)];
+        let mut out = [None; N];
         // SAFETY: reads into a buffer of the length given.
         let n = unsafe { libc::pread(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
         if n != buf.len() as isize {
@@ -118,7 +119,7 @@ mod tests {
         log.clear(5);
         let fd = log.fd().try_clone_to_owned().unwrap();
         drop(log);
-        let got = TakenLog::read(&fd);
+        let got = TakenLog::read::<8>(&fd);
         assert_eq!(got[0], Some(65535));
         assert_eq!(got[3], Some(7));
         assert_eq!(got[5], None, "cleared");
@@ -128,6 +129,6 @@ mod tests {
     #[test]
     fn a_file_that_is_not_a_log_says_nothing() {
         let fd: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
-        assert_eq!(TakenLog::read(&fd), [None; MAX_PAIRS]);
+        assert_eq!(TakenLog::read::<8>(&fd), [None; 8]);
     }
 }
