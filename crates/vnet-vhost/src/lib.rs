@@ -15,8 +15,9 @@
 //! - [`notify`]: `Notifier` and `Kick`, built only from descriptors verified
 //!   to be eventfds and made non-blocking: a signal never blocks a
 //!   dispatcher.
-//! - [`queue`]: one split virtqueue; every per-chain and per-pass limit is
-//!   in one [`Budget`], a ring that breaks the rules is marked broken
+//! - [`queue`]: one split virtqueue ([`walker`]: its chains read through
+//!   host pointers resolved once, one copy of each descriptor); every
+//!   per-chain and per-pass limit is in one [`Budget`], a ring that breaks the rules is marked broken
 //!   ([`Health`]) and left alone until the frontend resets it.
 //! - [`frame`]: a frame taken from the guest as a [`GuestFrame`], whose
 //!   headers are a copy vnetd owns ([`HeadCopy`]): the forwarder routes and
@@ -49,6 +50,7 @@ pub mod queue;
 pub mod state;
 pub mod steer;
 pub mod taken;
+pub mod walker;
 
 pub use counters::Counters;
 pub use device::{Device, Taken, MAX_PAIRS};
