@@ -33,7 +33,11 @@ received-frame count is the figure.
                that write runs), the same for every NIC kind on host 1
 
     sudo python3 bench/vhost.py [--reps 3] [--seconds 5] [--sizes 64,1500,66+1434,tso] [--transports ...]
-                                [--underlay-mtu 9000]
+                                [--underlay-mtu 9000] [--base target/previous/<commit>]
+
+With `--base`, every point is measured with this build's vnetd and with
+that folder's in turn (a lab each, the order alternating), and a table of
+the ratios follows.
 
 With `--underlay-mtu` 1528 or more a 1500-byte frame crosses in one VNET/P
 datagram (GSO runs); at 1500 it crosses as two IP fragments, one datagram
@@ -303,33 +307,52 @@ def main():
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
     ap.add_argument("--underlay-mtu", type=int, default=1500,
                     help="the hosts' LAN MTU: 1528 or more carries a 1500-byte frame in one VNET/P datagram")
+    ap.add_argument("--base", help="a folder with another build's vnetd (scripts/build-previous prints one): "
+                                   "every point measured with this build and that one in turn, in one run")
     args = ap.parse_args()
     if shutil.which("dpdk-testpmd") is None:
         sys.exit("dpdk-testpmd not found: apt-get install dpdk-dev (scripts/setup does)")
     sizes = args.sizes.split(",")
     transports = args.transports.split(",")
-    lab = Lab(tag="vh")
+    builds = [("this", None)] + ([("base", str(Path(args.base) / "vnetd"))] if args.base else [])
+    labs = {name: Lab(tag=f"vh{name[0]}" if args.base else "vh") for name, _ in builds}
     rows = []
     try:
-        b = Bench(lab, None, args.underlay_mtu)
+        benches = {name: Bench(labs[name], binary, args.underlay_mtu) for name, binary in builds}
         for rep in range(args.reps):
             for size in sizes:
                 order = transports if rep % 2 == 0 else transports[::-1]
                 for t in order:
                     if size == "tso" and (not t.startswith("vhost") or t.startswith("vhost-vm")):
                         continue  # only a virtio driver (tso_sender.py) sends super-frames here
-                    row = {"rep": rep, "size": size, "transport": t, "load_before": loadavg()}
-                    row["pps"] = b.measure(t, size, args.seconds)
-                    row["load_after"] = loadavg()
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-        for name, d in (("h1", b.d1), ("h2", b.d2)):
-            st = d.stats()
-            rows.append({"vnetd": name, "global": st["global"], "offload": st["offload"],
-                         "nics": {k: v for k, v in st.items() if k.startswith("interface")}})
+                    turn = builds if (rep + len(rows)) % 2 == 0 else builds[::-1]
+                    for name, _ in turn:
+                        row = {"rep": rep, "size": size, "transport": t, "build": name, "load_before": loadavg()}
+                        row["pps"] = benches[name].measure(t, size, args.seconds)
+                        row["load_after"] = loadavg()
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+        for build, b in benches.items():
+            for name, d in (("h1", b.d1), ("h2", b.d2)):
+                st = d.stats()
+                rows.append({"vnetd": name, "build": build, "global": st["global"], "offload": st["offload"],
+                             "nics": {k: v for k, v in st.items() if k.startswith("interface")}})
     finally:
-        lab.close()
-    table = summarize([r for r in rows if "pps" in r], transports, sizes)
+        for lab in labs.values():
+            lab.close()
+    points = [r for r in rows if "pps" in r]
+    table = []
+    for name, _ in builds:
+        if args.base:
+            table += ["", f"**{name}** ({args.base if name == 'base' else 'this build'})", ""]
+        table += summarize([r for r in points if r["build"] == name], transports, sizes)
+    if args.base:
+        table += ["", "| size | transport | this / base (medians) |", "|---|---|---|"]
+        for size in sizes:
+            for t in transports:
+                med = {n: [r["pps"] for r in points if (r["size"], r["transport"], r["build"]) == (size, t, n) and r["pps"]] for n, _ in builds}
+                if med["this"] and med["base"]:
+                    table.append(f"| {size} | {t} | {statistics.median(med['this']) / statistics.median(med['base']):.2f} |")
     stamp = dt.datetime.now().strftime("%Y-%m-%d-%H%M%S")
     out = BENCH / "results" / f"{stamp}-vhost"
     cmd = "sudo python3 bench/vhost.py " + " ".join(sys.argv[1:])
