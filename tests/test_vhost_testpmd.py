@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from netlab import guest_mac, mesh_config
+from netlab import guest_mac, mesh_config, wait_until
 
 PMD_MAC = "52:54:00:00:00:77"
 
@@ -70,8 +70,11 @@ def test_testpmd_virtio_user_exchanges_frames_with_a_guest_on_another_host(lab, 
     p, prefix = start_pmd(lab, h2, sock, "txonly", role == "client", f"--eth-peer=0,{g1.mac}")
     if d2 is None:
         d2 = lab.start_vnetd(h2, cfg2)
-    deadline = time.time() + 20
-    while rx_packets(lab, g1) < 20000 and time.time() < deadline:
+    # At least 3 s of it: millions of frames, the avail index wrapping
+    # thousands of times while vnetd reads it (a torn read of it, seen as
+    # an index far ahead, broke the ring after ~68,000 frames once).
+    start, deadline = time.time(), time.time() + 20
+    while (rx_packets(lab, g1) < 20000 or time.time() < start + 3) and time.time() < deadline:
         time.sleep(0.2)
     out = stop_pmd(p, prefix)
     _, tx = totals(out)
@@ -81,6 +84,7 @@ def test_testpmd_virtio_user_exchanges_frames_with_a_guest_on_another_host(lab, 
     got = rx_packets(lab, g1)
     assert got >= 20000, (got, out[-1500:])
     assert pmd["vhost_connects"] >= 1 and pmd["vhost_bad_chains"] == 0, pmd
+    assert pmd["vhost_broken_rings"] == 0 and "broken=" not in d2.ctl("INTERFACE", "LIST").stdout, pmd
     # Every frame testpmd queued was taken by vnetd (up to those still in
     # the ring when testpmd stopped), and each one vnetd took was sent on
     # the link or dropped under a reason.
@@ -119,6 +123,34 @@ def test_testpmd_virtio_user_exchanges_frames_with_a_guest_on_another_host(lab, 
     delivered = d2.stats()["interface pmd"]["out_frames"] - before
     rx, _ = totals(stop_pmd(p, prefix))
     assert delivered == n and rx == n, (delivered, rx)
+
+
+@pytest.mark.skipif(shutil.which("dpdk-testpmd") is None, reason="dpdk-testpmd (Debian dpdk-dev) not installed")
+def test_a_vms_ring_taken_flat_out_for_3_s_is_never_misread(lab):
+    """testpmd (txonly, 64-byte frames, its forwarding lcore on CPU 1) and
+    vnetd's dispatcher alone on CPU 0: the two run truly at once, millions
+    of frames, the avail index rewritten by testpmd while vnetd reads it
+    thousands of times over. vnetd takes every frame (to a MAC no route
+    names: dropped `no_route`, each counted) and never marks the ring
+    broken. Catches: the avail index read as two bytes (a torn read, half
+    an update: an index far ahead of the ring, which breaks it; seen after
+    70,000-300,000 frames with the walker's first version)."""
+    h = lab.add_host(1)
+    sock = lab.tmp / "flat.sock"
+    cfg = mesh_config(1, {1: [("pa", PMD_MAC)]}, attach={"pa": f"vhost-user {sock} unsealed-memory"}) + "SET datapath user\nSET cut-through off\n"
+    d = lab.start_vnetd(h, cfg, "--cpus", "0", "--dispatcher-sched", "normal")
+    p, prefix = start_pmd(lab, h, sock, "txonly", False, "--eth-peer=0,02:00:00:00:00:99")
+    try:
+        assert wait_until(lambda: d.stats()["interface pa"]["in_frames"] > 10000, 20), d.stats()["interface pa"]
+        time.sleep(3)
+    finally:
+        out = stop_pmd(p, prefix)
+    time.sleep(0.5)
+    pa = d.stats()["interface pa"]
+    _, tx = totals(out)
+    assert pa["vhost_broken_rings"] == 0 and "broken=" not in d.ctl("INTERFACE", "LIST").stdout, pa
+    assert pa["in_frames"] > 500_000 and 0.9 * tx <= pa["in_frames"] <= tx, (pa["in_frames"], tx)
+    assert pa["drop_no_route"] == pa["in_frames"], pa
 
 
 @pytest.mark.skipif(shutil.which("dpdk-testpmd") is None, reason="dpdk-testpmd (Debian dpdk-dev) not installed")

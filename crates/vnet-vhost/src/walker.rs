@@ -18,7 +18,7 @@
 //! too long (`Step::TooLong`), as is any chain that reads more.
 
 use crate::memory::{DirtyLog, GuestMemory};
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryBackend};
@@ -74,10 +74,14 @@ unsafe fn read16(p: *const u8) -> [u8; 16] {
     std::ptr::read_volatile(p.cast::<[u8; 16]>())
 }
 
-/// SAFETY: `p` points at 2 mapped bytes (any alignment).
+/// One load of a 16-bit word the guest may be writing (its avail index):
+/// atomic, never torn (two byte loads could see half an update, an index
+/// far ahead of the ring).
+///
+/// SAFETY: `p` points at 2 mapped bytes, 2-aligned (`Layout::resolve`).
 #[inline]
 unsafe fn read_u16(p: *const u8) -> u16 {
-    u16::from_le_bytes(std::ptr::read_volatile(p.cast::<[u8; 2]>()))
+    u16::from_le(std::sync::atomic::AtomicU16::from_ptr(p.cast_mut().cast::<u16>()).load(Ordering::Acquire))
 }
 
 /// Host pointer to `len` bytes at `at`, if they lie in one region.
@@ -103,15 +107,15 @@ impl<B: DirtyLog> Layout<B> {
     /// area is not inside one region (then `virtio-queue` walks it).
     pub fn resolve(mem: &Arc<GuestMemory<B>>, size: u16, desc_gpa: u64, avail_gpa: u64) -> Option<Layout<B>> {
         let n = usize::from(size);
-        Some(Layout {
-            mem: mem.clone(),
-            size,
-            desc_gpa,
-            avail_gpa,
-            desc: host(mem, desc_gpa, 16 * n)?,
-            // flags, idx, ring[size], used_event
-            avail: host(mem, avail_gpa, 6 + 2 * n)?,
-        })
+        // flags, idx, ring[size], used_event
+        let avail = host(mem, avail_gpa, 6 + 2 * n)?;
+        // Read by 16-bit atomic loads: 2-aligned where vnetd maps it (as
+        // virtio requires of the guest address, which `try_start` checks),
+        // or not walked here.
+        if avail as usize % 2 != 0 {
+            return None;
+        }
+        Some(Layout { mem: mem.clone(), size, desc_gpa, avail_gpa, desc: host(mem, desc_gpa, 16 * n)?, avail })
     }
 
     /// Whether this layout is the one for that memory and these addresses.
@@ -124,17 +128,15 @@ impl<B: DirtyLog> Layout<B> {
     /// are then visible).
     #[inline]
     pub fn avail_idx(&self) -> u16 {
-        // SAFETY: inside the avail area resolved.
-        let v = unsafe { read_u16(self.avail.add(2)) };
-        fence(Ordering::Acquire);
-        v
+        // SAFETY: inside the avail area resolved, 2-aligned.
+        unsafe { read_u16(self.avail.add(2)) }
     }
 
     /// The head the guest put at avail position `pos`.
     #[inline]
     pub fn head_at(&self, pos: u16) -> u16 {
         let slot = usize::from(pos % self.size);
-        // SAFETY: slot < size, inside the avail area.
+        // SAFETY: slot < size, inside the avail area, 2-aligned.
         unsafe { read_u16(self.avail.add(4 + 2 * slot)) }
     }
 
