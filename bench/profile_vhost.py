@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -53,7 +54,7 @@ def top_symbols(data: Path, n: int) -> list[tuple[float, str]]:
             continue
         pct, _, rest = line.partition("%")
         try:
-            out.append((float(pct), rest.split("] ", 1)[-1].strip()))
+            out.append((float(pct), re.sub(r"(\s+-)+$", "", rest.split("] ", 1)[-1].strip())))
         except ValueError:
             continue
     return out[:n]
