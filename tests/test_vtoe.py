@@ -186,7 +186,11 @@ def test_200_mb_arrive_whole_and_the_connection_is_listed_while_open(world):
     n = 200 * 1000 * 1000
     recv = w.popen(2, "python3", XFER, "recv", "7001")
     wait_listening(w.lab, w.ns(2), 7001)
-    send = w.popen(1, "python3", XFER, "send", w.ip(2), "7001", str(n))
+    # `hold`: the connection stays open after its last byte until the test
+    # closes the sender's standard input (`finish`), so that it is listed
+    # however fast the 200 MB go (a CI run's first listing came after the
+    # connection had closed).
+    send = w.popen(1, "python3", XFER, "send", w.ip(2), "7001", str(n), "hold", stdin=subprocess.PIPE)
     # While it runs, both vnetds list it, with the guests' and the hosts' ends.
     listed = wait_until(lambda: [c for c in w.vtoe_stats(1)[1] if c["guest"].endswith(f"{w.ip(2)}:7001")], timeout=10)
     assert listed, w.vtoe_stats(1)

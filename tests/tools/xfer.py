@@ -2,7 +2,10 @@
 """Moves bytes over TCP and reports their SHA-256, to check a transfer end to end.
 
   xfer.py recv PORT [ADDR]     accept one connection (on ADDR, default 0.0.0.0; IPv6 too), print "<bytes> <sha256>"
-  xfer.py send HOST PORT N     send N pseudo-random bytes, print "<bytes> <sha256>"
+  xfer.py send HOST PORT N [hold]
+                               send N pseudo-random bytes, print "<bytes> <sha256>";
+                               with `hold`, keep the connection open after the last
+                               byte until standard input ends (a test looks at it open)
 """
 import hashlib
 import random
@@ -31,6 +34,8 @@ def main():
             conn.sendall(chunk)
             h.update(chunk)
             total += len(chunk)
+        if len(sys.argv) > 5 and sys.argv[5] == "hold":
+            sys.stdin.read()
         conn.shutdown(socket.SHUT_WR)
         conn.recv(1)
     conn.close()
