@@ -14,6 +14,10 @@ received-frame count is the figure.
   vhost-vm-poll
                the same with host 1's dispatcher polling the VM's ring
                (INTERFACE SET pa mode vmm-driven: a polling datapath core)
+  vhost-vm-copy
+               vhost-vm with `SET cut-through off` on both hosts (every
+               frame copied out of the VM's memory): cut-through's default
+               decided end to end
   socket       the underlay alone: iperf3 -u, one sendto per datagram of the
                frame's size, host 1 to host 2 (the bare per-datagram socket)
   vhost        testpmd's net_virtio_user port on a vhost-user interface
@@ -86,7 +90,7 @@ MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
 # CPU 1, where host 2's vnetd (real-time while event-driven) preempts it
 # whenever frames arrive for the receiver.
 CPU_PMD, CPU_VNETD = 1, (0, 1)
-TRANSPORTS = ["vhost-vm", "vhost-vm-poll", "vhost", "vhost-copy", "tap", "socket", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
+TRANSPORTS = ["vhost-vm", "vhost-vm-poll", "vhost-vm-copy", "vhost", "vhost-copy", "tap", "socket", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
 # A MAC no route names: frames to it are taken from the NIC, routed and
 # dropped (no_route) by vnetd h1, nothing further.
 NOWHERE = "02:00:00:00:00:99"
@@ -183,7 +187,7 @@ class Bench:
             mode = "vmm-driven" if transport.endswith("-poll") else "guest-driven"
             self.d1.ctl("INTERFACE", "SET", "pa", "mode", mode)
             try:
-                return self.vm_to_vm(tx_args, int(frame_len(size)), seconds)
+                return self.vm_to_vm(tx_args, int(frame_len(size)), seconds, cut_through=not transport.endswith("-copy"))
             finally:
                 self.d1.ctl("INTERFACE", "SET", "pa", "mode", "default")
         if transport == "dpdk-loop":  # testpmd's vhost backend receives what virtio-user sends
@@ -220,7 +224,7 @@ class Bench:
         return (n1 - n0) / (t1 - t0)
 
 
-    def vm_to_vm(self, tx_args: list[str], length: int, seconds: float) -> float | None:
+    def vm_to_vm(self, tx_args: list[str], length: int, seconds: float, cut_through: bool = True) -> float | None:
         """testpmd (the VM on host 1, vhost-user) sends to the VM on host 2,
         bench/tools/rx_sink.py (a virtio driver on its own vhost-user
         interface, interrupt-driven): frames per second its driver took from
@@ -228,7 +232,7 @@ class Bench:
         lab = self.lab
         tx_args = tx_args[:-1] + [f"--eth-peer=0,{MAC_B}"]
         for d in (self.d1, self.d2):
-            d.ctl("SET", "cut-through", "on")
+            d.ctl("SET", "cut-through", "on" if cut_through else "off")
         # Real-time (FIFO 1, as host 2's dispatcher) so that, woken by an
         # interrupt, it takes the CPU from the polling sender beside it:
         # two guests on this machine's second CPU.

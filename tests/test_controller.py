@@ -87,9 +87,13 @@ def make_certs(dir):
 
 
 class Overlay:
-    def __init__(self, lab: Lab, tls: bool = False, encrypt: bool = False):
+    def __init__(self, lab: Lab, tls: bool = False, encrypt: bool = False, interval_ms: int = 100):
         self.lab = lab
         self.encrypt = encrypt
+        # The agents' safety-net poll of their vnetd (`--interval-ms`):
+        # short here, so a test need not wait for one; the migration test
+        # runs the default (10 s), so that only `WAIT` can move its routes.
+        self.interval_ms = interval_ms
         self.etcd_ns = lab.add_host(100)
         self.tls = lab.tmp / "pki" if tls else None
         if self.tls:
@@ -167,7 +171,7 @@ class Overlay:
         log = open(self.lab.tmp / f"agent-h{i}.log", "a")
         p = self.lab.popen(self.hosts[i], AGENT, "run", "--etcd", self.etcd_url, "--host", f"h{i}",
                            "--underlay", underlay_ip(i), "--socket", self.d[i].sock, "--ttl", TTL,
-                           "--interval-ms", 100, "--traffic-s", 1, "--handover-ms", HANDOVER_MS,
+                           "--interval-ms", self.interval_ms, "--traffic-s", 1, "--handover-ms", HANDOVER_MS,
                            *self.tls_args(), *self.creds(f"vnet-host-h{i}"),
                            *(["--encrypt"] if self.encrypt else []), *extra,
                            stdout=log, stderr=subprocess.STDOUT)

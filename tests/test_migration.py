@@ -39,9 +39,12 @@ VM_MAC = mac(VM)
 VM_IP = overlay_ip(VM)
 MIG_PORT = 4444
 
-# The VM: an echo server for the TCP connection, then idle.
+# The VM: an echo server for the TCP connection, its interface's counts
+# of frames received and sent every 0.2 s, then idle.
 VM_SCRIPT = """
 nc -ll -p 5201 -e cat &
+s=/sys/class/net/eth0/statistics
+(while true; do echo "VNET-COUNTS $(cat $s/rx_packets) $(cat $s/tx_packets)"; sleep 0.2; done) &
 echo VNET-READY
 sleep 100000
 """
@@ -116,6 +119,18 @@ class Vm:
         self.proc = lab.popen(o.hosts[i], *cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.console = Console(self.proc)
         self.qmp = Qmp(self.qmp_path)
+
+    def counts(self) -> tuple[int, int]:
+        """The frames the guest's interface received and sent, as it
+        printed them at least once after this call began."""
+        while True:
+            try:
+                self.console.lines.get_nowait()
+            except Exception:
+                break
+        self.console.wait_for("VNET-COUNTS", timeout=10)
+        w = self.console.wait_for("VNET-COUNTS", timeout=10).split()
+        return int(w[1]), int(w[2])
 
     def status(self) -> str:
         return self.qmp.cmd("query-status")["status"]
@@ -220,6 +235,38 @@ def counted(o: Overlay, i: int) -> int:
     return total + st.get("interface vm", {}).get("vhost_rx_held_expired", 0)
 
 
+def frames(o: Overlay, i: int) -> tuple[int, int]:
+    """Frames host i's vnetd wrote into the VM's receive ring and took
+    from its transmit ring (`out_frames`, `in_frames` of its interface)."""
+    st = o.d[i].stats().get("interface vm", {})
+    return st.get("out_frames", 0), st.get("in_frames", 0)
+
+
+def quiet(o: Overlay, vm: Vm, hosts) -> tuple[tuple[int, int], dict]:
+    """The guest's counts and the hosts' `frames`, read while nothing
+    moved: the hosts' the same just before and just after the guest's."""
+    for _ in range(20):
+        v1 = {i: frames(o, i) for i in hosts}
+        g = vm.counts()
+        v2 = {i: frames(o, i) for i in hosts}
+        if v1 == v2:
+            return g, v1
+    raise AssertionError(f"the VM's traffic never stopped: {v1} {v2}")
+
+
+def rings(text: str, what: str, after: float) -> dict[int, tuple[int, int]]:
+    """Each ring's (next avail, used) in the last log line `vhost-user
+    ring <what>` (started or stopped) at or after `after`."""
+    from datetime import datetime
+    out = {}
+    for line in text.splitlines():
+        m = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z.*vhost-user ring " + what + r".*queue=(\d+) next_avail=(\d+) used=(\d+)",
+                      re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m and datetime.fromisoformat(m.group(1) + "+00:00").timestamp() >= after:
+            out[int(m.group(2))] = (int(m.group(3)), int(m.group(4)))
+    return out
+
+
 def held(o: Overlay, i: int) -> int:
     """Frames host i's vnetd held for the VM's receive ring while it was down."""
     return o.d[i].stats().get("interface vm", {}).get("vhost_rx_held_frames", 0)
@@ -249,7 +296,9 @@ def setup(lab) -> Overlay:
     """The overlay of test_controller.py, with an interface for the VM on
     hosts 1 and 2 (no QEMU yet)."""
     guest.build()
-    o = Overlay(lab)
+    # The agents at their default poll (10 s): what moves the routes in
+    # tens of milliseconds is vnetd's `WAIT`, or nothing.
+    o = Overlay(lab, interval_ms=10_000)
     o.vms = []
     for i in (1, 2):
         o.d[i].ctl("INTERFACE", "ADD", "vm", VM_MAC, "vhost-user", f"vm-h{i}.sock", "network", "a")
@@ -307,6 +356,8 @@ def move(o: Overlay, frm: int, to: int, vm_from: Vm, vm_to: Vm, ping_interval=0.
     counted, nothing held for the VM on the host it left, the claim and
     routes moved, the VM reachable from its network's other guests);
     returns the figures."""
+    vm_hosts = (frm, to)
+    g0, v0 = quiet(o, vm_from, vm_hosts)
     srv = o.lab.popen(o.guest_ns[13], "python3", "-c", CLIENT, VM_IP, stdin=subprocess.PIPE,
                       stdout=subprocess.PIPE, text=True)
     assert srv.stdout.readline().strip() == "connected"
@@ -328,6 +379,12 @@ def move(o: Overlay, frm: int, to: int, vm_from: Vm, vm_to: Vm, ping_interval=0.
     pings = pinger.stop()
     out = srv.communicate(input="", timeout=30)[0].split()
     assert out[:1] == ["ok"] and int(out[1]) > 100, out
+    # Every frame the hosts wrote into the VM's receive rings, on either
+    # side of the switch-over, is one the guest received (none lost in a
+    # ring or written twice), counted once the traffic stopped (M13).
+    g1, v1 = quiet(o, vm_to, vm_hosts)
+    written = sum(v1[i][0] - v0[i][0] for i in vm_hosts)
+    assert g1[0] - g0[0] == written, ("frames the guest received, against those written into its rings", g0, g1, v0, v1)
     drops = {i: counted(o, i) - before[i] for i in o.d}
     assert pings["dups"] == 0, pings
     assert pings["replies"] > 150 and pings["longest_gap_ms"] is not None, pings
@@ -359,6 +416,14 @@ def move(o: Overlay, frm: int, to: int, vm_from: Vm, vm_to: Vm, ping_interval=0.
     started = stamp(o.d[to].log_text(), "vhost-user guest running", began)
     routed = stamp(o.d[3].log_text(), f"ROUTE ADD {mac(13)} {VM_MAC} edge agent.h{to} ", started or began)
     assert stopped and started and routed, (stopped, started, routed)
+    # Each ring starts on the new host where it stopped on the old one:
+    # the next descriptor to take and the used index alike (QEMU carries
+    # the first from GET_VRING_BASE to SET_VRING_BASE, the second lies in
+    # guest memory), so no frame is taken twice or skipped (M13).
+    left, resumed = rings(o.d[frm].log_text(), "stopped", began), rings(o.d[to].log_text(), "started", began)
+    assert set(left) == set(resumed) == {0, 1}, (left, resumed)
+    for q in left:
+        assert resumed[q] == left[q] and left[q][0] == left[q][1], (q, left, resumed)
     return {"from": frm, "to": to, "qemu_total_ms": report["total-time"], "qemu_downtime_ms": report["downtime"],
             "rings_stopped_to_started_ms": round((started - stopped) * 1000, 1),
             "started_to_rerouted_ms": round((routed - started) * 1000, 1),
@@ -366,7 +431,8 @@ def move(o: Overlay, frm: int, to: int, vm_from: Vm, vm_to: Vm, ping_interval=0.
             "pings_lost_in_a_row": pings["most_lost_in_a_row"], "slowest_ping_reply_ms": pings["slowest_reply_ms"],
             "pings_sent": pings["sent"], "pings_lost": pings["lost"], "drops_counted": sum(drops.values()),
             "lost_at_host_3": home, "lost_on_the_vm_side": vm_side,
-            "tcp_echoes": int(out[1]), "tcp_longest_wait_ms": int(out[2])}
+            "tcp_echoes": int(out[1]), "tcp_longest_wait_ms": int(out[2]),
+            "frames_into_the_vm": written, "tx_base": left[1][0]}
 
 
 def describe(r: dict) -> str:
@@ -376,7 +442,8 @@ def describe(r: dict) -> str:
             f"{r['pings_sent']} lost, at most {r['pings_lost_in_a_row']} in a row: {r['lost_at_host_3']} at host 3, "
             f"{r['lost_on_the_vm_side']} on the VM's side; {r['drops_counted']} drops counted; "
             f"slowest reply {r['slowest_ping_reply_ms']} ms); TCP {r['tcp_echoes']} echoes in order, "
-            f"longest wait {r['tcp_longest_wait_ms']} ms")
+            f"longest wait {r['tcp_longest_wait_ms']} ms; {r['frames_into_the_vm']} frames written into the VM, "
+            f"each received; its rings resumed where they stopped (transmit at {r['tx_base']})")
 
 
 def test_a_vm_migrated_under_a_ping_and_a_tcp_connection_keeps_both_and_moves_back(mig):
@@ -388,12 +455,27 @@ def test_a_vm_migrated_under_a_ping_and_a_tcp_connection_keeps_both_and_moves_ba
     dst = incoming(o, 2)
     time.sleep(0.5)
     assert "running=no" in iface(o, 2) and claims(o) == {1} and vm_route(o, 3) == "edge agent.h1"
-    print(describe(move(o, 1, 2, src, dst)))
+    there = move(o, 1, 2, src, dst)
+    print(describe(there))
     # Back: the paused QEMU left on host 1 goes, a new incoming one takes
     # its place.
     src.quit()
     assert wait_until(lambda: "connected=no" in iface(o, 1), timeout=10)
-    print(describe(move(o, 2, 1, dst, incoming(o, 1))))
+    back = move(o, 2, 1, dst, incoming(o, 1))
+    print(describe(back))
+    # The outage (M10). What the network lost: at most 10 pings in a row
+    # (100 ms of requests; 1-4 in 30 moves measured). The whole outage
+    # beyond QEMU's own downtime: each move under 200 ms (30 moves: 39-153,
+    # the longest a guest under TCG answering late after it resumed), and
+    # the better of the two under the target, 100 ms (28 of 30 moves met
+    # it: both missing it by chance is 1 in 200; an outage twice as long
+    # as measured misses it nearly always). The agents poll every 10 s
+    # here: the re-route within 1 s of the rings' start is `WAIT`'s (M11).
+    beyond = [r["ping_outage_ms"] - r["qemu_downtime_ms"] for r in (there, back)]
+    for r in (there, back):
+        assert r["pings_lost_in_a_row"] <= 10, describe(r)
+        assert r["started_to_rerouted_ms"] < 1000, describe(r)
+    assert max(beyond) < 200 and min(beyond) < 100, (beyond, describe(there), describe(back))
 
 
 def test_a_cancelled_migration_leaves_the_vm_and_every_route_where_they_were(mig):

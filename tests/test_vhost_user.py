@@ -151,6 +151,12 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     reasons = ("evi_sent", "eoc_masked", "eoc_cold", "eoc_density", "idle_interrupts", "vhost_rx_mid_burst_interrupts")
     assert d["vhost_rx_interrupts"] == sum(d[k] for k in reasons) - d["eoc_pending"], d
     assert 0 < d["evi_sent"] <= irqs + 2 and irqs <= d["vhost_rx_interrupts"] + d["vhost_tx_interrupts"] + 2, (irqs, d)
+    # And fewer than vnetd counted (the review's P5: "about half" in
+    # docs/vhost-user.md): interrupts written to an eventfd QEMU had not
+    # read yet reached the guest as one.
+    counted = d["vhost_rx_interrupts"] + d["vhost_tx_interrupts"]
+    print(f"optimistic: the guest took {irqs} interrupts of {counted} vnetd sent ({irqs / max(counted, 1):.2f})")
+    assert irqs < counted, (irqs, d)
     st = d2.stats()["interface vm9"]
     assert st["vhost_connects"] == 1 and st["vhost_bad_chains"] == 0, st
 

@@ -114,7 +114,11 @@ impl<B: DirtyLog> Frontend<B> {
         }
         self.shared.mark_taken(i, r);
         if r.running() {
-            tracing::debug!(queue = index, "vhost-user ring started");
+            // Where it starts, against where the ring it follows stopped
+            // ("vhost-user ring stopped"): after a migration or a
+            // reconnect, the two must match (no frame taken twice or
+            // skipped), and `next_avail == used` (nothing claimed in flight).
+            tracing::info!(queue = index, next_avail = r.queue.next_avail(), used = r.queue.next_used(), "vhost-user ring started");
             self.shared.note_running(i, true);
             if pair_of(i).1 {
                 r.held.resume();
@@ -235,6 +239,9 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
             r.held.leave(&self.shared.counters);
         }
         let next = r.queue.next_avail();
+        if r.running() {
+            tracing::info!(queue = index, next_avail = next, used = r.queue.next_used(), "vhost-user ring stopped");
+        }
         if !pair_of(index as usize).1 {
             self.shared.watch_kick(index as usize, r.kick.as_ref().map(|k| k.as_raw_fd()), None);
         }
