@@ -674,7 +674,7 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
         t0 = time.monotonic()
         runs = sorted((t.pings() for _ in range(3)), key=lambda r: (r.lost, r.p99))
         t1 = time.monotonic()
-        p, gbps = runs[1], t.iperf(3)
+        p, gbps = runs[1], t.iperf(5)
         print(f"noisy neighbour, {what}: g3 -> g4 ping {p} (runs {[round(r.p99, 3) for r in runs]}), "
               f"iperf3 {gbps:.2f} Gbit/s", flush=True)
         return p, gbps, runs, (t0, t1, time.monotonic())
@@ -684,7 +684,7 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     feed = t.feeder(20)
     attacker = lab.popen(t.h2, "chrt", "-i", "0", "nice", "-n", "19", sys.executable,
                          REPO / "tests" / "tools" / "vhost_frontend.py", "attack", t.sock,
-                         t.g1.mac, t.g2.mac, FE_MAC, 18, 26, stdout=subprocess.PIPE, text=True)
+                         t.g1.mac, t.g2.mac, FE_MAC, 24, 26, stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(3)
         attacked = measure("under attack")
@@ -695,14 +695,24 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     done = out[-1]
     # What the attacker did while each part was measured (the review's
     # V14: at the lowest priority it might barely run while iperf3 fills
-    # both CPUs): every attack at least once during the pings and once
-    # during iperf3.
+    # both CPUs): every kind of attack under way at some time during the
+    # pings (an attack started before the window and done inside it, or
+    # started inside it, counts for it); during iperf3's 5 s, where the
+    # attacker gets the least CPU, attacks under way for 90% of it, of at
+    # least three kinds (one run: 1-2 of each kind).
     t0, t1, t2 = attacked[3]
-    stamps = [(float(w[1]), w[2]) for w in (line.split() for line in out[:-1]) if w[0] == "at"]
+    stamps = [(float(w[1]), float(w[2]), w[3]) for w in (line.split() for line in out[:-1]) if w[0] == "at"]
     kinds = sorted(set(done_k.split("=")[0] for done_k in done.split()))
-    during = {part: {k: sum(1 for at, w in stamps if w == k and a <= at <= b) for k in kinds}
+    during = {part: {k: sum(1 for s0, s1, w in stamps if w == k and s0 <= b and s1 >= a) for k in kinds}
               for part, (a, b) in (("pings", (t0, t1)), ("iperf3", (t1, t2)))}
-    print(f"noisy neighbour: the attacker did {done}; while measured: {during}")
+    covered, at = 0.0, t1
+    for s0, s1, _ in sorted(stamps):
+        if s1 > at and s0 < t2:
+            covered += min(s1, t2) - max(s0, at)
+            at = min(s1, t2)
+    covered /= (t2 - t1)
+    print(f"noisy neighbour: the attacker did {done}; while measured: {during}; "
+          f"attacks under way for {covered:.0%} of iperf3's run")
     t.alive()
     base2 = measure("baseline again")
     quiet_p99 = max(base1[0].p99, base2[0].p99)
@@ -719,7 +729,7 @@ def test_a_noisy_neighbour_costs_the_other_guests_nothing(lab):
     assert rx_packets(lab, t.g2) == g2_before, "frames crossed into network b"
     counts = dict(kv.split("=") for kv in done.split())
     assert all(int(v) > 0 for v in counts.values()), f"not every attack ran: {done}"
-    for part, did in during.items():
-        assert all(n > 0 for n in did.values()), f"not every attack ran while {part} was measured: {did}"
+    assert all(n > 0 for n in during["pings"].values()), f"not every attack ran while the pings were measured: {during}"
+    assert covered >= 0.9 and sum(n > 0 for n in during["iperf3"].values()) >= 3, (covered, during)
     f = t.connect()
     t.exchange(f)

@@ -491,9 +491,9 @@ def attack(path, a: bytes, b: bytes, src: bytes, seconds: float, seed: int):
     (frames to `a` turned to `b`), S2 full pipes as call descriptors, S3
     empty chain bombs, S4 truncated memory, random bytes and wrong messages,
     each once in every round, in a random order, reconnecting whenever the
-    backend drops it. Prints `at <CLOCK_MONOTONIC s> <attack>` as each one
-    is done (so a test can see it ran while it measured), then how many of
-    each it did."""
+    backend drops it. Prints `at <start> <end> <attack>` (CLOCK_MONOTONIC
+    seconds) as each one is done, so that a test can see it ran while it
+    measured, then how many of each it did."""
     rnd = random.Random(seed)
     done = {a_.__name__: 0 for a_ in ATTACKS}
     end = time.monotonic() + seconds
@@ -502,10 +502,11 @@ def attack(path, a: bytes, b: bytes, src: bytes, seconds: float, seed: int):
         if not order:
             order = rnd.sample(ATTACKS, len(ATTACKS))
         what = order.pop()
+        began = time.monotonic()
         try:
             what(path, rnd, a, b, src)
             done[what.__name__] += 1
-            print(f"at {time.monotonic():.3f} {what.__name__.strip('_')}", flush=True)
+            print(f"at {began:.3f} {time.monotonic():.3f} {what.__name__.strip('_')}", flush=True)
         except (OSError, RuntimeError, ConnectionError, struct.error):
             time.sleep(0.05)  # dropped or refused: again, on a new connection
     print(" ".join(f"{k.strip('_')}={v}" for k, v in done.items()), flush=True)
