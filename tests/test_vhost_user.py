@@ -164,14 +164,11 @@ def test_vhost_user_guest_talks_across_hosts_and_survives_a_vnetd_restart(lab, r
     # (with why). A Linux guest's TCP super-frames lie in several buffers
     # (headers, then payload pages): they went gathered, their heads (the
     # 66 bytes of headers) copied and the payload by iovec: every byte of
-    # the frames above 2 KB (COPY_WHOLE) left uncopied but the heads. Under
-    # TCG most of the guest's frames are 1.2-1.6 KB, copied whole; some are
-    # super-frames (2 and 61 of about 13,000 in one run of each mode).
-    print("cut-through", {k: v for k, v in st.items() if k.startswith("tx_") or k.startswith("in_")})
+    # the frames above 256 bytes left uncopied but the heads.
     copied = st["tx_copied_small_frames"] + st["tx_copied_scattered_frames"]
     assert st["tx_in_place_frames"] + copied == st["in_frames"], st
-    assert st["tx_gathered_frames"] > 0 and st["tx_copied_scattered_frames"] == 0, st
-    assert st["tx_copied_small_frames"] > 1000, st
+    assert st["tx_gathered_frames"] > 100 and st["tx_copied_scattered_frames"] == 0, st
+    print("cut-through", {k: v for k, v in st.items() if k.startswith("tx_") or k.startswith("in_")})
     big = st["in_bytes"] - st["tx_copied_small_bytes"]
     assert st["tx_in_place_bytes"] + st["tx_head_copied_bytes"] == big, st
     assert st["tx_in_place_bytes"] >= 0.93 * big, st

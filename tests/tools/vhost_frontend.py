@@ -411,7 +411,7 @@ def _flips(path, rnd, a, b, src):
     f = Frontend(path)
     fl = Flipper(f, flip_bufs(f), a, b)
     try:
-        flip_frames(f, a + src + b"\x88\xb5" + bytes(2986), rnd.randint(5, 30), timeout=0.5)
+        flip_frames(f, a + src + b"\x88\xb5" + bytes(986), rnd.randint(5, 30), timeout=0.5)
     finally:
         fl.stop()
         f.close()

@@ -77,8 +77,7 @@ vnet_core::counter_set! {
         tx_gathered_frames,
         tx_head_copied_bytes,
         /// Copied although cut-through was on: frames no longer than
-        /// `COPY_WHOLE` (2 KB: one copy into the pass's GSO runs beats an
-        /// iovec of their own), and frames that could not be
+        /// `MAX_HEAD` (an iovec would cost more), and frames that could not be
         /// gathered (more than `MAX_PIECES` buffers, a buffer across memory
         /// regions).
         tx_copied_small_frames,

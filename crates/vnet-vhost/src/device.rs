@@ -17,7 +17,7 @@
 //! TAP's is.
 
 use crate::counters::Counters;
-use crate::frame::{GuestFrame, COPY_WHOLE};
+use crate::frame::{GuestFrame, MAX_HEAD};
 use crate::irq::{IrqDecision, IrqPolicy};
 use crate::memory::{DirtyLog, MemoryPolicy};
 use crate::queue::{Health, Popped, Ring};
@@ -374,7 +374,7 @@ impl<B: DirtyLog> Device<B> {
             }
             let taken = match tx.pop_frame(buf, hdr_len, frame.as_deref_mut()) {
                 Popped::Frame { len, vnet, copied } => {
-                    if copied && len <= COPY_WHOLE {
+                    if copied && len <= MAX_HEAD {
                         tally.small.add(len);
                     } else if copied {
                         tally.scattered.add(len);

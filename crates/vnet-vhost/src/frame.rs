@@ -14,15 +14,9 @@
 use std::sync::Arc;
 use vnet_core::offload::{VnetHdr, MAX_PIECES};
 
-/// The most a head copy holds.
-pub const MAX_HEAD: usize = 256;
 /// Every frame longer than this is split into a copied head and pieces in
-/// place (a TCP super-frame); one no longer is copied whole, as every
-/// frame an MTU of 1500 (or up to 2 KB) allows: a copied frame leaves in
-/// its pass's UDP GSO runs, one sent from guest memory is an iovec of its
-/// own, and VM to VM at 1500 B the copy was 1.14x as fast as cut-through
-/// (docs/benchmarks.md, "Cut-through's default, end to end").
-pub const COPY_WHOLE: usize = 2048;
+/// place; a shorter one is copied whole (cheaper than an iovec).
+pub const MAX_HEAD: usize = 256;
 /// The head holds at least this much (any Ethernet, IP and TCP headers:
 /// 18 + 40 + 60), or the guest's first buffer if that holds its TCP
 /// headers whole (as Linux sends).

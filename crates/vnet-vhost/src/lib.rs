@@ -55,7 +55,7 @@ pub mod walker;
 pub use counters::Counters;
 pub use device::{Device, Taken, MAX_PAIRS};
 pub use dirty::DirtyPages;
-pub use frame::{GuestFrame, HeadCopy, COPY_WHOLE, MAX_HEAD, MIN_HEAD};
+pub use frame::{GuestFrame, HeadCopy, MAX_HEAD, MIN_HEAD};
 pub use irq::IrqPolicy;
 pub use memory::{GuestMemory, MemoryPolicy};
 pub use protocol::Frontend;
