@@ -20,6 +20,7 @@ connection to it across the move.
 from __future__ import annotations
 
 import json
+import queue
 import re
 import signal
 import socket
@@ -126,7 +127,7 @@ class Vm:
         while True:
             try:
                 self.console.lines.get_nowait()
-            except Exception:
+            except queue.Empty:
                 break
         self.console.wait_for("VNET-COUNTS", timeout=10)
         w = self.console.wait_for("VNET-COUNTS", timeout=10).split()

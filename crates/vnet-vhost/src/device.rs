@@ -839,6 +839,24 @@ mod tests {
         (d, mem)
     }
 
+    /// The guest queues `n` frames of 64 bytes (after a 10-byte header) on
+    /// pair 0's transmit queue (queue 1, at 0x20000), frame i's last byte
+    /// i + 1; the queue's base address.
+    fn queue_tx_frames(mem: &GuestMemory<()>, n: u16) -> u64 {
+        let base = 0x20000u64;
+        for i in 0..n {
+            let at = 0x300000 + 0x100 * u64::from(i);
+            let mut e = [0u8; 16];
+            e[..8].copy_from_slice(&at.to_le_bytes());
+            e[8..12].copy_from_slice(&74u32.to_le_bytes());
+            mem.write_slice(&e, GuestAddress(base + 16 * u64::from(i))).unwrap();
+            mem.store(i, GuestAddress(base + 0x1000 + 4 + 2 * u64::from(i)), Ordering::Relaxed).unwrap();
+            mem.write_slice(&[i as u8 + 1], GuestAddress(at + 73)).unwrap();
+        }
+        mem.store(n, GuestAddress(base + 0x1000 + 2), Ordering::Release).unwrap();
+        base
+    }
+
     fn used_idx(mem: &GuestMemory<()>, q: usize) -> u16 {
         mem.load(GuestAddress(0x10000 * (q as u64 + 1) + 0x2002), Ordering::Acquire).unwrap()
     }
@@ -900,17 +918,7 @@ mod tests {
     #[test]
     fn after_a_crash_the_frames_sent_are_handed_back_never_sent_twice() {
         let (d, mem) = two_pairs();
-        let base = 0x20000u64; // queue 1: pair 0's transmit queue
-        for i in 0..10u16 {
-            let at = 0x300000 + 0x100 * u64::from(i);
-            let mut e = [0u8; 16];
-            e[..8].copy_from_slice(&at.to_le_bytes());
-            e[8..12].copy_from_slice(&74u32.to_le_bytes());
-            mem.write_slice(&e, GuestAddress(base + 16 * u64::from(i))).unwrap();
-            mem.store(i, GuestAddress(base + 0x1000 + 4 + 2 * u64::from(i)), Ordering::Relaxed).unwrap();
-            mem.write_slice(&[i as u8 + 1], GuestAddress(at + 73)).unwrap(); // its last byte
-        }
-        mem.store(10u16, GuestAddress(base + 0x1000 + 2), Ordering::Release).unwrap();
+        let base = queue_tx_frames(&mem, 10);
         d.mark_taken(TX, &d.ring(TX));
         let mut buf = vec![0u8; 2048];
         let mut sent = Vec::new();
@@ -969,16 +977,7 @@ mod tests {
             d.render_stats(&mut st);
             st.split_whitespace().find_map(|kv| kv.strip_prefix("vhost_ring_locks=")).unwrap().parse().unwrap()
         };
-        let base = 0x20000u64; // queue 1: pair 0's transmit queue
-        for i in 0..10u16 {
-            let at = 0x300000 + 0x100 * u64::from(i);
-            let mut e = [0u8; 16];
-            e[..8].copy_from_slice(&at.to_le_bytes());
-            e[8..12].copy_from_slice(&74u32.to_le_bytes());
-            mem.write_slice(&e, GuestAddress(base + 16 * u64::from(i))).unwrap();
-            mem.store(i, GuestAddress(base + 0x1000 + 4 + 2 * u64::from(i)), Ordering::Relaxed).unwrap();
-        }
-        mem.store(10u16, GuestAddress(base + 0x1000 + 2), Ordering::Release).unwrap();
+        queue_tx_frames(&mem, 10);
         let mut buf = vec![0u8; 2048];
         let before = locks(&d);
         assert_eq!(d.take_burst(0, &mut buf, None, 64, |_, _, _| {}), 10);
