@@ -188,10 +188,17 @@ pub fn chain(claims: &Claims) -> impl Iterator<Item = (&(String, String), &Claim
 
 /// Whether the released claim `key` can go without changing any reader's
 /// answer: no other claim was made while it held the MAC (one that was,
-/// would then come first). The host that made it deletes it then.
+/// would then come first), and the next holder, another host, has taken
+/// the addresses the release keeps (`ips`) if it came with none: it may
+/// have claimed the MAC before it saw the release, and the release is
+/// where it finds them. The host that made it deletes it then.
 pub fn can_forget(claims: &Claims, key: &(String, String)) -> bool {
     let Some(c) = claims.get(key).filter(|c| c.released) else { return false };
-    !claims.iter().any(|(k, o)| k != key && o.create_revision > c.create_revision && o.create_revision < c.mod_revision)
+    if claims.iter().any(|(k, o)| k != key && o.create_revision > c.create_revision && o.create_revision < c.mod_revision) {
+        return false;
+    }
+    let next = claims.iter().filter(|(_, o)| o.create_revision > c.mod_revision).min_by_key(|(_, o)| o.create_revision);
+    !matches!(next, Some(((h, _), n)) if h != &key.0 && n.ips.is_empty() && !c.ips.is_empty())
 }
 
 /// Frames and bytes, one cell of the traffic matrix.
@@ -292,5 +299,29 @@ mod tests {
         let mut c = c;
         c.remove(&k("h2", 4));
         assert_eq!(held(&c), Some("h1"));
+    }
+
+    #[test]
+    fn a_release_is_kept_until_the_next_holder_has_taken_its_addresses() {
+        let k = |h: &str, r: i64| (h.to_string(), format!("{r:016x}"));
+        let ip = |s: &str| vec![s.parse::<IpAddr>().expect("an address")];
+        // h2 held it from 4 with 198.19.0.12 and let it go at 12; h3 claimed
+        // at 14 before it saw the release, so with no addresses.
+        let mut h2 = claim(4, Some(12));
+        h2.ips = ip("198.19.0.12");
+        let c = claims(&[("h2", h2.clone()), ("h3", claim(14, None))]);
+        assert!(!can_forget(&c, &k("h2", 4)), "h3 would never learn the address g12 held");
+        // h3 wrote what it inherited: forgotten now.
+        let mut h3 = claim(14, None);
+        h3.ips = ip("198.19.0.12");
+        let mut c = claims(&[("h2", h2.clone()), ("h3", h3)]);
+        c.get_mut(&k("h3", 14)).expect("there").mod_revision = 15;
+        assert!(can_forget(&c, &k("h2", 4)));
+        // A release with no addresses, or a next claim of the same host
+        // (which inherits nothing of its own), holds nothing up.
+        let c = claims(&[("h2", claim(4, Some(12))), ("h3", claim(14, None))]);
+        assert!(can_forget(&c, &k("h2", 4)));
+        let c = claims(&[("h2", h2), ("h2", claim(14, None))]);
+        assert!(can_forget(&c, &k("h2", 4)));
     }
 }
