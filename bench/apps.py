@@ -53,7 +53,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "tests"))
-from netlab import BIN, Lab, guest_mac, mesh_config, overlay_ip, underlay_ip, wait_until  # noqa: E402
+from netlab import BIN, Lab, guest_mac, mesh_config, mpi_agent, overlay_ip, underlay_ip, wait_until  # noqa: E402
 
 VXLAN_OVERHEAD = 50
 VNET_OVERHEAD = 42
@@ -72,21 +72,6 @@ HPCC_KEYS = [
     ("MPIRandomAccess_GUPs", "MPIRandomAccess", "GUP/s", True),
     ("MPIFFT_Gflops", "MPIFFT", "Gflop/s", True),
 ]
-
-
-def agent_script(tmp: Path, sockets: dict[str, Path] | None = None) -> Path:
-    """OpenMPI's launcher for the far rank: `ip netns exec <host> ...`, with
-    VNETD_SOCKET set per host for ranks under vtoe."""
-    name = "mpi-agent-vtoe" if sockets else "mpi-agent"
-    p = tmp / name
-    if sockets:
-        cases = "\n".join(f"  {ns}) s={sock} ;;" for ns, sock in sockets.items())
-        p.write_text(f'#!/bin/sh\nh="$1"; shift\ncase "$h" in\n{cases}\nesac\n'
-                     f'exec ip netns exec "$h" env VNETD_SOCKET="$s" sh -c "$*"\n')
-    else:
-        p.write_text('#!/bin/sh\nh="$1"; shift\nexec ip netns exec "$h" sh -c "$*"\n')
-    p.chmod(0o755)
-    return p
 
 
 class Pair:
@@ -200,7 +185,7 @@ def build(lab: Lab, with_vxlan=True, with_tap=True) -> tuple[dict[str, Pair], di
     h = {i: lab.add_host(i) for i in (1, 2)}
     for i in (1, 2):
         lab.x(h[i], "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
-    agent = agent_script(lab.tmp)
+    agent = mpi_agent(lab.tmp)
     pairs = {"native": Pair(h[1], h[2], "198.18.0.0/24", underlay_ip(2), agent)}
     if with_vxlan:
         # VXLAN guests x1, x2 (198.19.1.0/24), each behind its host's bridge.
@@ -235,7 +220,7 @@ def build(lab: Lab, with_vxlan=True, with_tap=True) -> tuple[dict[str, Pair], di
         g = {i: lab.attach_guest(h[i], f"g{i}", i, mtu=gm) for i in (1, 2)}
         pairs["vnet-user"] = Pair(g[1].ns, g[2].ns, "198.19.0.0/24", overlay_ip(2), agent)
     pairs["vnet-kernel"] = Pair(kg[1].ns, kg[2].ns, "198.19.0.0/24", overlay_ip(12), agent)
-    vtoe_agent = agent_script(lab.tmp, {k[i]: vtoe_sock[i] for i in (1, 2)})
+    vtoe_agent = mpi_agent(lab.tmp, {k[i]: vtoe_sock[i] for i in (1, 2)})
     # ICMP is not TCP: vnet-vtoe's pings would be vnet-kernel's, so none.
     pairs["vnet-vtoe"] = Pair(k[1], k[2], "198.19.0.0/24", None, vtoe_agent,
                               wrap=[str(BIN / "vtoe")], env=[f"VNETD_SOCKET={vtoe_sock[1]}"])

@@ -599,3 +599,21 @@ def veth_mesh(lab: "Lab", layout: dict[int, list[int]], mtu=FAST_MTU, extra: dic
 def fast_stats(d) -> dict:
     """The `fastpath` line of `d`'s STATS."""
     return d.stats()["fastpath"]
+
+
+def mpi_agent(tmp: Path, sockets: dict[str, Path] | None = None) -> Path:
+    """OpenMPI's launcher for a rank's daemon: `ip netns exec <host> ...`
+    (no ssh, ../shared/MACHINE-NOTES.md), with VNETD_SOCKET set per host for
+    ranks under vtoe. Each host's daemon gets a session directory of its own:
+    the namespaces share /tmp and one hostname, so two daemons started at once
+    both made /tmp/ompi.<hostname>.0/jf.<job> and one failed with "File
+    exists" (a CI failure)."""
+    p = tmp / ("mpi-agent-vtoe" if sockets else "mpi-agent")
+    cases = "".join(f"  {ns}) s={sock} ;;\n" for ns, sock in (sockets or {}).items())
+    env = ' VNETD_SOCKET="$s"' if sockets else ""
+    p.write_text(f'#!/bin/sh\nh="$1"; shift\n'
+                 + (f'case "$h" in\n{cases}esac\n' if sockets else "")
+                 + f'd="{tmp}/ompi-$h"; mkdir -p "$d"\n'
+                 f'exec ip netns exec "$h" env TMPDIR="$d" OMPI_MCA_orte_tmpdir_base="$d"{env} sh -c "$*"\n')
+    p.chmod(0o755)
+    return p

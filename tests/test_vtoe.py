@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from netlab import BIN, REPO, Lab, guest_mac, overlay_ip, wait_listening, wait_until
+from netlab import BIN, REPO, Lab, guest_mac, mpi_agent, overlay_ip, wait_listening, wait_until
 
 VTOE = BIN / "vtoe"
 PROBE = REPO / "tests" / "tools" / "vtoe_probe.py"
@@ -268,13 +268,9 @@ def test_redis_benchmark_against_redis_server(world):
 
 def test_openmpi_ping_pong_over_the_tcp_btl(world):
     w = world
-    agent = w.lab.tmp / "mpi-agent"
-    # OpenMPI starts its daemons without ssh (../shared/MACHINE-NOTES.md);
-    # each host's ranks find their vnetd by VNETD_SOCKET, as `vtoe` does.
-    cases = "\n".join(f'  {w.ns(g)}) s={w.sock[w.host_of[g]]} ;;' for g in (1, 2))
-    agent.write_text(f'#!/bin/sh\nh="$1"; shift\ncase "$h" in\n{cases}\nesac\n'
-                     f'exec ip netns exec "$h" env VNETD_SOCKET="$s" sh -c "$*"\n')
-    agent.chmod(0o755)
+    # OpenMPI starts its daemons without ssh; each host's ranks find their
+    # vnetd by VNETD_SOCKET, as `vtoe` does.
+    agent = mpi_agent(w.lab.tmp, {w.ns(g): w.sock[w.host_of[g]] for g in (1, 2)})
     subnet = "198.19.0.0/24"
     before = {g: w.tcp_segments(g) for g in (1, 2)}
     # Every rank runs under vtoe: `mpirun ... vtoe <program>`.
