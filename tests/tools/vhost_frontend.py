@@ -15,6 +15,7 @@ import fcntl
 import mmap
 import os
 import random
+import signal
 import socket
 import struct
 import sys
@@ -491,14 +492,17 @@ def attack(path, a: bytes, b: bytes, src: bytes, seconds: float, seed: int):
     (frames to `a` turned to `b`), S2 full pipes as call descriptors, S3
     empty chain bombs, S4 truncated memory, random bytes and wrong messages,
     each once in every round, in a random order, reconnecting whenever the
-    backend drops it. Prints `at <start> <end> <attack>` (CLOCK_MONOTONIC
-    seconds) as each one is done, so that a test can see it ran while it
-    measured, then how many of each it did."""
+    backend drops it; SIGTERM ends it early, after the attack under way.
+    Prints `at <start> <end> <attack>` (CLOCK_MONOTONIC seconds) as each one
+    is done, so that a test can see it ran while it measured, then how many
+    of each it did."""
     rnd = random.Random(seed)
     done = {a_.__name__: 0 for a_ in ATTACKS}
     end = time.monotonic() + seconds
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     order = []
-    while time.monotonic() < end:
+    while time.monotonic() < end and not stop:
         if not order:
             order = rnd.sample(ATTACKS, len(ATTACKS))
         what = order.pop()
