@@ -27,7 +27,7 @@ def pytest_sessionstart(session):
 # down a minute) and use little CPU; "main" the rest. Without VNET_STREAM
 # (pytest run by hand) every test runs, one after the other.
 ALONE = {"test_vhost_attacks.py", "test_wireguard_attacks.py", "test_neigh.py", "test_fastpath.py", "test_restart.py",
-         "test_migration.py", "test_vhost_user.py", "test_scale.py", "test_faults.py"}
+         "test_migration.py", "test_vhost_user.py", "test_scale.py", "test_faults.py", "test_apps.py"}
 SIDE = {"test_control_security.py", "test_tcp_link_auth.py", "test_structure.py", "test_controller.py",
         "test_wireguard_timers.py", "test_skips.py", "test_examples.py", "test_confine.py"}
 SIDE_TESTS = {"test_restart.py::test_vnetd_down_60_s_established_flows_keep_flowing_and_new_ones_are_counted"}
