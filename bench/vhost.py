@@ -185,8 +185,9 @@ class Bench:
         self.gb = lab.attach_guest(self.h2, "tb", 2)
         self.vb = lab.veth_guest(self.h2, "vb", 3, self.gv) if veth else None
 
-    def tb_rx(self) -> int:
-        return int(self.lab.x(self.gb.ns, "cat", "/sys/class/net/tb/statistics/rx_packets").stdout)
+    def rx(self, g) -> int:
+        """Frames guest `g`'s device received."""
+        return int(self.lab.x(g.ns, "cat", f"/sys/class/net/{g.tap}/statistics/rx_packets").stdout)
 
     def measure(self, transport: str, size: int, seconds: float) -> float | None:
         lab = self.lab
@@ -217,54 +218,42 @@ class Bench:
             time.sleep(seconds)
             tx.stop()
             return rx_rate(rx.stop())
-        if transport == "vhost-veth":
-            return self.vm_to_container(tx_args, seconds)
         intake = transport.endswith("-intake")
         if intake:
-            tx_args[-1] = f"--eth-peer=0,{NOWHERE}"
+            tx_args = to_peer(tx_args, NOWHERE)
             nic = "interface pa" if transport.startswith("vhost") else "interface ta"
             count = lambda: self.d1.stats()[nic]["in_frames"]
         else:
-            count = self.tb_rx
-        if transport.startswith("vhost"):
-            for d in (self.d1, self.d2):
-                d.ctl("SET", "cut-through", "off" if transport.startswith("vhost-copy") else "on")
-            if size == "tso":
-                peer = NOWHERE if intake else self.gb.mac
-                tx = TsoSender(lab, self.sa, peer, seconds + 3)
-            else:
-                tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
-        else:  # tap
-            tx = Pmd(lab, self.ga.ns, "a", "net_af_packet0,iface=ta,blocksz=4096,framesz=2048,framecnt=512",
-                     tx_args, CPU_PMD)
-        time.sleep(2)  # start-up and the first partial second
-        t0, n0 = time.time(), count()
-        time.sleep(seconds)
-        t1, n1 = time.time(), count()
-        tx.stop()
-        return (n1 - n0) / (t1 - t0)
-
-
-    def vm_to_container(self, tx_args: list[str], seconds: float) -> float | None:
-        """testpmd (the VM on host 1) sends to the veth guest on host 2,
-        whose vnetd runs the kernel fast path for the while: frames per
-        second the guest's device received."""
-        lab, d2 = self.lab, self.d2
-        tx_args = tx_args[:-1] + [f"--eth-peer=0,{self.vb.mac}"]
-        rx = lambda: int(lab.x(self.gv, "cat", "/sys/class/net/vb/statistics/rx_packets").stdout)  # noqa: E731
-        for d in (self.d1, d2):
-            d.ctl("SET", "cut-through", "on")
-        d2.ctl("SET", "datapath", "auto")
+            # vhost-veth: to the container, host 2 on the kernel fast path
+            # for the row.
+            to = self.vb if transport == "vhost-veth" else self.gb
+            tx_args = to_peer(tx_args, to.mac)
+            count = lambda: self.rx(to)  # noqa: E731
+        fast = transport == "vhost-veth"
+        if fast:
+            self.d2.ctl("SET", "datapath", "auto")
         try:
-            tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
-            time.sleep(2)
-            t0, n0 = time.time(), rx()
+            if transport.startswith("vhost"):
+                for d in (self.d1, self.d2):
+                    d.ctl("SET", "cut-through", "off" if transport.startswith("vhost-copy") else "on")
+                if size == "tso":
+                    peer = NOWHERE if intake else to.mac
+                    tx = TsoSender(lab, self.sa, peer, seconds + 3)
+                else:
+                    tx = Pmd(lab, self.h1, "a", f"net_virtio_user0,path={self.sa},mac={MAC_A}", tx_args, CPU_PMD)
+            else:  # tap
+                tx = Pmd(lab, self.ga.ns, "a", "net_af_packet0,iface=ta,blocksz=4096,framesz=2048,framecnt=512",
+                         tx_args, CPU_PMD)
+            time.sleep(2)  # start-up and the first partial second
+            t0, n0 = time.time(), count()
             time.sleep(seconds)
-            t1, n1 = time.time(), rx()
+            t1, n1 = time.time(), count()
             tx.stop()
         finally:
-            d2.ctl("SET", "datapath", "user")
+            if fast:
+                self.d2.ctl("SET", "datapath", "user")
         return (n1 - n0) / (t1 - t0)
+
 
     def vm_to_vm(self, tx_args: list[str], length: int, seconds: float, cut_through: bool = True) -> float | None:
         """testpmd (the VM on host 1, vhost-user) sends to the VM on host 2,
@@ -272,7 +261,7 @@ class Bench:
         interface, interrupt-driven): frames per second its driver took from
         its ring, the median of its per-second counts."""
         lab = self.lab
-        tx_args = tx_args[:-1] + [f"--eth-peer=0,{MAC_B}"]
+        tx_args = to_peer(tx_args, MAC_B)
         for d in (self.d1, self.d2):
             d.ctl("SET", "cut-through", "on" if cut_through else "off")
         # Real-time (FIFO 1, as host 2's dispatcher) so that, woken by an
@@ -314,6 +303,12 @@ class Bench:
         except (json.JSONDecodeError, KeyError):
             return None
         return (end["packets"] - end["lost_packets"]) / end["seconds"]
+
+
+def to_peer(tx_args: list[str], mac: str) -> list[str]:
+    """testpmd's arguments with `mac` as the frames' destination (the other
+    arguments, `--tx-offloads` among them, kept)."""
+    return [a for a in tx_args if not a.startswith("--eth-peer=")] + [f"--eth-peer=0,{mac}"]
 
 
 def frame_len(size: str) -> int:
