@@ -393,11 +393,15 @@ def test_a_guest_migrated_under_an_open_tcp_connection_is_rerouted_everywhere(ov
     srv.wait(timeout=10)
     assert "ok" in out, out
     # Host 3 claims the guest now, and host 2 no longer.
-    # (host 2's released claim is forgotten once nothing waited behind it).
+    # (host 2's released claim is forgotten once nothing waited behind it and
+    # host 3's claim has the address it kept: it stays till then, as host 3
+    # may claim before it reads the release or, as here under load, read it
+    # before it claims).
     # (host 3's claim carries the address g12 held at host 2: below).
     assert wait_until(lambda: [json.loads(v) for v in claimed_by(o, 3, 12)] == [{"network": "a", "ips": [overlay_ip(12)]}]
                       and claimed_by(o, 2, 12) == [], timeout=5), \
-        (claimed_by(o, 3, 12), claimed_by(o, 2, 12), o.etcdctl("get", "--prefix", "/vnet/host/", "--keys-only").stdout)
+        (claimed_by(o, 3, 12), claimed_by(o, 2, 12), o.etcdctl("get", "--prefix", "/vnet/host/", "--keys-only").stdout,
+         "--- agent h2 ---", o.log(2)[-4000:], "--- agent h3 ---", o.log(3)[-4000:])
     # Its address binding follows it, though g12 said nothing at its new
     # host: host 3 publishes what it held at host 2, host 2 (which has g32
     # of network a) binds it now, host 1 still does, and host 3, where it

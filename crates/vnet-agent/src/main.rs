@@ -116,7 +116,8 @@ pub struct Args {
     /// holder never takes the MAC. 30 s: an old host's release can take
     /// that long when etcd is overloaded (bench/scale.py's churn at 1,000
     /// hosts on two CPUs: 36 s), and a claim made that close to a
-    /// migration is not one made ahead of time to take it.
+    /// migration is not one made ahead of time to take it. Also how long
+    /// a release keeps its guest's addresses for a host yet to claim it.
     #[arg(long, default_value_t = 30_000)]
     pub handover_ms: u64,
 }

@@ -188,17 +188,27 @@ pub fn chain(claims: &Claims) -> impl Iterator<Item = (&(String, String), &Claim
 
 /// Whether the released claim `key` can go without changing any reader's
 /// answer: no other claim was made while it held the MAC (one that was,
-/// would then come first), and the next holder, another host, has taken
-/// the addresses the release keeps (`ips`) if it came with none: it may
-/// have claimed the MAC before it saw the release, and the release is
-/// where it finds them. The host that made it deletes it then.
-pub fn can_forget(claims: &Claims, key: &(String, String)) -> bool {
+/// would then come first), and, if it keeps addresses (`ips`), the host
+/// the guest went to has had them: its next holder, another host, came
+/// with addresses of its own or took these (it may have claimed before it
+/// saw the release, and the release is where it finds them), or, with no
+/// claim after it yet, the hand-over window since the release has passed
+/// (`waited_out`: a migration's new host may read the release before it
+/// claims; a guest that went for good leaves its release no longer). The
+/// host that made it deletes it then.
+pub fn can_forget(claims: &Claims, key: &(String, String), waited_out: bool) -> bool {
     let Some(c) = claims.get(key).filter(|c| c.released) else { return false };
     if claims.iter().any(|(k, o)| k != key && o.create_revision > c.create_revision && o.create_revision < c.mod_revision) {
         return false;
     }
+    if c.ips.is_empty() || waited_out {
+        return true;
+    }
     let next = claims.iter().filter(|(_, o)| o.create_revision > c.mod_revision).min_by_key(|(_, o)| o.create_revision);
-    !matches!(next, Some(((h, _), n)) if h != &key.0 && n.ips.is_empty() && !c.ips.is_empty())
+    match next {
+        Some(((h, _), n)) => h == &key.0 || !n.ips.is_empty(),
+        None => false,
+    }
 }
 
 /// Frames and bytes, one cell of the traffic matrix.
@@ -292,10 +302,11 @@ mod tests {
         assert_eq!(holder(&c, |h| h != "h2"), Holding::Stranded("h2"), "a host gone handed the MAC over");
         let c = claims(&[("h2", claim(4, Some(12))), ("h3", claim(9, None)), ("h1", claim(14, None))]);
         let k = |h: &str, r: i64| (h.to_string(), format!("{r:016x}"));
-        assert!(!can_forget(&c, &k("h2", 4)), "forgetting it would hand the MAC to h3");
-        assert!(!can_forget(&c, &k("h1", 14)), "not released");
+        assert!(!can_forget(&c, &k("h2", 4), false), "forgetting it would hand the MAC to h3");
+        assert!(!can_forget(&c, &k("h2", 4), true), "nor once its hand-over window passed");
+        assert!(!can_forget(&c, &k("h1", 14), true), "not released");
         let c = claims(&[("h2", claim(4, Some(12))), ("h1", claim(14, None))]);
-        assert!(can_forget(&c, &k("h2", 4)));
+        assert!(can_forget(&c, &k("h2", 4), false));
         let mut c = c;
         c.remove(&k("h2", 4));
         assert_eq!(held(&c), Some("h1"));
@@ -310,18 +321,27 @@ mod tests {
         let mut h2 = claim(4, Some(12));
         h2.ips = ip("198.19.0.12");
         let c = claims(&[("h2", h2.clone()), ("h3", claim(14, None))]);
-        assert!(!can_forget(&c, &k("h2", 4)), "h3 would never learn the address g12 held");
+        assert!(!can_forget(&c, &k("h2", 4), false), "h3 would never learn the address g12 held");
+        // Nobody claimed it yet: kept for the host it goes to, which may read
+        // it before it claims (forgotten at once, as it was, the new host
+        // found no release and came without the address), until the
+        // hand-over window passed (a guest gone for good).
+        let alone = claims(&[("h2", h2.clone())]);
+        assert!(!can_forget(&alone, &k("h2", 4), false), "the next host would find nothing to inherit");
+        assert!(can_forget(&alone, &k("h2", 4), true));
         // h3 wrote what it inherited: forgotten now.
         let mut h3 = claim(14, None);
         h3.ips = ip("198.19.0.12");
         let mut c = claims(&[("h2", h2.clone()), ("h3", h3)]);
         c.get_mut(&k("h3", 14)).expect("there").mod_revision = 15;
-        assert!(can_forget(&c, &k("h2", 4)));
+        assert!(can_forget(&c, &k("h2", 4), false));
         // A release with no addresses, or a next claim of the same host
         // (which inherits nothing of its own), holds nothing up.
         let c = claims(&[("h2", claim(4, Some(12))), ("h3", claim(14, None))]);
-        assert!(can_forget(&c, &k("h2", 4)));
+        assert!(can_forget(&c, &k("h2", 4), false));
+        let c = claims(&[("h2", claim(4, Some(12)))]);
+        assert!(can_forget(&c, &k("h2", 4), false));
         let c = claims(&[("h2", h2), ("h2", claim(14, None))]);
-        assert!(can_forget(&c, &k("h2", 4)));
+        assert!(can_forget(&c, &k("h2", 4), false));
     }
 }

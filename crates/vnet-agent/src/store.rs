@@ -147,6 +147,13 @@ pub struct Store {
     touched_all: bool,
     /// Claims changed: some released claim of ours may be forgotten now.
     forget_due: bool,
+    /// Our releases, by MAC and epoch, and when their hand-over window ends
+    /// (`can_forget`: a release that keeps its guest's addresses stays that
+    /// long for the host the guest goes to); from the release, or from when
+    /// this agent first saw it (one listed at a start).
+    kept_until: BTreeMap<(String, String), Instant>,
+    /// The first of those ends still to come: a pass then looks again.
+    forget_at: Option<Instant>,
     /// Claims of ours given up and not yet written so (a write that timed
     /// out): MAC and epoch → the network to release it in (a guest moved
     /// to another network), or nothing to delete it (a claim made again
@@ -220,6 +227,8 @@ impl Store {
             touched_hosts: BTreeSet::new(),
             touched_all: true,
             forget_due: true,
+            kept_until: BTreeMap::new(),
+            forget_at: None,
             given_up: BTreeMap::new(),
             by_ip: BTreeMap::new(),
             seen_waiting: BTreeMap::new(),
@@ -253,13 +262,14 @@ impl Store {
             (Some(_), Some(_), Some(_)) => self.retry_at.max(Instant::now() + Duration::from_secs(3600)),
             _ => self.retry_at,
         };
-        self.publish_retry.map_or(due, |t| t.min(due))
+        [self.publish_retry, self.forget_at].into_iter().flatten().fold(due, Instant::min)
     }
 
     /// Whether a pass is wanted: the overlay changed, or a write of ours
     /// failed and is due again.
     pub fn wants_pass(&self) -> bool {
-        self.dirty || self.publish_retry.is_some_and(|t| Instant::now() >= t)
+        let now = Instant::now();
+        self.dirty || [self.publish_retry, self.forget_at].into_iter().flatten().any(|t| now >= t)
     }
 
     /// This host's WireGuard port and key as its vnetd has them now: a

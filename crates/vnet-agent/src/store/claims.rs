@@ -229,14 +229,23 @@ impl Store {
         }
         // Released claims of ours that no reader needs any more (looked for
         // when claims changed).
-        let done: Vec<(String, String)> = if std::mem::take(&mut self.forget_due) {
-            self.claimed
-                .iter()
-                .flat_map(|(mac, cl)| cl.keys().filter(|k| k.0 == host && can_forget(cl, k)).map(move |k| (mac.clone(), k.1.clone())))
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let now = Instant::now();
+        let mut done: Vec<(String, String)> = Vec::new();
+        if std::mem::take(&mut self.forget_due) || self.forget_at.is_some_and(|t| now >= t) {
+            let mut kept_until = BTreeMap::new();
+            for (mac, cl) in &self.claimed {
+                for (k, _) in cl.iter().filter(|(k, c)| k.0 == host && c.released) {
+                    let key = (mac.clone(), k.1.clone());
+                    let until = self.kept_until.get(&key).copied().unwrap_or(now + self.handover);
+                    if can_forget(cl, k, now >= until) {
+                        done.push(key.clone());
+                    }
+                    kept_until.insert(key, until);
+                }
+            }
+            self.forget_at = kept_until.iter().filter(|(k, t)| **t > now && !done.contains(k)).map(|(_, t)| *t).min();
+            self.kept_until = kept_until;
+        }
         for (mac, epoch) in done {
             if let Err(e) = self.forget(&mac, &epoch).await {
                 self.forget_due = true;
