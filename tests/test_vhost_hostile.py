@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "tests" / "tools"))
 import vhost_frontend as vf  # noqa: E402
 
 FE_MAC = "52:54:00:00:00:fe"
+F_EVENT_IDX = 1 << 29
 ETHERTYPE = b"\x88\xb5"
 
 
@@ -455,6 +456,54 @@ def test_frames_queued_while_vnetd_was_gone_are_sent_when_it_comes_back(lab):
     assert sniff.frames() == queued
     assert f.used_idx(1) == f.avail_idx[1]
     t.exchange(f)  # into the receive buffers posted before the kill
+
+
+def test_a_guest_whose_interrupt_was_lost_hears_of_its_frames_at_a_new_call_descriptor_and_a_restart(lab):
+    """A guest (event index) interrupted for one frame and left its event
+    index before it (it never took that interrupt: it went to a descriptor
+    the frontend then replaced and cleared, as QEMU does with the one it
+    starts a ring with, or vnetd was killed before it sent it). No later
+    frame crosses that index, so vnetd, obeying it, never interrupts again:
+    a VM deaf after vnetd's restart, 1 CI run in 3 under load. A running
+    ring's new call descriptor, and a ring starting, interrupt it once.
+
+    Catches (each tried): no interrupt at SET_VRING_CALL on a running ring;
+    none at a ring's start after a restart."""
+    t = Lab2(lab)
+    f = vf.Frontend(t.sock, features=vf.F_VERSION_1 | vf.F_INDIRECT | F_EVENT_IDX)
+    f.post_rx()
+    assert wait_until(lambda: "connected=yes" in t.d2.ctl("INTERFACE", "LIST").stdout, 5)
+    used_event = vf.RINGS[0][1] + 4 + 2 * f.size
+    f.mem[used_event:used_event + 2] = struct.pack("<H", 0)
+
+    def drain(fd):
+        try:
+            return os.eventfd_read(fd)
+        except BlockingIOError:
+            return 0
+
+    def from_g1(tag):
+        t.tag += 1
+        t.from_g1(mac(FE_MAC) + mac(t.g1.mac) + ETHERTYPE + struct.pack("<I", tag) + bytes(46))
+
+    from_g1(1)
+    assert wait_until(lambda: f.used_idx(0) == 1, 5)
+    drain(f.call[0])  # the one interrupt, "lost"
+    from_g1(2)
+    assert wait_until(lambda: f.used_idx(0) == 2, 5)
+    time.sleep(0.3)
+    assert drain(f.call[0]) == 0, "interrupted though the event index did not ask"
+    # The frontend gives the running ring a new call descriptor.
+    new = os.eventfd(0, os.EFD_NONBLOCK)
+    f.set_call(0, new)
+    assert wait_until(lambda: drain(new) > 0, 3), "a new call descriptor, and the guest still not told"
+    # vnetd killed; a new one, and the frontend resumes: the ring's start
+    # interrupts the guest, though nothing new came.
+    t.d2.stop(signal.SIGKILL)
+    t.d2 = lab.start_vnetd(t.h2, t.cfg2)
+    f = vf.Frontend(t.sock, features=vf.F_VERSION_1 | vf.F_INDIRECT | F_EVENT_IDX, resume=f)
+    assert wait_until(lambda: drain(f.call[0]) > 0, 5), "restarted, and the guest not told"
+    assert t.fe()["vhost_start_interrupts"] >= 2, t.fe()
 
 
 def watch(f, bufs, last, seen):

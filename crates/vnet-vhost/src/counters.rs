@@ -35,6 +35,16 @@ vnet_core::counter_set! {
         /// sent (transmit buffers returned).
         rx_interrupts as "vhost_rx_interrupts",
         tx_interrupts as "vhost_tx_interrupts",
+        /// Interrupts sent as a ring started, and as a running ring took a
+        /// new call descriptor: one each, whatever the guest's event index
+        /// says. An interrupt lost (a vnetd killed between publishing used
+        /// entries and interrupting for them; one written to a descriptor
+        /// the frontend then replaced and cleared) leaves the guest's event
+        /// index behind the used index, where no later entry crosses it:
+        /// the guest never hears of a frame again (seen under load in CI: a
+        /// VM deaf after vnetd's restart). Spurious ones are harmless (the
+        /// driver finds nothing new).
+        start_interrupts as "vhost_start_interrupts",
         /// Interrupts not sent because the guest's call eventfd was full
         /// (an interrupt was pending anyway).
         interrupts_pending as "vhost_interrupts_pending",
