@@ -838,3 +838,18 @@ def test_encapsulated_frames_go_to_the_next_hop_the_neighbour_table_gives_and_it
     assert wait_until(lambda: fast(d[1])["next_hops"] == 1, timeout=3)
     assert fast(d[1])["next_hop_updates"] >= updates + 2, fast(d[1])
     assert neighbour(lab, hosts[1], underlay_ip(2))[0] == mac2
+
+
+def test_the_programs_gso_flags_are_the_running_kernels():
+    """The eBPF program tests skb_shinfo's gso_type against SKB_GSO_* values
+    it must define itself (an anonymous enum: CO-RE cannot name it). They
+    must be the running kernel's, read from its BTF as bpftool prints them.
+    Catches the value the program had until 2026-12-03: SKB_GSO_UDP_L4 as
+    1 << 16, which is SKB_GSO_UDP (its train checks never fired)."""
+    import re
+    src = (REPO / "crates" / "vnet-fastpath" / "bpf" / "fastpath.bpf.c").read_text()
+    ours = {m[1]: 1 << int(m[2]) for m in re.finditer(r"#define (SKB_GSO_\w+) \(1u << (\d+)\)", src)}
+    assert "SKB_GSO_UDP_L4" in ours, ours
+    btf = subprocess.run(["bpftool", "btf", "dump", "file", "/sys/kernel/btf/vmlinux"], capture_output=True, text=True, check=True).stdout
+    kernel = {m[1]: int(m[2]) for m in re.finditer(r"'(SKB_GSO_\w+)' val=(\d+)", btf)}
+    assert {k: kernel.get(k) for k in ours} == ours
