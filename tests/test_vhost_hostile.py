@@ -18,7 +18,6 @@ sys.path.insert(0, str(REPO / "tests" / "tools"))
 import vhost_frontend as vf  # noqa: E402
 
 FE_MAC = "52:54:00:00:00:fe"
-F_EVENT_IDX = 1 << 29
 ETHERTYPE = b"\x88\xb5"
 
 
@@ -470,7 +469,7 @@ def test_a_guest_whose_interrupt_was_lost_hears_of_its_frames_at_a_new_call_desc
     Catches (each tried): no interrupt at SET_VRING_CALL on a running ring;
     none at a ring's start after a restart."""
     t = Lab2(lab)
-    f = vf.Frontend(t.sock, features=vf.F_VERSION_1 | vf.F_INDIRECT | F_EVENT_IDX)
+    f = vf.Frontend(t.sock, features=vf.F_VERSION_1 | vf.F_INDIRECT | vf.F_EVENT_IDX)
     f.post_rx()
     assert wait_until(lambda: "connected=yes" in t.d2.ctl("INTERFACE", "LIST").stdout, 5)
     used_event = vf.RINGS[0][1] + 4 + 2 * f.size
@@ -501,7 +500,7 @@ def test_a_guest_whose_interrupt_was_lost_hears_of_its_frames_at_a_new_call_desc
     # interrupts the guest, though nothing new came.
     t.d2.stop(signal.SIGKILL)
     t.d2 = lab.start_vnetd(t.h2, t.cfg2)
-    f = vf.Frontend(t.sock, features=vf.F_VERSION_1 | vf.F_INDIRECT | F_EVENT_IDX, resume=f)
+    f = vf.Frontend(t.sock, features=vf.F_VERSION_1 | vf.F_INDIRECT | vf.F_EVENT_IDX, resume=f)
     assert wait_until(lambda: drain(f.call[0]) > 0, 5), "restarted, and the guest not told"
     assert t.fe()["vhost_start_interrupts"] >= 2, t.fe()
 

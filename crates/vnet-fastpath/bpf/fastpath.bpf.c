@@ -328,9 +328,9 @@ extern void *bpf_rdonly_cast(const void *, __u32) __ksym;
 // The kernel's own values (an anonymous enum in skbuff.h, so CO-RE cannot
 // name it): 1 << 16 is SKB_GSO_UDP (UFO's, still in the enum), UDP_L4 is
 // 1 << 17. With 16 here the checks below never fired: a guest's UDP GSO
-// had its segment size cut by the encapsulation (its datagrams re-cut),
-// and trains from the network went uncounted. tests/test_fastpath.py
-// checks these against the running kernel's BTF.
+// reached bpf_skb_adjust_room, whose refusal alone sent it to vnetd, and
+// trains from the network went uncounted. tests/test_fastpath.py checks
+// these against the running kernel's BTF.
 #define SKB_GSO_UDP_TUNNEL (1u << 10)
 #define SKB_GSO_UDP_TUNNEL_CSUM (1u << 11)
 #define SKB_GSO_UDP_L4 (1u << 17)
