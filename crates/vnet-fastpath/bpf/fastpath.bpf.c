@@ -770,6 +770,11 @@ int from_guest(struct __sk_buff *skb)
 SEC("tc")
 int from_network(struct __sk_buff *skb)
 {
+	// A train from a veth underlay (a peer's UDP GSO, unsegmented) keeps
+	// only its outer headers, or fewer, in the skb's head: the inner
+	// Ethernet header is pulled in so the train can be judged.
+	if ((void *)(long)skb->data + OUTER + ETH_HLEN > (void *)(long)skb->data_end && skb->len >= OUTER + ETH_HLEN)
+		bpf_skb_pull_data(skb, OUTER + ETH_HLEN);
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
@@ -850,8 +855,19 @@ int from_network(struct __sk_buff *skb)
 		a = 0; // link to link: vnetd relays it
 	unsigned int gso = skb->gso_size ? gso_type(skb) : 0;
 	if (gso & SKB_GSO_UDP_L4) {
-		// A train of datagrams (UDP GSO from a user-level sender): vnetd
-		// reads trains as they are.
+		// A train of datagrams (a peer vnetd's UDP GSO, which a veth
+		// underlay delivers unsegmented). Its first frame's route stands
+		// for the rest: to a guest of this host, the train goes round the
+		// finishing pair, which cuts it into its datagrams, and each comes
+		// back here on its own (one whose route differs is judged as
+		// itself). Otherwise vnetd reads the train as it is.
+		if (a && c->finish_ifindex) {
+			stat(S_FINISH);
+			if (bpf_skb_store_bytes(skb, 0, c->finish_mac, ETH_ALEN, 0))
+				return PASS;
+			skb->mark = 0;
+			return bpf_redirect(c->finish_ifindex, 0);
+		}
 		stat(S_SLOW_GSO);
 		return PASS;
 	}
