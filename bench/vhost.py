@@ -24,16 +24,23 @@ received-frame count is the figure.
                (vnetd works its rings; cut-through on, the default)
   vhost-veth   the same to a container: a veth guest on host 2, whose
                vnetd runs with the kernel fast path for the row (`SET
-               datapath auto`; `user` for every other row), so that once
-               the flow's first frame was routed the kernel decapsulates
-               its datagrams straight into the guest; the figure is the
-               veth guest's received frames. Only with the row asked for
-               is the veth guest made. Today the kernel carries none of it
-               (STATS fastpath hit_net 0, every frame from_vnetd): host
-               1's vnetd sends the VM's frames as UDP GSO trains, which
-               the veth underlay delivers unsegmented, their headers
-               outside the skb's head, so from_network passes them up and
-               vnetd h2 writes each frame (docs/benchmarks.md)
+               datapath auto`; `user` for every other row). testpmd's
+               datagrams are addressed to the container (its IP, UDP port
+               9), where an application reads them (bench/tools/carrier.c
+               rx-gro, recvmmsg, on the receiver's CPU as rx_sink.py is);
+               the figure is the datagrams the application's socket took
+               (UDP InDatagrams in the container), and the row keeps the
+               veth's received frames (`nic_pps`) and the socket's drops
+               (`app_rcvbuf_drops`, RcvbufErrors). Host 1's vnetd sends the VM's frames as UDP GSO
+               trains, which the veth underlay delivers whole; host 2's
+               kernel cuts each round its finishing pair and decapsulates
+               every frame into the container (docs/datapath.md). Host 2's
+               receive runs on host 2's CPU (RPS on its underlay device: a
+               veth would run it inline on the sender's CPU), as host 2's
+               vnetd does in the VM rows
+  vhost-veth-inline
+               the same with RPS off: host 2's kernel work inline on host
+               1's vnetd's CPU (one core for both hosts' datapaths)
   vhost-copy   the same with `SET cut-through off`
   tap          testpmd's net_af_packet port on a namespace guest's TAP that
                vnetd holds (what a container's or a TAP VM's frames cost)
@@ -94,7 +101,8 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent / "tests"))
-from netlab import Lab, guest_mac, mesh_config, underlay_ip  # noqa: E402
+from netlab import Lab, guest_mac, mesh_config, overlay_ip, underlay_ip  # noqa: E402
+from carriers import TOOL, build_tool  # noqa: E402
 
 MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
 # Host 1's vnetd, which takes the sender's frames, has CPU 0 to itself (the
@@ -102,7 +110,7 @@ MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
 # CPU 1, where host 2's vnetd (real-time while event-driven) preempts it
 # whenever frames arrive for the receiver.
 CPU_PMD, CPU_VNETD = 1, (0, 1)
-TRANSPORTS = ["vhost-vm", "vhost-vm-poll", "vhost-vm-copy", "vhost", "vhost-veth", "vhost-copy", "tap", "socket", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
+TRANSPORTS = ["vhost-vm", "vhost-vm-poll", "vhost-vm-copy", "vhost", "vhost-veth", "vhost-veth-inline", "vhost-copy", "tap", "socket", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
 # A MAC no route names: frames to it are taken from the NIC, routed and
 # dropped (no_route) by vnetd h1, nothing further.
 NOWHERE = "02:00:00:00:00:99"
@@ -226,12 +234,24 @@ class Bench:
         else:
             # vhost-veth: to the container, host 2 on the kernel fast path
             # for the row.
-            to = self.vb if transport == "vhost-veth" else self.gb
+            to = self.vb if transport.startswith("vhost-veth") else self.gb
             tx_args = to_peer(tx_args, to.mac)
             count = lambda: self.rx(to)  # noqa: E731
-        fast = transport == "vhost-veth"
+        fast = transport.startswith("vhost-veth")
+        sink = None
         if fast:
             self.d2.ctl("SET", "datapath", "auto")
+            self.rps(transport == "vhost-veth")
+            # The container's application: a UDP socket on port 9 that
+            # testpmd's datagrams are addressed to, read with recvmmsg on
+            # the receiver's CPU (as rx_sink.py is for a VM). Without it the
+            # container's stack would route and drop each frame as not its
+            # own (a route lookup and a dst made and freed per frame).
+            tx_args.append(f"--tx-ip={overlay_ip(1)},{to.ip}")
+            build_tool()
+            sink = lab.popen(self.gv, "taskset", "-c", str(CPU_PMD), TOOL, "rx-gro", "9", str(seconds + 6),
+                             stdout=subprocess.PIPE, text=True)
+            app = lambda: self.udp_in(self.gv)  # noqa: E731
         try:
             if transport.startswith("vhost"):
                 for d in (self.d1, self.d2):
@@ -245,14 +265,43 @@ class Bench:
                 tx = Pmd(lab, self.ga.ns, "a", "net_af_packet0,iface=ta,blocksz=4096,framesz=2048,framecnt=512",
                          tx_args, CPU_PMD)
             time.sleep(2)  # start-up and the first partial second
-            t0, n0 = time.time(), count()
+            t0, n0, c0 = time.time(), count(), cpu_times()
+            a0 = app() if sink else None
             time.sleep(seconds)
-            t1, n1 = time.time(), count()
+            t1, n1, c1 = time.time(), count(), cpu_times()
+            self.extra["cpu"] = cpu_shares(c0, c1)
+            if sink:
+                a1 = app()
+                # The figure is what the application's socket took, as
+                # rx_sink.py's is what a VM's driver took; the NIC's count
+                # is kept beside it.
+                self.extra.update(nic_pps=(n1 - n0) / (t1 - t0), app_rcvbuf_drops=a1[1] - a0[1])
+                n0, n1 = a0[0], a1[0]
             tx.stop()
         finally:
             if fast:
                 self.d2.ctl("SET", "datapath", "user")
+                self.rps(False)
+            if sink:
+                sink.kill()
+                sink.wait()
         return (n1 - n0) / (t1 - t0)
+
+    def udp_in(self, ns: str) -> tuple[int, int]:
+        """Namespace `ns`'s UDP InDatagrams (queued to a socket) and
+        RcvbufErrors (dropped, its socket's queue full)."""
+        lines = [l.split() for l in self.lab.x(ns, "cat", "/proc/net/snmp").stdout.splitlines() if l.startswith("Udp:")]
+        row = dict(zip(lines[0][1:], lines[1][1:]))
+        return int(row["InDatagrams"]), int(row["RcvbufErrors"])
+
+    def rps(self, on: bool):
+        """Host 2's receive work (its kernel's, for a container) on host 2's
+        CPU: RPS on its underlay device steers each datagram the veth hands
+        over to CPU_VNETD[1]'s backlog, as a NIC's interrupt would run on
+        the receiving machine; off, it runs inline on the sender's CPU
+        (veth's netif_rx), host 1's vnetd paying for both hosts."""
+        mask = format(1 << CPU_VNETD[1], "x") if on else "0"
+        self.lab.x(self.h2, "sh", "-c", f"echo {mask} > /sys/class/net/eth0/queues/rx-0/rps_cpus")
 
 
     def vm_to_vm(self, tx_args: list[str], length: int, seconds: float, cut_through: bool = True) -> float | None:
@@ -303,6 +352,24 @@ class Bench:
         except (json.JSONDecodeError, KeyError):
             return None
         return (end["packets"] - end["lost_packets"]) / end["seconds"]
+
+
+def cpu_times() -> dict[str, list[int]]:
+    """Each CPU's /proc/stat times (user nice system idle iowait irq softirq ...)."""
+    return {l.split()[0]: [int(x) for x in l.split()[1:]] for l in Path("/proc/stat").read_text().splitlines()
+            if l.startswith("cpu") and l[3].isdigit()}
+
+
+def cpu_shares(a: dict, b: dict) -> dict[str, dict[str, float]]:
+    """Per CPU between two cpu_times(): the share of its time in user code,
+    the kernel (system), softirq (the network's receive work) and idle."""
+    out = {}
+    for cpu in a:
+        d = [y - x for x, y in zip(a[cpu], b[cpu])]
+        total = sum(d[:8]) or 1
+        out[cpu] = {"user": round((d[0] + d[1]) / total, 3), "system": round(d[2] / total, 3),
+                    "softirq": round((d[5] + d[6]) / total, 3), "idle": round((d[3] + d[4]) / total, 3)}
+    return out
 
 
 def to_peer(tx_args: list[str], mac: str) -> list[str]:
@@ -359,7 +426,7 @@ def main():
     labs = {name: Lab(tag=f"vh{name[0]}" if args.base else "vh") for name, _ in builds}
     rows = []
     try:
-        benches = {name: Bench(labs[name], binary, args.underlay_mtu, veth="vhost-veth" in transports) for name, binary in builds}
+        benches = {name: Bench(labs[name], binary, args.underlay_mtu, veth=any(t.startswith("vhost-veth") for t in transports)) for name, binary in builds}
         for rep in range(args.reps):
             for size in sizes:
                 order = transports if rep % 2 == 0 else transports[::-1]
@@ -369,7 +436,9 @@ def main():
                     turn = builds if (rep + len(rows)) % 2 == 0 else builds[::-1]
                     for name, _ in turn:
                         row = {"rep": rep, "size": size, "transport": t, "build": name, "load_before": loadavg()}
+                        benches[name].extra = {}
                         row["pps"] = benches[name].measure(t, size, args.seconds)
+                        row.update(benches[name].extra)
                         row["load_after"] = loadavg()
                         rows.append(row)
                         print(json.dumps(row), flush=True)
