@@ -862,8 +862,9 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
     finishing pair (`finish`), which cuts it into its datagrams, and takes
     each one as itself: frames to guests with entries are decapsulated in
     the kernel (`hit_net`), a frame no route names goes to vnetd, which
-    drops it and counts it (`no_route`). A train whose first frame has no
-    entry goes to vnetd whole (`slow_gso`), which reads it as its frames.
+    drops it and counts it (`no_route`), a datagram too short for a frame
+    too (`malformed`). A train whose first frame has no entry goes to vnetd
+    whole (`slow_gso`), which reads it as its frames.
     Catches: the headers not pulled in (the train passed up uncounted), the
     train decapsulated as its first frame (the rest lost), or taken on the
     first frame's route alone (the unrouted frames delivered)."""
@@ -887,6 +888,7 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
         s = d.stats()
         f = s["fastpath"]
         return {"g1": rx_packets(lab, g[1]), "g3": rx_packets(lab, g[3]), "no_route": s["global"]["drop_no_route"],
+                "malformed": s["global"]["drop_malformed"],
                 **{k: f[k] for k in ("hit_net", "finish", "slow_gso", "from_vnetd")}}
 
     # One datagram at a time until the kernel carries both guests' flows.
@@ -908,8 +910,15 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
 
     # 30 frames: g1, g3, nowhere, g1, g3, ... (10 each) in one send.
     got = during("train", 30, g[1].mac, g[3].mac, nowhere)
-    assert got == {"g1": 10, "g3": 10, "no_route": 10, "hit_net": 20, "finish": 1, "slow_gso": 0, "from_vnetd": 0}, got
+    assert got == {"g1": 10, "g3": 10, "no_route": 10, "malformed": 0, "hit_net": 20, "finish": 1, "slow_gso": 0,
+                   "from_vnetd": 0}, got
     # The first frame routed nowhere: vnetd takes the train and delivers
     # its frames itself (to a veth guest through the fast path's from_vnetd).
     got = during("train", 30, nowhere, g[1].mac, g[3].mac)
-    assert got == {"g1": 10, "g3": 10, "no_route": 10, "hit_net": 0, "finish": 0, "slow_gso": 1, "from_vnetd": 20}, got
+    assert got == {"g1": 10, "g3": 10, "no_route": 10, "malformed": 0, "hit_net": 0, "finish": 0, "slow_gso": 1,
+                   "from_vnetd": 20}, got
+    # A hostile peer's train ending in a datagram too short for a frame: cut
+    # like any, the runt passed up to vnetd, which drops it and counts it.
+    got = during("train-runt", 20, g[1].mac, g[3].mac)
+    assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 1, "hit_net": 20, "finish": 1, "slow_gso": 0,
+                   "from_vnetd": 0}, got

@@ -4,9 +4,11 @@ UDP datagram, each an IPv4/UDP packet of SIZE bytes in all from PEER_MAC to
 one of DST_MACS (in the order given, cycled to COUNT frames). As `single`,
 one sendto per datagram; as `train`, all in one send with UDP_SEGMENT (UDP
 GSO, as vnetd sends a pass's frames to one link), which a veth underlay
-delivers to the other host unsegmented. Prints "sent <n>".
+delivers to the other host unsegmented; as `train-runt`, the same train
+ending in an 8-byte datagram, too short to hold a frame (a hostile peer's).
+Prints "sent <n>" (frames, the runt not counted).
 
-  train.py single|train BIND_IP PORT TO_IP PEER_MAC SIZE COUNT DST_MAC[,DST_MAC...]
+  train.py single|train|train-runt BIND_IP PORT TO_IP PEER_MAC SIZE COUNT DST_MAC[,DST_MAC...]
 """
 import socket
 import struct
@@ -37,9 +39,9 @@ def main():
     frames = [frame(dsts[i % len(dsts)], mac(peer), size, i) for i in range(count)]
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind((bind_ip, port))
-    if mode == "train":
+    if mode.startswith("train"):
         s.setsockopt(socket.IPPROTO_UDP, UDP_SEGMENT, size)
-        s.sendto(b"".join(frames), (to_ip, port))
+        s.sendto(b"".join(frames) + (b"\xee" * 8 if mode == "train-runt" else b""), (to_ip, port))
     else:
         for f in frames:
             s.sendto(f, (to_ip, port))

@@ -502,6 +502,19 @@ static __always_inline int encap_other(struct __sk_buff *skb, struct port_info *
 	return bpf_redirect(c->finish_ifindex, 0);
 }
 
+// Sends a datagram from the network round the finishing pair, whose
+// sending end has no offloads: the kernel segments it and finishes its
+// checksums, and its datagrams come back on the other end, one frame each
+// (`finish`).
+static __always_inline int round_the_pair(struct __sk_buff *skb, const struct config *c)
+{
+	stat(S_FINISH);
+	if (bpf_skb_store_bytes(skb, 0, c->finish_mac, ETH_ALEN, 0))
+		return PASS;
+	skb->mark = 0; // not one of encap_other's
+	return bpf_redirect(c->finish_ifindex, 0);
+}
+
 // Encapsulates the frame for link `a->link` and sends it toward the peer;
 // a frame the fast path cannot send as it is goes to vnetd instead.
 static __always_inline int encap(struct __sk_buff *skb, struct port_info *p, struct flow_action *a,
@@ -770,11 +783,6 @@ int from_guest(struct __sk_buff *skb)
 SEC("tc")
 int from_network(struct __sk_buff *skb)
 {
-	// A train from a veth underlay (a peer's UDP GSO, unsegmented) keeps
-	// only its outer headers, or fewer, in the skb's head: the inner
-	// Ethernet header is pulled in so the train can be judged.
-	if ((void *)(long)skb->data + OUTER + ETH_HLEN > (void *)(long)skb->data_end && skb->len >= OUTER + ETH_HLEN)
-		bpf_skb_pull_data(skb, OUTER + ETH_HLEN);
 	void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > end || eth->h_proto != bpf_htons(ETH_P_IP))
@@ -785,13 +793,28 @@ int from_network(struct __sk_buff *skb)
 	if (ip->frag_off & bpf_htons(0x3fff)) // a fragment: the stack reassembles it
 		return PASS;
 	struct udphdr *udp = (void *)(ip + 1);
-	struct ethhdr *inner = (void *)(udp + 1);
-	if ((void *)(inner + 1) > end)
+	if ((void *)(udp + 1) > end)
 		return PASS;
 	__u32 zero = 0;
 	struct config *c = bpf_map_lookup_elem(&config, &zero);
 	if (!c)
 		return PASS;
+	struct ethhdr *inner = (void *)(udp + 1);
+	if ((void *)(inner + 1) > end) {
+		// A train from a veth underlay (a peer's UDP GSO, unsegmented)
+		// keeps only its outer headers in the skb's head: for vnetd's
+		// port, the inner Ethernet header is pulled in so that the train
+		// can be judged (other traffic is left as it came).
+		if (udp->dest != c->port || bpf_skb_pull_data(skb, OUTER + ETH_HLEN))
+			return PASS;
+		data = (void *)(long)skb->data;
+		end = (void *)(long)skb->data_end;
+		ip = data + ETH_HLEN;
+		udp = (void *)(ip + 1);
+		inner = (void *)(udp + 1);
+		if ((void *)(inner + 1) > end)
+			return PASS; // a datagram too short to hold a frame: vnetd counts it
+	}
 	if (skb->mark == SEND_MARK && skb->ifindex == c->finish_recv) {
 		// encap_other's datagram, back from the finishing pair as IPv4:
 		// on to the link's device, the next hop's header filled in.
@@ -861,13 +884,8 @@ int from_network(struct __sk_buff *skb)
 		// finishing pair, which cuts it into its datagrams, and each comes
 		// back here on its own (one whose route differs is judged as
 		// itself). Otherwise vnetd reads the train as it is.
-		if (a && c->finish_ifindex) {
-			stat(S_FINISH);
-			if (bpf_skb_store_bytes(skb, 0, c->finish_mac, ETH_ALEN, 0))
-				return PASS;
-			skb->mark = 0;
-			return bpf_redirect(c->finish_ifindex, 0);
-		}
+		if (a && c->finish_ifindex)
+			return round_the_pair(skb, c);
 		stat(S_SLOW_GSO);
 		return PASS;
 	}
@@ -878,13 +896,8 @@ int from_network(struct __sk_buff *skb)
 	// sent round the finishing pair, whose sending end has no offloads, so
 	// the kernel segments it and finishes the checksums, as a NIC would;
 	// the datagrams come back on the other end, one frame each.
-	if ((!a || a->kind != ACT_PEER) && (gso || csum_partial(skb)) && c->finish_ifindex) {
-		stat(S_FINISH);
-		if (bpf_skb_store_bytes(skb, 0, c->finish_mac, ETH_ALEN, 0))
-			return PASS;
-		skb->mark = 0; // not one of encap_other's
-		return bpf_redirect(c->finish_ifindex, 0);
-	}
+	if ((!a || a->kind != ACT_PEER) && (gso || csum_partial(skb)) && c->finish_ifindex)
+		return round_the_pair(skb, c);
 	if (!a) {
 		if (c->enabled)
 			stat(S_MISS_NET);
