@@ -864,10 +864,14 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
     the kernel (`hit_net`), a frame no route names goes to vnetd, which
     drops it and counts it (`no_route`), a datagram too short for a frame
     too (`malformed`). A train whose first frame has no entry goes to vnetd
-    whole (`slow_gso`), which reads it as its frames.
+    whole (`slow_gso`), which reads it as its frames. Datagrams the pair
+    loses (its receiving side's queue full, or that side down, as here) are
+    counted (`drop_finish`: a datagram each, a train lost whole once), none
+    silently.
     Catches: the headers not pulled in (the train passed up uncounted), the
-    train decapsulated as its first frame (the rest lost), or taken on the
-    first frame's route alone (the unrouted frames delivered)."""
+    train decapsulated as its first frame (the rest lost), taken on the
+    first frame's route alone (the unrouted frames delivered), or the pair's
+    losses uncounted (`drop_finish`)."""
     h1, h2 = lab.add_host(1), lab.add_host(2)
     peer, nowhere = "02:00:00:00:00:50", "02:00:00:00:00:5e"
     gns = {n: lab.guest_ns(f"g{n}") for n in (1, 3)}
@@ -889,7 +893,7 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
         f = s["fastpath"]
         return {"g1": rx_packets(lab, g[1]), "g3": rx_packets(lab, g[3]), "no_route": s["global"]["drop_no_route"],
                 "malformed": s["global"]["drop_malformed"],
-                **{k: f[k] for k in ("hit_net", "finish", "slow_gso", "from_vnetd")}}
+                **{k: f[k] for k in ("hit_net", "finish", "slow_gso", "from_vnetd", "drop_finish")}}
 
     # One datagram at a time until the kernel carries both guests' flows.
     def carried():
@@ -911,14 +915,34 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
     # 30 frames: g1, g3, nowhere, g1, g3, ... (10 each) in one send.
     got = during("train", 30, g[1].mac, g[3].mac, nowhere)
     assert got == {"g1": 10, "g3": 10, "no_route": 10, "malformed": 0, "hit_net": 20, "finish": 1, "slow_gso": 0,
-                   "from_vnetd": 0}, got
+                   "from_vnetd": 0, "drop_finish": 0}, got
     # The first frame routed nowhere: vnetd takes the train and delivers
     # its frames itself (to a veth guest through the fast path's from_vnetd).
     got = during("train", 30, nowhere, g[1].mac, g[3].mac)
     assert got == {"g1": 10, "g3": 10, "no_route": 10, "malformed": 0, "hit_net": 0, "finish": 0, "slow_gso": 1,
-                   "from_vnetd": 20}, got
+                   "from_vnetd": 20, "drop_finish": 0}, got
     # A hostile peer's train ending in a datagram too short for a frame: cut
     # like any, the runt passed up to vnetd, which drops it and counts it.
     got = during("train-runt", 20, g[1].mac, g[3].mac)
     assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 1, "hit_net": 20, "finish": 1, "slow_gso": 0,
-                   "from_vnetd": 0}, got
+                   "from_vnetd": 0, "drop_finish": 0}, got
+    # The pair's receiving side down: the train is lost on the way round,
+    # whole (a queue that is full instead loses datagrams one by one, each
+    # counted), and counted; none of it reaches a guest or vnetd.
+    names = [l.split(":")[1].strip().split("@")[0] for l in lab.x(h1, "ip", "-o", "link").stdout.splitlines()]
+    [recv] = [n for n in names if n.startswith(("vfy", "vfb"))]  # pinned: vfy<tag>; unpinned: vfb<pid>
+    lab.x(h1, "ip", "link", "set", recv, "down")
+    try:
+        c0 = counts()
+        send("train", 30, g[1].mac, g[3].mac)
+        assert wait_until(lambda: counts()["drop_finish"] > c0["drop_finish"], timeout=5), counts()
+        time.sleep(0.3)
+        c = counts()
+        got = {k: c[k] - c0[k] for k in c}
+        assert got == {"g1": 0, "g3": 0, "no_route": 0, "malformed": 0, "hit_net": 0, "finish": 1, "slow_gso": 0,
+                       "from_vnetd": 0, "drop_finish": 1}, got
+    finally:
+        lab.x(h1, "ip", "link", "set", recv, "up")
+    got = during("train", 20, g[1].mac, g[3].mac)
+    assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 0, "hit_net": 20, "finish": 1, "slow_gso": 0,
+                   "from_vnetd": 0, "drop_finish": 0}, got

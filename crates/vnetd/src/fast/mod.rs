@@ -371,6 +371,12 @@ impl FastPath {
         for (name, v) in vnet_fastpath::STAT_NAMES.iter().zip(self.kernel.stats()) {
             s.push_str(&format!(" {name}={v}"));
         }
+        // What the finishing pair lost (its receiving side's queue full, a
+        // CPU behind with cutting trains; or that side down), the kernel's
+        // count on the sending end: frames sent round it and never back.
+        let send = self.finisher.lock().unwrap().as_ref().map(|f| f.send);
+        let lost = send.and_then(|i| rtnl::tx_dropped(i).ok()).unwrap_or(0);
+        s.push_str(&format!(" drop_finish={lost}"));
         s
     }
 
