@@ -41,6 +41,14 @@ received-frame count is the figure.
   vhost-veth-inline
                the same with RPS off: host 2's kernel work inline on host
                1's vnetd's CPU (one core for both hosts' datapaths)
+  vxlan-veth   the kernel's own overlay for the same VM and container, no
+               vnetd: testpmd's net_tap port (a VM on a TAP, as QEMU's
+               `-netdev tap`) in a bridge with a VXLAN device (VNI 42, UDP
+               4789) on host 1, the same on host 2 with a veth container
+               in the bridge; the same frames to the same application,
+               the same figure. Host 1's kernel work on host 1's CPU (RPS
+               on the TAP), host 2's on host 2's (RPS on its underlay
+               device): the placement of the vhost-veth row
   vhost-copy   the same with `SET cut-through off`
   tap          testpmd's net_af_packet port on a namespace guest's TAP that
                vnetd holds (what a container's or a TAP VM's frames cost)
@@ -80,7 +88,8 @@ headers then payload, as a Linux guest sends TCP: vnetd gathers it), `tso`
 (64 KB TCP super-frames in 17 buffers from bench/tools/tso_sender.py, a
 virtio driver in Python, since testpmd's txonly sends UDP only: vhost
 transports only). Prints min/median/max per
-transport, ratios to the TAP path, to the bare socket and to the DPDK loop, and the load
+transport, ratios to the TAP path, to the bare socket, to the DPDK loop and to
+the kernel's VXLAN (vxlan-veth), and the load
 average before/after each point; writes bench/results/<date>-vhost.{json,md}.
 A benchmark, never a pass/fail test.
 """
@@ -110,7 +119,7 @@ MAC_A, MAC_B = "52:54:00:00:00:0a", "52:54:00:00:00:0b"
 # CPU 1, where host 2's vnetd (real-time while event-driven) preempts it
 # whenever frames arrive for the receiver.
 CPU_PMD, CPU_VNETD = 1, (0, 1)
-TRANSPORTS = ["vhost-vm", "vhost-vm-poll", "vhost-vm-copy", "vhost", "vhost-veth", "vhost-veth-inline", "vhost-copy", "tap", "socket", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
+TRANSPORTS = ["vhost-vm", "vhost-vm-poll", "vhost-vm-copy", "vhost", "vhost-veth", "vhost-veth-inline", "vxlan-veth", "vhost-copy", "tap", "socket", "dpdk-loop", "vhost-intake", "vhost-copy-intake", "tap-intake"]
 # A MAC no route names: frames to it are taken from the NIC, routed and
 # dropped (no_route) by vnetd h1, nothing further.
 NOWHERE = "02:00:00:00:00:99"
@@ -171,9 +180,10 @@ def rx_rate(out: str) -> float | None:
 
 
 class Bench:
-    def __init__(self, lab: Lab, vnetd_bin: str | None, underlay_mtu: int = 1500, veth: bool = False):
+    def __init__(self, lab: Lab, vnetd_bin: str | None, underlay_mtu: int = 1500, veth: bool = False, vxlan: bool = False):
         self.lab = lab
         self.h1, self.h2 = lab.add_host(1, mtu=underlay_mtu), lab.add_host(2, mtu=underlay_mtu)
+        self.xc = self.kernel_vxlan(underlay_mtu) if vxlan else None
         self.sa, self.sb = lab.tmp / "a.sock", lab.tmp / "b.sock"
         by_host = {1: [("pa", MAC_A), ("ta", guest_mac(1))], 2: [("pb", MAC_B), ("tb", guest_mac(2))]}
         attach2 = {"pb": f"vhost-user {self.sb} unsealed-memory"}
@@ -209,6 +219,8 @@ class Bench:
             tx_args.append("--tx-offloads=0x8000")  # RTE_ETH_TX_OFFLOAD_MULTI_SEGS
         if transport == "socket":
             return self.bare_socket(int(frame_len(size)), seconds)
+        if transport == "vxlan-veth":
+            return self.vxlan_veth(tx_args, seconds)
         if transport.startswith("vhost-vm"):
             # -poll: host 1's dispatcher polls the VM's ring (VMM-driven, a
             # polling core as OVS-DPDK's PMD threads), the VM never kicks.
@@ -304,6 +316,59 @@ class Bench:
         self.lab.x(self.h2, "sh", "-c", f"echo {mask} > /sys/class/net/eth0/queues/rx-0/rps_cpus")
 
 
+    def kernel_vxlan(self, underlay_mtu: int) -> str:
+        """The kernel's own overlay beside vnetd, for vxlan-veth: a bridge
+        with a VXLAN device on each host (the VM's TAP joins host 1's when
+        testpmd makes it) and a container on host 2 in its bridge; the
+        container's namespace."""
+        lab, mtu = self.lab, str(underlay_mtu - 50)
+        for h, host, peer in ((1, self.h1, 2), (2, self.h2, 1)):
+            lab.x(host, "ip", "link", "add", "vx0", "type", "vxlan", "id", "42", "dstport", "4789",
+                  "remote", underlay_ip(peer), "local", underlay_ip(h), "dev", "eth0")
+            lab.x(host, "ip", "link", "add", "br0", "type", "bridge")
+            lab.x(host, "ip", "link", "set", "vx0", "master", "br0", "mtu", mtu, "up")
+            lab.x(host, "ip", "link", "set", "br0", "up")
+        xc = lab.guest_ns("xc")
+        lab.x(self.h2, "ip", "link", "add", "xv", "type", "veth", "peer", "name", "eth0", "netns", xc)
+        lab.x(self.h2, "ip", "link", "set", "xv", "master", "br0", "mtu", mtu, "up")
+        lab.x(xc, "ip", "link", "set", "eth0", "mtu", mtu, "up")
+        lab.x(xc, "ip", "addr", "add", f"{overlay_ip(4)}/24", "dev", "eth0")
+        return xc
+
+    def vxlan_veth(self, tx_args: list[str], seconds: float) -> float | None:
+        """testpmd on a TAP in host 1's VXLAN bridge sends to the
+        application in host 2's container (vxlan-veth): datagrams per
+        second its socket took, as for vhost-veth."""
+        lab, xc = self.lab, self.xc
+        mac = lab.x(xc, "cat", "/sys/class/net/eth0/address").stdout.strip()
+        tx_args = to_peer(tx_args, mac) + [f"--tx-ip={overlay_ip(1)},{overlay_ip(4)}"]
+        build_tool()
+        sink = lab.popen(xc, "taskset", "-c", str(CPU_PMD), TOOL, "rx-gro", "9", str(seconds + 8), stdout=subprocess.PIPE, text=True)
+        self.rps(True)
+        tx = Pmd(lab, self.h1, "a", "net_tap0,iface=xt0", tx_args, CPU_PMD)
+        try:
+            # The TAP is testpmd's (it goes when testpmd does): into the
+            # bridge once it is there; host 1's kernel work on host 1's CPU.
+            for _ in range(100):
+                if lab.x(self.h1, "ip", "link", "set", "xt0", "master", "br0", "up", check=False).returncode == 0:
+                    break
+                time.sleep(0.1)
+            lab.x(self.h1, "sh", "-c", f"echo {1 << CPU_VNETD[0]:x} > /sys/class/net/xt0/queues/rx-0/rps_cpus")
+            time.sleep(2)
+            t0, a0, n0, c0 = time.time(), self.udp_in(xc), self.rx_of(xc, "eth0"), cpu_times()
+            time.sleep(seconds)
+            t1, a1, n1, c1 = time.time(), self.udp_in(xc), self.rx_of(xc, "eth0"), cpu_times()
+            self.extra.update(cpu=cpu_shares(c0, c1), nic_pps=(n1 - n0) / (t1 - t0), app_rcvbuf_drops=a1[1] - a0[1])
+        finally:
+            tx.stop()
+            self.rps(False)
+            sink.kill()
+            sink.wait()
+        return (a1[0] - a0[0]) / (t1 - t0)
+
+    def rx_of(self, ns: str, dev: str) -> int:
+        return int(self.lab.x(ns, "cat", f"/sys/class/net/{dev}/statistics/rx_packets").stdout)
+
     def vm_to_vm(self, tx_args: list[str], length: int, seconds: float, cut_through: bool = True) -> float | None:
         """testpmd (the VM on host 1, vhost-user) sends to the VM on host 2,
         bench/tools/rx_sink.py (a virtio driver on its own vhost-user
@@ -385,8 +450,8 @@ def frame_len(size: str) -> int:
 
 
 def summarize(rows: list[dict], transports: list[str], sizes: list[str]) -> list[str]:
-    out = ["| size | transport | Mpps min / median / max | Gbit/s (median) | / tap (or tap-intake) | / socket | / dpdk-loop | load before→after |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| size | transport | Mpps min / median / max | Gbit/s (median) | / tap (or tap-intake) | / socket | / dpdk-loop | / vxlan-veth | load before→after |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for size in sizes:
         med = {}
         for t in transports:
@@ -396,14 +461,16 @@ def summarize(rows: list[dict], transports: list[str], sizes: list[str]) -> list
         for t in transports:
             v = [r["pps"] for r in rows if r["size"] == size and r["transport"] == t and r["pps"] is not None]
             loads = ", ".join(f"{r['load_before']}→{r['load_after']}" for r in rows if r["size"] == size and r["transport"] == t)
+            if not loads:
+                continue  # not measured at this size
             if not v:
-                out.append(f"| {size} | {t} | failed | - | - | - | - | {loads} |")
+                out.append(f"| {size} | {t} | failed | - | - | - | - | - | {loads} |")
                 continue
             m = med[t]
             ratio = lambda ref: f"{m / med[ref]:.2f}" if med.get(ref) else "-"
             base = "tap-intake" if t.endswith("-intake") else "tap"
             out.append(f"| {size} | {t} | {min(v) / 1e6:.3f} / {m / 1e6:.3f} / {max(v) / 1e6:.3f} | "
-                       f"{m * frame_len(size) * 8 / 1e9:.2f} | {ratio(base)} | {ratio('socket')} | {ratio('dpdk-loop')} | {loads} |")
+                       f"{m * frame_len(size) * 8 / 1e9:.2f} | {ratio(base)} | {ratio('socket')} | {ratio('dpdk-loop')} | {ratio('vxlan-veth')} | {loads} |")
     return out
 
 
@@ -426,13 +493,16 @@ def main():
     labs = {name: Lab(tag=f"vh{name[0]}" if args.base else "vh") for name, _ in builds}
     rows = []
     try:
-        benches = {name: Bench(labs[name], binary, args.underlay_mtu, veth=any(t.startswith("vhost-veth") for t in transports)) for name, binary in builds}
+        benches = {name: Bench(labs[name], binary, args.underlay_mtu, veth=any(t.startswith("vhost-veth") for t in transports),
+                               vxlan="vxlan-veth" in transports) for name, binary in builds}
         for rep in range(args.reps):
             for size in sizes:
                 order = transports if rep % 2 == 0 else transports[::-1]
                 for t in order:
                     if size == "tso" and (not t.startswith("vhost") or t.startswith("vhost-vm")):
                         continue  # only a virtio driver (tso_sender.py) sends super-frames here
+                    if t == "vxlan-veth" and (size == "tso" or frame_len(size) - 14 > args.underlay_mtu - 50):
+                        continue  # VXLAN's 50 bytes: a packet this long does not fit the underlay unfragmented
                     turn = builds if (rep + len(rows)) % 2 == 0 else builds[::-1]
                     for name, _ in turn:
                         row = {"rep": rep, "size": size, "transport": t, "build": name, "load_before": loadavg()}
