@@ -12,6 +12,12 @@ issue 42 asks of the link refactor ("speed unchanged: within ±3 %"):
   vxlan        the same over a VXLAN link between two vnetds
   udp-user     the same over VNET/P's UDP link, `SET datapath user` (the
                plaintext user path every TAP guest's frame takes)
+  to-container a VM's stream into a container: guest → guest TCP over the
+               UDP link from a host whose vnetd cuts the guest's super-
+               frames into segments (`SET datapath user`, as for a VM) to a
+               veth guest on a host with the kernel fast path, which cuts
+               each train round its finishing pair and hands the segments
+               to the guest's kernel to merge (GRO)
 
 and, in the same labs, with no vnetd, the anchors the ratios need: `native`
 (host → host TCP on the underlay) and `kernel-vxlan` (guest → guest through
@@ -41,10 +47,10 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "tools"))
-from netlab import Lab, guest_mac, mesh_config, overlay_ip, underlay_ip  # noqa: E402
+from netlab import Lab, guest_mac, mesh_config, overlay_ip, underlay_ip, veth_mesh  # noqa: E402
 from test_wireguard import GUEST_MTU as WG_MTU, public_key, wg_config  # noqa: E402
 
-OVERLAYS = ["vm-vm", "wireguard", "tcp", "vxlan", "udp-user"]
+OVERLAYS = ["vm-vm", "wireguard", "tcp", "vxlan", "udp-user", "to-container"]
 ANCHORS = ["native", "kernel-vxlan"]
 # Guest MTUs: each link's largest frame on a 1500-byte underlay, less 14.
 MTU = {"udp-user": 1458, "tcp": 1446, "vxlan": 1450, "wireguard": WG_MTU}
@@ -123,6 +129,10 @@ def measure(workload: str, binary: Path | None, seconds: float, vhost) -> float 
         if workload == "kernel-vxlan":
             ns = kernel_vxlan(lab)
             return iperf(lab, ns[2], ns[1], overlay_ip(2), seconds)
+        if workload == "to-container":
+            _, _, g = veth_mesh(lab, {1: [1], 2: [2]}, extra={1: "SET datapath user\n"}, binary=binary)
+            assert lab.reaches(g[1], g[2], tries=10), workload
+            return iperf(lab, g[2].ns, g[1].ns, g[2].ip, seconds)
         g = guests_over(lab, workload, binary)
         return iperf(lab, g[2].ns, g[1].ns, g[2].ip, seconds)
 

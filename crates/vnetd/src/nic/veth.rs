@@ -72,10 +72,33 @@ impl PortNic<VethPair> {
         let undo = Undo(made.then_some(host_index));
         // The host must not talk on the guest's wire (IPv6 autoconf etc.).
         let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1");
+        if kernel.is_some() {
+            merge_on_arrival(netns, name, &host);
+        }
         rtnl::set_up(host_index).with_context(|| format!("cannot bring {host} up"))?;
         let port = GuestPort::attach(kernel, iface, &host, host_index, &upcall, mtu, true)?;
         std::mem::forget(undo);
         Ok(PortNic { port, device: VethPair { guest: name.to_string(), host, host_index, remove: AtomicBool::new(made) } })
+    }
+}
+
+/// Lets the guest's kernel merge (GRO) the frames the fast path hands it
+/// one by one, as a NIC's driver would: the datagrams of a peer's train,
+/// cut round the finishing pair, come back one frame each, and the fast
+/// path sends them out of the pair's host end (`from_network`), whose
+/// transmit feeds the guest end's NAPI (GRO on) instead of the backlog when
+/// the host end has no TSO (veth's rule: what it passes on unsegmented must
+/// not be a super-frame it could have kept). A guest's TCP then takes a
+/// VM's stream in 64 KB pieces, not a segment at a time. Super-frames still
+/// go straight to the guest's side (`bpf_redirect_peer`), so TSO on the
+/// host end is never needed. Best effort: without it the frames arrive all
+/// the same, each on its own.
+fn merge_on_arrival(netns: &str, guest: &str, host: &str) {
+    let r = netdev::open_netns(netns)
+        .and_then(|ns| netdev::set_feature_in(&ns, guest, netdev::ETHTOOL_SGRO, true))
+        .and_then(|()| netdev::set_feature_here(host, netdev::ETHTOOL_STSO, false));
+    if let Err(e) = r {
+        tracing::warn!("veth {guest} in {netns}: frames from other hosts arrive unmerged (no GRO): {e:#}");
     }
 }
 

@@ -100,6 +100,18 @@ fn with_ioctl_socket<T>(f: impl FnOnce(RawFd) -> Result<T>) -> Result<T> {
 /// off`): the kernel then finishes checksums, and segments, in software
 /// before the device, as for a NIC without those offloads.
 pub fn tx_checksum_off(name: &str) -> Result<()> {
+    with_ioctl_socket(|sock| set_feature(sock, name, ETHTOOL_STXCSUM, false))
+}
+
+/// A device's offloads by ethtool's one-feature commands (`ethtool -K`).
+pub const ETHTOOL_STXCSUM: u32 = 0x17;
+/// Every TCP segmentation offload (TSO, TSO6, ECN, mangle-id).
+pub const ETHTOOL_STSO: u32 = 0x1f;
+pub const ETHTOOL_SGRO: u32 = 0x2c;
+
+/// Sets one offload of device `name` on or off (`cmd`: an `ETHTOOL_S*`),
+/// through `sock`, a socket in the device's namespace.
+pub fn set_feature(sock: RawFd, name: &str, cmd: u32, on: bool) -> Result<()> {
     #[repr(C)]
     struct EthtoolValue {
         cmd: u32,
@@ -112,16 +124,35 @@ pub fn tx_checksum_off(name: &str) -> Result<()> {
         _pad: [u8; 16],
     }
     const SIOCETHTOOL: libc::c_ulong = 0x8946;
-    const ETHTOOL_STXCSUM: u32 = 0x17;
-    with_ioctl_socket(|sock| {
-        let mut v = EthtoolValue { cmd: ETHTOOL_STXCSUM, data: 0 };
-        let mut req = IfReqData { name: ifname_bytes(name), data: &mut v, _pad: [0; 16] };
-        // SAFETY: SIOCETHTOOL takes an ifreq whose ifr_data points at an
-        // ethtool command, as `req` is laid out; `v` outlives the call.
-        if unsafe { libc::ioctl(sock, SIOCETHTOOL, &mut req) } < 0 {
-            bail!("ETHTOOL_STXCSUM: {}", io::Error::last_os_error());
-        }
-        Ok(())
+    let mut v = EthtoolValue { cmd, data: on as u32 };
+    let mut req = IfReqData { name: ifname_bytes(name), data: &mut v, _pad: [0; 16] };
+    // SAFETY: SIOCETHTOOL takes an ifreq whose ifr_data points at an
+    // ethtool command, as `req` is laid out; `v` outlives the call.
+    if unsafe { libc::ioctl(sock, SIOCETHTOOL, &mut req) } < 0 {
+        bail!("ethtool command {cmd:#x} on {name}: {}", io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Sets one offload of device `name` in this namespace (see `set_feature`).
+pub fn set_feature_here(name: &str, cmd: u32, on: bool) -> Result<()> {
+    with_ioctl_socket(|sock| set_feature(sock, name, cmd, on))
+}
+
+/// Sets one offload of device `name` in the network namespace `ns` (a
+/// thread of ours enters it: setns changes only the calling thread).
+pub fn set_feature_in(ns: &OwnedFd, name: &str, cmd: u32, on: bool) -> Result<()> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| -> Result<()> {
+                // SAFETY: setns on a network namespace file the caller opened and checked.
+                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
+                    bail!("cannot enter the guest's network namespace: {}", io::Error::last_os_error());
+                }
+                set_feature_here(name, cmd, on)
+            })
+            .join()
+            .map_err(|_| anyhow!("ethtool thread panicked"))?
     })
 }
 
