@@ -82,17 +82,16 @@ impl PortNic<VethPair> {
     }
 }
 
-/// Lets the guest's kernel merge (GRO) the frames the fast path hands it
-/// one by one, as a NIC's driver would: the datagrams of a peer's train,
-/// cut round the finishing pair, come back one frame each, and the fast
-/// path sends them out of the pair's host end (`from_network`), whose
-/// transmit feeds the guest end's NAPI (GRO on) instead of the backlog when
-/// the host end has no TSO (veth's rule: what it passes on unsegmented must
-/// not be a super-frame it could have kept). A guest's TCP then takes a
-/// VM's stream in 64 KB pieces, not a segment at a time. Super-frames still
-/// go straight to the guest's side (`bpf_redirect_peer`), so TSO on the
-/// host end is never needed. Best effort: without it the frames arrive all
-/// the same, each on its own.
+/// Lets the guest's kernel merge (GRO) the TCP segments the fast path
+/// hands it one by one, as a NIC's driver would: a VM's stream crosses the
+/// link a segment per datagram, and `from_network` sends each segment out
+/// of the pair's host end, whose transmit feeds the guest end's NAPI (GRO
+/// on) instead of the backlog, which veth does only for a sending end
+/// without TSO (`veth_skb_is_eligible_for_gro`). The guest's TCP then
+/// takes the stream in pieces of up to 64 KB, not a segment at a time.
+/// Super-frames still go straight to the guest's side
+/// (`bpf_redirect_peer`), so the host end never needs TSO. Best effort:
+/// without it the segments arrive all the same, each on its own.
 fn merge_on_arrival(netns: &str, guest: &str, host: &str) {
     let r = netdev::open_netns(netns)
         .and_then(|ns| netdev::set_feature_in(&ns, guest, netdev::ETHTOOL_SGRO, true))
