@@ -179,9 +179,11 @@ def test_a_tcp_stream_that_crossed_the_link_segment_by_segment_reaches_a_veth_gu
     through the pair's host end, where the guest's kernel merges them (GRO),
     as a NIC's driver does: the guest's stack takes the stream in pieces
     larger than a segment (what `tcpdump` in the guest shows), and the
-    bytes arrive intact.
+    bytes arrive intact. With the guest's end down, each segment lost on
+    the way in is counted (`drop_delivery_full`).
     Catches: segments handed over one by one (straight into the guest's
-    side, or GRO off on its end), or merged wrongly (the bytes differ)."""
+    side, or GRO off on its end), merged wrongly (the bytes differ), or
+    lost uncounted."""
     _, d, g = veth_mesh(lab, {1: [1], 2: [2]}, extra={1: "SET datapath user\n"})
     assert "1 received" in lab.ping(g[1], g[2], count=1, wait=5).stdout
     cap = lab.popen(g[2].ns, "timeout", "30", "tcpdump", "-i", g[2].tap, "-n", "-q", "-c", "5", "tcp and greater 3000",
@@ -193,6 +195,25 @@ def test_a_tcp_stream_that_crossed_the_link_segment_by_segment_reaches_a_veth_gu
     assert len(merged) == 5, f"no segments merged in the guest: {out!r}"
     f = fast(d[2])
     assert f["hit_net"] > 1000 and f["finish"] > 0 and f["drop_decap"] == 0, f
+    # What the kernel loses on the way in is counted: the guest's end down,
+    # each TCP segment sent to it (SYNs, by its peer's count) is lost at the
+    # host end, and the interface's drop_delivery_full says how many.
+    lab.x(g[1].ns, "ip", "neigh", "replace", g[2].ip, "lladdr", g[2].mac, "dev", g[1].tap, "nud", "permanent")
+    lab.x(g[2].ns, "ip", "link", "set", g[2].tap, "down")
+
+    def out_segs():
+        rows = [l.split() for l in lab.x(g[1].ns, "cat", "/proc/net/snmp").stdout.splitlines() if l.startswith("Tcp:")]
+        tcp = dict(zip(rows[0][1:], rows[1][1:]))
+        return int(tcp["OutSegs"]) + int(tcp["RetransSegs"])  # a SYN sent again is counted only there
+
+    def lost():
+        return d[2].stats()[f"interface {g[2].tap}"]["drop_delivery_full"]
+    s0, l0 = out_segs(), lost()
+    lab.x(g[1].ns, "python3", "-c", "import socket\ntry:\n socket.create_connection(("
+          f"'{g[2].ip}', 5003), timeout=2.5)\nexcept OSError: pass")
+    sent = out_segs() - s0
+    assert sent >= 2, sent
+    assert wait_until(lambda: lost() - l0 == sent, timeout=5), (lost() - l0, sent)
 
 
 def test_datapath_setting_switches_at_run_time(lab):

@@ -137,6 +137,10 @@ pub trait PortDevice: Send + Sync {
     fn describe(&self) -> String {
         String::new()
     }
+    /// Its counters for `STATS` (` key=value` pairs).
+    fn extra_stats(&self) -> String {
+        String::new()
+    }
 }
 
 /// A NIC met through a `GuestPort`. Fields drop in order: the port (its
@@ -187,5 +191,9 @@ impl<D: PortDevice> VirtualNic for PortNic<D> {
 
     fn upcall_dropped(&self) -> u64 {
         self.port.upcall_dropped()
+    }
+
+    fn extra_stats(&self) -> String {
+        self.device.extra_stats()
     }
 }

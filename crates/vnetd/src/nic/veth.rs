@@ -124,6 +124,13 @@ impl PortDevice for VethPair {
     fn describe(&self) -> String {
         format!("ifname={} host={}", self.guest, self.host)
     }
+
+    /// Frames the kernel lost on the way into the guest: the host end's
+    /// transmit drops (the guest end's queue full, the guest behind; or its
+    /// end down), the kernel's count.
+    fn extra_stats(&self) -> String {
+        format!(" drop_delivery_full={}", rtnl::tx_dropped(self.host_index).unwrap_or(0))
+    }
 }
 
 impl Drop for VethPair {
