@@ -205,7 +205,7 @@ class Bench:
 
     def rx(self, g) -> int:
         """Frames guest `g`'s device received."""
-        return int(self.lab.x(g.ns, "cat", f"/sys/class/net/{g.tap}/statistics/rx_packets").stdout)
+        return self.rx_of(g.ns, g.tap)
 
     def measure(self, transport: str, size: int, seconds: float) -> float | None:
         lab = self.lab
@@ -367,6 +367,7 @@ class Bench:
         return (a1[0] - a0[0]) / (t1 - t0)
 
     def rx_of(self, ns: str, dev: str) -> int:
+        """Frames device `dev` in namespace `ns` received."""
         return int(self.lab.x(ns, "cat", f"/sys/class/net/{dev}/statistics/rx_packets").stdout)
 
     def vm_to_vm(self, tx_args: list[str], length: int, seconds: float, cut_through: bool = True) -> float | None:

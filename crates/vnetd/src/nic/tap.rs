@@ -13,7 +13,7 @@
 //!   /run/netns, never through a symbolic link.
 
 use super::{parse_received, Received, VirtualNic};
-use crate::sys::netdev::{configure, ifindex, ifname_bytes, open_netns, send_vnet, set_up, IfReqFlags};
+use crate::sys::netdev::{configure, ifindex, ifname_bytes, in_netns, open_netns, send_vnet, set_up, IfReqFlags};
 use crate::sys::{keep, rtnl};
 use anyhow::{anyhow, bail, Context, Result};
 use std::fs::{File, OpenOptions};
@@ -78,20 +78,10 @@ impl Tap {
     /// Returns the TAP and whether it already existed.
     pub fn create_in_netns(name: &str, mtu: u32, mac: Mac, netns: &str) -> Result<(Tap, bool)> {
         let ns = open_netns(netns)?;
-        // setns changes only the calling thread: do it in one of our own.
-        std::thread::scope(|scope| {
-            scope
-                .spawn(|| -> Result<(Tap, bool)> {
-                    // SAFETY: setns on a network namespace file we opened and checked.
-                    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
-                        bail!("cannot enter network namespace {netns}: {}", io::Error::last_os_error());
-                    }
-                    let made = Tap::create_persistent(name, mtu, mac).map_err(|e| anyhow!("{e:#} (in network namespace {netns})"))?;
-                    keep_neighbours_without_carrier(name);
-                    Ok(made)
-                })
-                .join()
-                .map_err(|_| anyhow!("TAP creation thread panicked"))?
+        in_netns(&ns, netns, || -> Result<(Tap, bool)> {
+            let made = Tap::create_persistent(name, mtu, mac).map_err(|e| anyhow!("{e:#} (in network namespace {netns})"))?;
+            keep_neighbours_without_carrier(name);
+            Ok(made)
         })
     }
 
@@ -329,18 +319,7 @@ impl Tap {
         // SAFETY: the ioctl returned a descriptor we own.
         let ns = unsafe { OwnedFd::from_raw_fd(ns) };
         let name = device_name(&self.file)?;
-        std::thread::scope(|scope| {
-            scope
-                .spawn(|| {
-                    // SAFETY: setns on the namespace the kernel gave us, in this thread only.
-                    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    rtnl::tx_dropped(ifindex(&name)?)
-                })
-                .join()
-                .unwrap_or_else(|_| Err(io::Error::other("thread panicked")))
-        })
+        in_netns(&ns, &format!("of TAP {name}"), || rtnl::tx_dropped(ifindex(&name)?))
     }
 }
 

@@ -139,20 +139,28 @@ pub fn set_feature_here(name: &str, cmd: u32, on: bool) -> Result<()> {
     with_ioctl_socket(|sock| set_feature(sock, name, cmd, on))
 }
 
-/// Sets one offload of device `name` in the network namespace `ns` (a
-/// thread of ours enters it: setns changes only the calling thread).
+/// Sets one offload of device `name` in the network namespace `ns`.
 pub fn set_feature_in(ns: &OwnedFd, name: &str, cmd: u32, on: bool) -> Result<()> {
+    in_netns(ns, "the guest's", || set_feature_here(name, cmd, on))
+}
+
+/// Runs `f` in a thread of ours that enters the network namespace `ns`
+/// first (setns changes only the calling thread), and gives back what `f`
+/// returns. `what` names the namespace in the error if it cannot be
+/// entered.
+pub fn in_netns<T: Send, E: From<io::Error> + Send>(ns: &OwnedFd, what: &str, f: impl FnOnce() -> std::result::Result<T, E> + Send) -> std::result::Result<T, E> {
     std::thread::scope(|scope| {
         scope
-            .spawn(|| -> Result<()> {
-                // SAFETY: setns on a network namespace file the caller opened and checked.
+            .spawn(|| {
+                // SAFETY: setns on a network namespace file the caller holds, in this thread only.
                 if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
-                    bail!("cannot enter the guest's network namespace: {}", io::Error::last_os_error());
+                    let e = io::Error::last_os_error();
+                    return Err(io::Error::new(e.kind(), format!("cannot enter network namespace {what}: {e}")).into());
                 }
-                set_feature_here(name, cmd, on)
+                f()
             })
             .join()
-            .map_err(|_| anyhow!("ethtool thread panicked"))?
+            .unwrap_or_else(|_| Err(io::Error::other(format!("a thread in network namespace {what} panicked")).into()))
     })
 }
 

@@ -13,8 +13,8 @@
 //! <name>`, a file in /run/netns) and kept while that file stays the same.
 
 use crate::sys::rtnl::{RouteTo, Rtnl};
-use crate::sys::netdev::open_netns;
-use anyhow::{anyhow, bail, Context, Result};
+use crate::sys::netdev::{in_netns, open_netns};
+use anyhow::{Context, Result};
 use netlink_packet_route::neighbour::NeighbourState;
 use netlink_packet_route::route::RouteType;
 use std::collections::HashMap;
@@ -59,28 +59,19 @@ impl GuestNs {
     fn open(name: &str) -> Result<GuestNs> {
         let fd = open_netns(name)?;
         let meta = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd())).context("netns file")?;
-        // setns changes only the calling thread: do it in one of our own.
-        let (rtnl, cookie, diag) = std::thread::scope(|s| {
-            s.spawn(|| -> Result<(Rtnl, u64, OwnedFd)> {
-                // SAFETY: setns on a network namespace file we opened and checked.
-                if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
-                    bail!("cannot enter network namespace {name}: {}", std::io::Error::last_os_error());
+        let (rtnl, cookie, diag) = in_netns(&fd, name, || -> Result<(Rtnl, u64, OwnedFd)> {
+            let rtnl = Rtnl::open().context("rtnetlink in the guest's namespace")?;
+            let diag = super::diag::open().context("sock_diag in the guest's namespace")?;
+            let probe = std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"));
+            let cookie = match probe {
+                Ok(p) => netns_cookie(p.as_raw_fd())?,
+                // No address family at all: a raw netlink socket has a namespace too.
+                Err(_) => {
+                    let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::DGRAM, None)?;
+                    netns_cookie(s.as_raw_fd())?
                 }
-                let rtnl = Rtnl::open().context("rtnetlink in the guest's namespace")?;
-                let diag = super::diag::open().context("sock_diag in the guest's namespace")?;
-                let probe = std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"));
-                let cookie = match probe {
-                    Ok(p) => netns_cookie(p.as_raw_fd())?,
-                    // No address family at all: a raw netlink socket has a namespace too.
-                    Err(_) => {
-                        let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::DGRAM, None)?;
-                        netns_cookie(s.as_raw_fd())?
-                    }
-                };
-                Ok((rtnl, cookie, diag))
-            })
-            .join()
-            .map_err(|_| anyhow!("namespace thread panicked"))?
+            };
+            Ok((rtnl, cookie, diag))
         })?;
         Ok(GuestNs {
             name: name.to_string(),
