@@ -915,8 +915,9 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
     silently.
     Catches: the headers not pulled in (the train passed up uncounted), the
     train decapsulated as its first frame (the rest lost), taken on the
-    first frame's route alone (the unrouted frames delivered), or the pair's
-    losses uncounted (`drop_finish`)."""
+    first frame's route alone (the unrouted frames delivered), the pair's
+    losses uncounted (`drop_finish`), or frames that only claim TCP (a
+    hostile peer's) lost or stuck on the merging way."""
     h1, h2 = lab.add_host(1), lab.add_host(2)
     peer, nowhere = "02:00:00:00:00:50", "02:00:00:00:00:5e"
     gns = {n: lab.guest_ns(f"g{n}") for n in (1, 3)}
@@ -971,6 +972,16 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
     got = during("train-runt", 20, g[1].mac, g[3].mac)
     assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 1, "hit_net": 20, "finish": 1, "slow_gso": 0,
                    "from_vnetd": 0, "drop_finish": 0}, got
+    # A hostile peer's train whose frames claim TCP over headers of garbage:
+    # each takes the merging way (out of the host end, into the guest end's
+    # NAPI) as any TCP segment does, reaches the guest's device on its own
+    # (nothing to merge), and nothing is lost on the way in; the guest's
+    # stack judges it (and drops it).
+    lost0 = {n: d.stats()[f"interface g{n}"]["drop_delivery_full"] for n in (1, 3)}
+    got = during("train-tcp", 20, g[1].mac, g[3].mac)
+    assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 0, "hit_net": 20, "finish": 1, "slow_gso": 0,
+                   "from_vnetd": 0, "drop_finish": 0}, got
+    assert {n: d.stats()[f"interface g{n}"]["drop_delivery_full"] for n in (1, 3)} == lost0
     # The pair's receiving side down: the train is lost on the way round,
     # whole (a queue that is full instead loses datagrams one by one, each
     # counted), and counted; none of it reaches a guest or vnetd.

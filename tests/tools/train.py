@@ -5,10 +5,12 @@ one of DST_MACS (in the order given, cycled to COUNT frames). As `single`,
 one sendto per datagram; as `train`, all in one send with UDP_SEGMENT (UDP
 GSO, as vnetd sends a pass's frames to one link), which a veth underlay
 delivers to the other host unsegmented; as `train-runt`, the same train
-ending in an 8-byte datagram, too short to hold a frame (a hostile peer's).
+ending in an 8-byte datagram, too short to hold a frame (a hostile peer's);
+as `train-tcp`, the train with every frame claiming to be TCP (IP protocol
+6) over the same bytes, a TCP header of garbage (a hostile peer's too).
 Prints "sent <n>" (frames, the runt not counted).
 
-  train.py single|train|train-runt BIND_IP PORT TO_IP PEER_MAC SIZE COUNT DST_MAC[,DST_MAC...]
+  train.py single|train|train-runt|train-tcp BIND_IP PORT TO_IP PEER_MAC SIZE COUNT DST_MAC[,DST_MAC...]
 """
 import socket
 import struct
@@ -23,10 +25,10 @@ def mac(m: str) -> bytes:
     return bytes.fromhex(m.replace(":", ""))
 
 
-def frame(dst: bytes, src: bytes, size: int, seq: int) -> bytes:
+def frame(dst: bytes, src: bytes, size: int, seq: int, proto: int = 17) -> bytes:
     payload = bytes((seq + i) & 0xFF for i in range(size - 14 - 28))
     udp = struct.pack("!HHHH", 4000, 9, 8 + len(payload), 0) + payload
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), seq & 0xFFFF, 0, 64, 17, 0,
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), seq & 0xFFFF, 0, 64, proto, 0,
                      socket.inet_aton("198.19.0.50"), socket.inet_aton("198.19.0.1"))
     ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
     return dst + src + b"\x08\x00" + ip + udp
@@ -36,7 +38,8 @@ def main():
     mode, bind_ip, port, to_ip, peer, size, count, dsts = sys.argv[1:9]
     port, size, count = int(port), int(size), int(count)
     dsts = [mac(m) for m in dsts.split(",")]
-    frames = [frame(dsts[i % len(dsts)], mac(peer), size, i) for i in range(count)]
+    proto = 6 if mode == "train-tcp" else 17
+    frames = [frame(dsts[i % len(dsts)], mac(peer), size, i, proto) for i in range(count)]
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind((bind_ip, port))
     if mode.startswith("train"):
