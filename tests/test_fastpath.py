@@ -3,6 +3,7 @@
 TCP across hosts, checked by what the guests see and by STATS saying which
 path carried the frames."""
 
+import re
 import shutil
 import signal
 import subprocess
@@ -934,12 +935,21 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
                     peer, size, count, ",".join(dsts)).stdout
         assert out.split() == ["sent", str(count)], out
 
+    # Each guest's host end (INTERFACE LIST: host=<name>): what leaves by
+    # it (its transmit count) took the merging way, not straight in.
+    listing = d.ctl("INTERFACE", "LIST").stdout
+    host_end = {n: re.search(rf"\bg{n}\b.*?\bhost=(\S+)", listing).group(1) for n in (1, 3)}
+
+    def by_host_end():
+        return sum(int(lab.x(h1, "cat", f"/sys/class/net/{host_end[n]}/statistics/tx_packets").stdout) for n in (1, 3))
+
     def counts():
         s = d.stats()
         f = s["fastpath"]
         return {"g1": rx_packets(lab, g[1]), "g3": rx_packets(lab, g[3]), "no_route": s["global"]["drop_no_route"],
                 "malformed": s["global"]["drop_malformed"],
-                **{k: f[k] for k in ("hit_net", "finish", "slow_gso", "from_vnetd", "drop_finish")}}
+                **{k: f[k] for k in ("hit_net", "finish", "slow_gso", "from_vnetd", "drop_finish")},
+                "by_host_end": by_host_end()}
 
     # One datagram at a time until the kernel carries both guests' flows.
     def carried():
@@ -961,17 +971,17 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
     # 30 frames: g1, g3, nowhere, g1, g3, ... (10 each) in one send.
     got = during("train", 30, g[1].mac, g[3].mac, nowhere)
     assert got == {"g1": 10, "g3": 10, "no_route": 10, "malformed": 0, "hit_net": 20, "finish": 1, "slow_gso": 0,
-                   "from_vnetd": 0, "drop_finish": 0}, got
+                   "from_vnetd": 0, "drop_finish": 0, "by_host_end": 0}, got
     # The first frame routed nowhere: vnetd takes the train and delivers
     # its frames itself (to a veth guest through the fast path's from_vnetd).
     got = during("train", 30, nowhere, g[1].mac, g[3].mac)
     assert got == {"g1": 10, "g3": 10, "no_route": 10, "malformed": 0, "hit_net": 0, "finish": 0, "slow_gso": 1,
-                   "from_vnetd": 20, "drop_finish": 0}, got
+                   "from_vnetd": 20, "drop_finish": 0, "by_host_end": 0}, got
     # A hostile peer's train ending in a datagram too short for a frame: cut
     # like any, the runt passed up to vnetd, which drops it and counts it.
     got = during("train-runt", 20, g[1].mac, g[3].mac)
     assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 1, "hit_net": 20, "finish": 1, "slow_gso": 0,
-                   "from_vnetd": 0, "drop_finish": 0}, got
+                   "from_vnetd": 0, "drop_finish": 0, "by_host_end": 0}, got
     # A hostile peer's train whose frames claim TCP over headers of garbage:
     # each takes the merging way (out of the host end, into the guest end's
     # NAPI) as any TCP segment does, reaches the guest's device on its own
@@ -980,7 +990,7 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
     lost0 = {n: d.stats()[f"interface g{n}"]["drop_delivery_full"] for n in (1, 3)}
     got = during("train-tcp", 20, g[1].mac, g[3].mac)
     assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 0, "hit_net": 20, "finish": 1, "slow_gso": 0,
-                   "from_vnetd": 0, "drop_finish": 0}, got
+                   "from_vnetd": 0, "drop_finish": 0, "by_host_end": 20}, got
     assert {n: d.stats()[f"interface g{n}"]["drop_delivery_full"] for n in (1, 3)} == lost0
     # The pair's receiving side down: the train is lost on the way round,
     # whole (a queue that is full instead loses datagrams one by one, each
@@ -996,9 +1006,9 @@ def test_a_peers_train_of_datagrams_is_cut_in_the_kernel_and_each_frame_goes_whe
         c = counts()
         got = {k: c[k] - c0[k] for k in c}
         assert got == {"g1": 0, "g3": 0, "no_route": 0, "malformed": 0, "hit_net": 0, "finish": 1, "slow_gso": 0,
-                       "from_vnetd": 0, "drop_finish": 1}, got
+                       "from_vnetd": 0, "drop_finish": 1, "by_host_end": 0}, got
     finally:
         lab.x(h1, "ip", "link", "set", recv, "up")
     got = during("train", 20, g[1].mac, g[3].mac)
     assert got == {"g1": 10, "g3": 10, "no_route": 0, "malformed": 0, "hit_net": 20, "finish": 1, "slow_gso": 0,
-                   "from_vnetd": 0, "drop_finish": 0}, got
+                   "from_vnetd": 0, "drop_finish": 0, "by_host_end": 0}, got
