@@ -1,7 +1,8 @@
 //! The vhost-user protocol, from the device's side: what a frontend (QEMU,
 //! cloud-hypervisor, DPDK's virtio-user) sets up is applied to the device's
 //! queue pairs. The `vhost` crate reads and answers the messages; this is what
-//! each one does to a virtio-net device, and what it refuses: memory files
+//! each one does to a device (the virtio-net one, `Device`, or the vsock one,
+//! `vsock::Device`, each behind `Virtio`), and what it refuses: memory files
 //! that can shrink (`memory`), call and kick descriptors that are not
 //! eventfds (`notify`), queue sizes past `MAX_QUEUE_SIZE`, addresses outside
 //! the memory table. Each refusal is an error reply and a counter.
@@ -10,9 +11,10 @@
 //! from its own threads, and VNET's dispatchers (pinned by `--cpus`, in the
 //! papers' modes) must own them.
 
+use crate::counters::Counters;
 use crate::device::{feature, pair_of, Device};
 use crate::dirty::LogMap;
-use crate::memory::{DirtyLog, GuestMemory};
+use crate::memory::{DirtyLog, GuestMemory, MemoryPolicy};
 use crate::notify::{Kick, Notifier};
 use crate::queue::{Ring, MAX_QUEUE_SIZE};
 use std::fs::File;
@@ -29,9 +31,104 @@ use vhost::VhostUserMemoryRegionBase;
 use virtio_queue::QueueT;
 use vm_memory::GuestAddress;
 
-/// One frontend connection's view of the device.
-pub struct Frontend<B: DirtyLog = ()> {
-    pub(crate) shared: Arc<Device<B>>,
+/// What the protocol needs of a device: its rings, its features and
+/// configuration, and what a ring starting, stopping or changing its kick
+/// means to it. The net device and the vsock device implement it; every
+/// check on what the frontend sends (memory, descriptors, sizes, addresses)
+/// is the protocol's, the same for both.
+pub trait Virtio<B: DirtyLog>: Send + Sync {
+    /// How many queues it has.
+    fn queues(&self) -> usize;
+    /// Queue `i`, locked.
+    fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring<B>>;
+    fn counters(&self) -> &Counters;
+    fn memory_policy(&self) -> MemoryPolicy;
+    /// The virtio feature bits it offers.
+    fn features(&self) -> u64;
+    /// The vhost-user protocol features it offers beyond REPLY_ACK.
+    fn protocol_features(&self) -> VhostUserProtocolFeatures;
+    /// The frontend acknowledged `features` (0: reset).
+    fn set_acked(&self, features: u64);
+    /// Its configuration space (`GET_CONFIG`), if it has one of its own.
+    fn config(&self) -> Option<Vec<u8>> {
+        None
+    }
+    /// Whether queue `i`'s kicks are watched (the net device: transmit
+    /// queues only); `watch_kick` is told of each change of theirs.
+    fn watched(&self, i: usize) -> bool;
+    fn watch_kick(&self, i: usize, old: Option<std::os::fd::RawFd>, new: Option<std::os::fd::RawFd>);
+    /// Queue `i` runs or not (after any message that may have changed it).
+    fn note_running(&self, i: usize, running: bool);
+    /// A running queue `i` takes from where its ring stands now.
+    fn mark_taken(&self, _i: usize, _r: &Ring<B>) {}
+    /// Queue `i` just started (`starting`), or was enabled while running:
+    /// whatever waits for it is looked at.
+    fn go(&self, i: usize, r: &mut Ring<B>, starting: bool);
+    /// Queue `i` stops; `migrating`: the frontend logs dirty pages (a live
+    /// migration's end: the guest goes on elsewhere).
+    fn stopping(&self, _i: usize, _r: &mut Ring<B>, _migrating: bool) {}
+}
+
+impl<B: DirtyLog> Virtio<B> for Device<B> {
+    fn queues(&self) -> usize {
+        Device::queues(self)
+    }
+    fn ring(&self, i: usize) -> std::sync::MutexGuard<'_, Ring<B>> {
+        Device::ring(self, i)
+    }
+    fn counters(&self) -> &Counters {
+        &self.counters
+    }
+    fn memory_policy(&self) -> MemoryPolicy {
+        self.memory
+    }
+    fn features(&self) -> u64 {
+        feature::offered::<B>()
+    }
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        let log = if B::LOGS { VhostUserProtocolFeatures::LOG_SHMFD } else { VhostUserProtocolFeatures::empty() };
+        VhostUserProtocolFeatures::MQ | log
+    }
+    fn set_acked(&self, features: u64) {
+        self.acked.store(features, Relaxed);
+    }
+    fn watched(&self, i: usize) -> bool {
+        !pair_of(i).1
+    }
+    fn watch_kick(&self, i: usize, old: Option<std::os::fd::RawFd>, new: Option<std::os::fd::RawFd>) {
+        Device::watch_kick(self, i, old, new)
+    }
+    fn note_running(&self, i: usize, running: bool) {
+        Device::note_running(self, i, running)
+    }
+    fn mark_taken(&self, i: usize, r: &Ring<B>) {
+        Device::mark_taken(self, i, r)
+    }
+    fn go(&self, i: usize, r: &mut Ring<B>, starting: bool) {
+        if pair_of(i).1 {
+            // Frames held for the guest while its ring was down or disabled.
+            if starting {
+                r.held.resume();
+            }
+            self.release_held(r);
+        } else {
+            // Frames the guest queued before: their kicks came earlier.
+            self.poke(i);
+        }
+    }
+    fn stopping(&self, i: usize, r: &mut Ring<B>, migrating: bool) {
+        if migrating && pair_of(i).1 {
+            // Frames for it from here are dropped as for a ring down
+            // (`drop_down`), not held for a start that never comes here.
+            r.held.leave(&self.counters);
+        }
+    }
+}
+
+/// One frontend connection's view of the device (`D`: the net device
+/// unless said).
+pub struct Frontend<B: DirtyLog = (), D: Virtio<B> = Device<B>> {
+    pub(crate) shared: Arc<D>,
     pub(crate) acked: u64,
     /// The protocol features the frontend acknowledged.
     pub(crate) protocol: u64,
@@ -47,8 +144,8 @@ pub struct Frontend<B: DirtyLog = ()> {
     pub(crate) logging: bool,
 }
 
-impl<B: DirtyLog> Frontend<B> {
-    pub fn new(shared: Arc<Device<B>>) -> Frontend<B> {
+impl<B: DirtyLog, D: Virtio<B>> Frontend<B, D> {
+    pub fn new(shared: Arc<D>) -> Frontend<B, D> {
         let mut f = Frontend { shared, acked: 0, protocol: 0, mem: None, table: Vec::new(), log: None, logging: false };
         f.reset();
         f
@@ -64,14 +161,14 @@ impl<B: DirtyLog> Frontend<B> {
         self.apply_log();
         for i in 0..self.shared.queues() {
             let mut r = self.shared.ring(i);
-            if !pair_of(i).1 {
+            if self.shared.watched(i) {
                 self.shared.watch_kick(i, r.kick.as_ref().map(|k| k.as_raw_fd()), None);
             }
             r.reset();
             r.mem = None;
             self.shared.note_running(i, false);
         }
-        self.shared.acked.store(0, Relaxed);
+        self.shared.set_acked(0);
     }
 
     /// The log where writes go now, if the frontend asks for one.
@@ -124,14 +221,9 @@ impl<B: DirtyLog> Frontend<B> {
             // for (killed between the two), the guest hears of it now
             // (`start_interrupts`).
             if r.signal() {
-                self.shared.counters.start_interrupts.fetch_add(1, Relaxed);
+                self.shared.counters().start_interrupts.fetch_add(1, Relaxed);
             }
-            if pair_of(i).1 {
-                r.held.resume();
-                self.shared.release_held(r);
-            } else {
-                self.shared.poke(i);
-            }
+            self.shared.go(i, r, true);
         }
     }
 }
@@ -140,7 +232,7 @@ fn unsupported<T>(what: &'static str) -> Result<T> {
     Err(Error::InvalidOperation(what))
 }
 
-impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
+impl<B: DirtyLog, D: Virtio<B>> VhostUserBackendReqHandlerMut for Frontend<B, D> {
     fn set_owner(&mut self) -> Result<()> {
         Ok(())
     }
@@ -156,12 +248,12 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
     }
 
     fn get_features(&mut self) -> Result<u64> {
-        Ok(feature::offered::<B>())
+        Ok(self.shared.features())
     }
 
     fn set_features(&mut self, features: u64) -> Result<()> {
         tracing::debug!("vhost-user features acked: {features:#x}");
-        if features & !feature::offered::<B>() != 0 {
+        if features & !self.shared.features() != 0 {
             return Err(Error::InvalidParam);
         }
         self.acked = features;
@@ -173,7 +265,7 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
             tracing::info!(logging, "vhost-user dirty-page logging {}", if logging { "on" } else { "off" });
             self.apply_log();
         }
-        self.shared.acked.store(features, Relaxed);
+        self.shared.set_acked(features);
         for i in 0..self.shared.queues() {
             let mut r = self.shared.ring(i);
             r.queue.set_event_idx(features & feature::EVENT_IDX != 0);
@@ -186,10 +278,10 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
             return Err(Error::InvalidParam);
         }
         let copies: Vec<File> = files.iter().filter_map(|f| f.try_clone().ok()).collect();
-        let mem = match GuestMemory::map(ctx, files, self.shared.memory) {
+        let mem = match GuestMemory::map(ctx, files, self.shared.memory_policy()) {
             Ok(m) => m,
             Err(e) => {
-                self.shared.counters.refused_memory.fetch_add(1, Relaxed);
+                self.shared.counters().refused_memory.fetch_add(1, Relaxed);
                 tracing::warn!("vhost-user memory table refused: {}", e.0);
                 return Err(Error::InvalidParam);
             }
@@ -237,18 +329,14 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         let mut r = self.ring(index)?;
         // The ring stops: publish what was done, then say where it stopped.
         r.publish();
-        if self.logging && pair_of(index as usize).1 {
-            // Stopped while the frontend logs dirty pages: a live
-            // migration's end, the guest's next start is on another host.
-            // Frames for it from here are dropped as for a ring down
-            // (`drop_down`), not held for a start that never comes here.
-            r.held.leave(&self.shared.counters);
-        }
+        // Stopped while the frontend logs dirty pages: a live migration's
+        // end, the guest's next start is on another host.
+        self.shared.stopping(index as usize, &mut r, self.logging);
         let next = r.queue.next_avail();
         if r.running() {
             tracing::info!(queue = index, next_avail = next, used = r.queue.next_used(), "vhost-user ring stopped");
         }
-        if !pair_of(index as usize).1 {
+        if self.shared.watched(index as usize) {
             self.shared.watch_kick(index as usize, r.kick.as_ref().map(|k| k.as_raw_fd()), None);
         }
         r.queue.set_ready(false);
@@ -264,12 +352,12 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         let kick = match fd.map(Kick::new).transpose() {
             Ok(k) => k,
             Err(e) => {
-                self.shared.counters.refused_fds.fetch_add(1, Relaxed);
+                self.shared.counters().refused_fds.fetch_add(1, Relaxed);
                 tracing::warn!(index, "vhost-user kick descriptor refused: {e}");
                 return Err(Error::InvalidParam);
             }
         };
-        if !pair_of(usize::from(index)).1 {
+        if self.shared.watched(usize::from(index)) {
             self.shared.watch_kick(usize::from(index), r.kick.as_ref().map(|k| k.as_raw_fd()), kick.as_ref().map(|k| k.as_raw_fd()));
         }
         r.kick = kick;
@@ -292,14 +380,14 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
                 // deaf after vnetd's restart, in loaded CI runs). Once more
                 // on this one (`start_interrupts`).
                 if r.running() && r.signal() {
-                    self.shared.counters.start_interrupts.fetch_add(1, Relaxed);
+                    self.shared.counters().start_interrupts.fetch_add(1, Relaxed);
                 }
             }
             Err(e) => {
                 // The ring keeps no call descriptor: the guest polls, or
                 // the frontend sends a proper one.
                 r.call = None;
-                self.shared.counters.refused_fds.fetch_add(1, Relaxed);
+                self.shared.counters().refused_fds.fetch_add(1, Relaxed);
                 tracing::warn!(index, "vhost-user call descriptor refused: {e}");
                 return Err(Error::InvalidParam);
             }
@@ -312,8 +400,7 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
     }
 
     fn get_protocol_features(&mut self) -> Result<VhostUserProtocolFeatures> {
-        let log = if B::LOGS { VhostUserProtocolFeatures::LOG_SHMFD } else { VhostUserProtocolFeatures::empty() };
-        Ok(VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::MQ | log)
+        Ok(VhostUserProtocolFeatures::REPLY_ACK | self.shared.protocol_features())
     }
 
     fn set_protocol_features(&mut self, features: u64) -> Result<()> {
@@ -329,29 +416,30 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         tracing::debug!(index, ?enable, "vhost-user set_vring_enable");
         let mut r = self.ring(index)?;
         r.enabled = enable;
-        let (i, rx) = (index as usize, pair_of(index as usize).1);
+        let i = index as usize;
         if enable {
             self.start(index, &mut r);
-            // Frames the guest queued while the ring was disabled: their
-            // kicks were consumed then, so the dispatcher is told to look.
-            if !rx && r.running() {
-                self.shared.poke(i);
-            }
-            // Frames held for the guest while it was disabled.
-            if rx && r.running() {
-                self.shared.release_held(&mut r);
+            // What waits for the ring while it was disabled (the guest's
+            // kicks were consumed then, or frames held for it).
+            if r.running() {
+                self.shared.go(i, &mut r, false);
             }
         }
         self.shared.note_running(i, r.running());
         Ok(())
     }
 
-    fn get_config(&mut self, _offset: u32, _size: u32, _flags: VhostUserConfigFlags) -> Result<Vec<u8>> {
-        unsupported("config space is the frontend's")
+    fn get_config(&mut self, offset: u32, size: u32, _flags: VhostUserConfigFlags) -> Result<Vec<u8>> {
+        let Some(space) = self.shared.config() else { return unsupported("config space is the frontend's") };
+        let (at, n) = (offset as usize, size as usize);
+        match space.get(at..at.checked_add(n).ok_or(Error::InvalidParam)?) {
+            Some(part) => Ok(part.to_vec()),
+            None => Err(Error::InvalidParam),
+        }
     }
 
     fn set_config(&mut self, _offset: u32, _buf: &[u8], _flags: VhostUserConfigFlags) -> Result<()> {
-        unsupported("config space is the frontend's")
+        unsupported("the configuration space is read-only")
     }
 
     fn set_gpu_socket(&mut self, _gpu: GpuBackend) -> Result<()> {
@@ -401,13 +489,13 @@ impl<B: DirtyLog> VhostUserBackendReqHandlerMut for Frontend<B> {
         let map = match LogMap::map(&file, log.mmap_size, log.mmap_offset) {
             Ok(m) => m,
             Err(e) => {
-                self.shared.counters.refused_logs.fetch_add(1, Relaxed);
+                self.shared.counters().refused_logs.fetch_add(1, Relaxed);
                 tracing::warn!("vhost-user dirty-page log refused: {e}");
                 return Err(Error::InvalidParam);
             }
         };
         tracing::info!(bytes = log.mmap_size, "vhost-user dirty-page log set");
-        self.shared.counters.dirty_logs.fetch_add(1, Relaxed);
+        self.shared.counters().dirty_logs.fetch_add(1, Relaxed);
         self.log = Some(Arc::new(map));
         self.apply_log();
         Ok(())
