@@ -29,9 +29,11 @@ VM_IP = "198.19.0.9"
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "target" / "guest"
 MODULES = ["virtio_ring", "virtio", "virtio_pci_modern_dev", "virtio_pci_legacy_dev", "virtio_pci",
-           "failover", "net_failover", "virtio_net"]
+           "failover", "net_failover", "virtio_net",
+           "vsock", "vmw_vsock_virtio_transport_common", "vmw_vsock_virtio_transport"]
 # Host programs copied in with the shared libraries `ldd` names for them.
-PROGRAMS = ["/usr/sbin/ethtool"]
+# socat: the guest's vsock client and listener (busybox has none).
+PROGRAMS = ["/usr/sbin/ethtool", "/usr/bin/socat"]
 
 INIT = r"""#!/bin/busybox sh
 /bin/busybox mkdir -p /proc /sys /tmp /bin /sbin
@@ -154,7 +156,7 @@ def qemu_command(tap: str, mac: str, ip_cidr: str, script: str, mem_mb: int = 25
 
 def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: int = 256,
                             server: bool = False, module_args: dict[str, str] | None = None,
-                            host_mtu: int | None = None, queues: int = 1) -> list[str]:
+                            host_mtu: int | None = None, queues: int = 1, vsock=None) -> list[str]:
     """QEMU (TCG) booting the guest on a vhost-user virtio-net device whose
     backend is at `sock`: QEMU connects there (and reconnects each second
     when the backend restarts), or with `server` listens there for the
@@ -163,7 +165,8 @@ def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: i
     parameters for the guest's modules, e.g. {"virtio_net": "napi_tx=0"}.
     `host_mtu`: the MTU QEMU gives the guest's NIC. `queues`: queue pairs
     (multi-queue, `mq=on`), with as many vCPUs, so that the guest's driver
-    uses them all by default."""
+    uses them all by default. `vsock`: the socket of a vhost-user vsock
+    device for the VM too (vnetd's `<socket>.vsock`)."""
     import base64
 
     vmlinux, initrd = build()
@@ -180,7 +183,10 @@ def qemu_vhost_user_command(sock, mac: str, ip_cidr: str, script: str, mem_mb: i
         "-netdev", "vhost-user,id=n0,chardev=c0" + (f",queues={queues}" if queues > 1 else ""),
         "-device", f"virtio-net-pci,netdev=n0,vectors=0,mac={mac},romfile=" + (f",host_mtu={host_mtu}" if host_mtu else "")
         + (",mq=on" if queues > 1 else ""),
-    ]
+    ] + ([] if vsock is None else [
+        "-chardev", f"socket,id=vs0,path={vsock}",  # connected at start: the device is set up before QEMU runs the guest
+        "-device", "vhost-user-vsock-pci,chardev=vs0,vectors=0",
+    ])
 
 
 def vhost_user_vm_lab(lab, attach_opts: str = ""):

@@ -3,7 +3,7 @@
 //! and any error names its line, so nothing is applied from a bad request.
 //!
 //! ```text
-//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client] [unsealed-memory]]
+//! INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client] [unsealed-memory] [vsock <cid>]]
 //!               [network <name>]
 //! INTERFACE DEL <tap-name | guest-MAC> [detach]
 //! INTERFACE LIST
@@ -106,8 +106,10 @@ pub enum Attach {
     /// the kernel fast path attaches.
     Veth,
     /// A vhost-user virtio-net device on a Unix socket (`IfaceAdd::socket`):
-    /// vnetd listens there, or with `client` connects to the VMM's socket.
-    VhostUser { client: bool, unsealed: bool },
+    /// vnetd listens there, or with `client` connects to the VMM's socket;
+    /// `vsock`: vnetd also serves the VM a vhost-user vsock device for this
+    /// guest CID (VTOE for VMs, docs/vtoe.md).
+    VhostUser { client: bool, unsealed: bool, vsock: Option<u32> },
 }
 
 impl Attach {
@@ -250,14 +252,16 @@ impl Command {
 }
 
 pub const HELP: &str = "\
-INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client] [unsealed-memory]]
+INTERFACE ADD <name> <guest-MAC> [mtu <bytes>] [netns <name> [veth [ifname <dev>]] | qemu | vhost-user <socket> [client] [unsealed-memory] [vsock <cid>]]
               [network <name>]                       create a guest's NIC: a TAP (netns: persistent, in
                                                      that namespace; veth: a veth pair there, the guest's
                                                      end named <dev> if given, else <name>; qemu: a TAP
                                                      for QEMU to open) or a vhost-user virtio-net device
                                                      on a Unix socket, a name in vnetd's --vhost-user-dir
                                                      (client: connect to the VMM's; unsealed-memory: take
-                                                     guest memory files not sealed against shrinking);
+                                                     guest memory files not sealed against shrinking;
+                                                     vsock: also a vhost-user vsock device for the VM, CID
+                                                     <cid>, on <socket>.vsock: docs/vtoe.md);
                                                      network: the overlay network it is in (default:
                                                      default), which vnet-agent publishes
 INTERFACE DEL <tap-name | guest-MAC> [detach]        (detach: leave the TAP, for migration)
@@ -525,7 +529,7 @@ pub fn check_netns_name(name: &str) -> Result<(), String> {
 
 fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
     let [name, mac, rest @ ..] = args else {
-        return Err("INTERFACE ADD needs <name> <guest-MAC> [mtu <bytes>] [qemu | netns <ns> [veth] | vhost-user <socket> [client] [unsealed-memory]]".into());
+        return Err("INTERFACE ADD needs <name> <guest-MAC> [mtu <bytes>] [qemu | netns <ns> [veth] | vhost-user <socket> [client] [unsealed-memory] [vsock <cid>]]".into());
     };
     check_ifname(name)?;
     let mac: Mac = mac.parse()?;
@@ -554,7 +558,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 let Some((path, r2)) = r.split_first() else { return Err("vhost-user needs a socket path".into()) };
                 check_socket_path(path)?;
                 socket = Some(path.to_string());
-                attach = Attach::VhostUser { client: false, unsealed: false };
+                attach = Attach::VhostUser { client: false, unsealed: false, vsock: None };
                 rest = r2;
                 continue;
             }
@@ -562,6 +566,18 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 if let Attach::VhostUser { client, .. } = &mut attach {
                     *client = true;
                 }
+            }
+            "vsock" if socket.is_some() => {
+                let Some((v, r2)) = r.split_first() else { return Err("vsock needs the guest's CID".into()) };
+                let cid: u32 = v.parse().map_err(|_| format!("'{v}' is not a vsock CID"))?;
+                if cid < 3 || cid == u32::MAX {
+                    return Err(format!("vsock CID {cid}: a guest's CID is from 3 to {} (0-2 are the hypervisor's, local and the host's)", u32::MAX - 1));
+                }
+                if let Attach::VhostUser { vsock, .. } = &mut attach {
+                    *vsock = Some(cid);
+                }
+                rest = r2;
+                continue;
             }
             "unsealed-memory" if socket.is_some() => {
                 if let Attach::VhostUser { unsealed, .. } = &mut attach {
@@ -589,7 +605,7 @@ fn parse_iface_add(args: &[&str]) -> Result<Command, String> {
                 rest = r2;
                 continue;
             }
-            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, ifname <device>, qemu, vhost-user <socket> [client] [unsealed-memory] or network <name>)")),
+            other => return Err(format!("unexpected '{other}' (want: mtu <bytes>, netns <name>, veth, ifname <device>, qemu, vhost-user <socket> [client] [unsealed-memory] [vsock <cid>] or network <name>)")),
         }
         rest = r;
     }
@@ -799,16 +815,23 @@ mod tests {
         );
         assert_eq!(
             one("interface add vm2 52:54:00:00:00:02 vhost-user /run/vnet/vm2.sock"),
-            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false, unsealed: false }, netns: None, socket: Some("/run/vnet/vm2.sock".into()), network: "default".into(), ifname: None }
+            Command::IfaceAdd { name: "vm2".into(), mac: "52:54:00:00:00:02".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false, unsealed: false, vsock: None }, netns: None, socket: Some("/run/vnet/vm2.sock".into()), network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add vm3 52:54:00:00:00:03 vhost-user /tmp/q.sock client mtu 9000"),
-            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true, unsealed: false }, netns: None, socket: Some("/tmp/q.sock".into()), network: "default".into(), ifname: None }
+            Command::IfaceAdd { name: "vm3".into(), mac: "52:54:00:00:00:03".parse().unwrap(), mtu: Some(9000), attach: Attach::VhostUser { client: true, unsealed: false, vsock: None }, netns: None, socket: Some("/tmp/q.sock".into()), network: "default".into(), ifname: None }
         );
         assert_eq!(
             one("interface add vm5 52:54:00:00:00:05 vhost-user vm5.sock unsealed-memory"),
-            Command::IfaceAdd { name: "vm5".into(), mac: "52:54:00:00:00:05".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false, unsealed: true }, netns: None, socket: Some("vm5.sock".into()), network: "default".into(), ifname: None }
+            Command::IfaceAdd { name: "vm5".into(), mac: "52:54:00:00:00:05".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false, unsealed: true, vsock: None }, netns: None, socket: Some("vm5.sock".into()), network: "default".into(), ifname: None }
         );
+        assert_eq!(
+            one("interface add vm6 52:54:00:00:00:06 vhost-user vm6.sock vsock 7"),
+            Command::IfaceAdd { name: "vm6".into(), mac: "52:54:00:00:00:06".parse().unwrap(), mtu: None, attach: Attach::VhostUser { client: false, unsealed: false, vsock: Some(7) }, netns: None, socket: Some("vm6.sock".into()), network: "default".into(), ifname: None }
+        );
+        for bad in ["interface add vm6 52:54:00:00:00:06 vhost-user vm6.sock vsock 2", "interface add vm6 52:54:00:00:00:06 vhost-user vm6.sock vsock", "interface add vm6 52:54:00:00:00:06 vhost-user vm6.sock vsock x", "interface add vm6 52:54:00:00:00:06 vsock 7"] {
+            assert!(parse_line(bad).is_err(), "{bad}");
+        }
         for bad in [
             "interface add vm4 52:54:00:00:00:04 vhost-user",
             "interface add vm4 52:54:00:00:00:04 unsealed-memory",

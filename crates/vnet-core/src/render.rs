@@ -85,13 +85,16 @@ impl fmt::Display for Command {
                     Attach::Netns => {}
                     Attach::Qemu => f.write_str(" qemu")?,
                     Attach::Veth => f.write_str(" veth")?,
-                    Attach::VhostUser { client, unsealed } => {
+                    Attach::VhostUser { client, unsealed, vsock } => {
                         write!(f, " vhost-user {}", socket.as_deref().unwrap_or(""))?;
                         if *client {
                             f.write_str(" client")?;
                         }
                         if *unsealed {
                             f.write_str(" unsealed-memory")?;
+                        }
+                        if let Some(cid) = vsock {
+                            write!(f, " vsock {cid}")?;
                         }
                     }
                 }

@@ -36,6 +36,7 @@
 //!   a flow's frames go to); [`protocol`]: what each vhost-user message does
 //!   to the device (the `vhost` crate reads and answers the messages).
 
+pub mod chain;
 pub mod counters;
 pub mod device;
 pub mod dirty;
@@ -50,6 +51,7 @@ pub mod queue;
 pub mod state;
 pub mod steer;
 pub mod taken;
+pub mod vsock;
 pub mod walker;
 
 pub use counters::Counters;
@@ -59,5 +61,6 @@ pub use frame::{GuestFrame, HeadCopy, MAX_HEAD, MIN_HEAD};
 pub use irq::IrqPolicy;
 pub use memory::{GuestMemory, MemoryPolicy};
 pub use protocol::Frontend;
+pub use chain::Chained;
 pub use queue::{Budget, Health, Popped, Ring};
 pub use state::Exported;

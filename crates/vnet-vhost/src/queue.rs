@@ -98,17 +98,17 @@ pub struct Ring<B: DirtyLog = ()> {
     budget: Budget,
     /// Descriptors read this pass, and bad chains in a row.
     spent: u32,
-    strikes: u16,
+    pub(crate) strikes: u16,
     /// Used entries written since the last publish.
     unpublished: u16,
     /// The used index the guest was last considered for an interrupt at.
     signalled_used: u16,
     /// Scratch: the buffers (address, length) of a chain or frame, and the
     /// receive chains (head, capacity) one frame is written into.
-    segs: Vec<(GuestAddress, usize)>,
+    pub(crate) segs: Vec<(GuestAddress, usize)>,
     frame_segs: Vec<(GuestAddress, usize)>,
     chains: Vec<(u16, usize)>,
-    counters: Arc<Counters>,
+    pub(crate) counters: Arc<Counters>,
     /// Optimistic interrupts' state (the receive queue's).
     pub irq: crate::irq::IrqState,
     /// Frames for the guest held while the ring is not running (the
@@ -227,7 +227,7 @@ impl<B: DirtyLog> Ring<B> {
     /// Breaks the ring if its memory faulted (its file shrank); true if it
     /// may be worked.
     #[inline]
-    fn memory_sound(&mut self) -> bool {
+    pub(crate) fn memory_sound(&mut self) -> bool {
         if self.mem.as_ref().is_some_and(|m| m.faulted()) {
             if self.mem.as_ref().is_some_and(|m| m.take_fault()) {
                 self.counters.memory_faults.fetch_add(1, Relaxed);
@@ -269,7 +269,7 @@ impl<B: DirtyLog> Ring<B> {
     /// readable ones for transmit, the writable ones for receive), within
     /// the budget. `None`: nothing waits, or the pass's budget is spent.
     #[inline]
-    fn walk(&mut self, writable: bool) -> Option<Walk> {
+    pub(crate) fn walk(&mut self, writable: bool) -> Option<Walk> {
         let Ring { queue, mem, layout, segs, .. } = self;
         let mem = mem.as_ref()?;
         let (size, desc, avail) = (queue.size(), queue.desc_table(), queue.avail_ring());
@@ -295,12 +295,12 @@ impl<B: DirtyLog> Ring<B> {
 
     /// Counts `n` descriptors read against this pass's budget.
     #[inline]
-    fn spend(&mut self, n: u32) {
+    pub(crate) fn spend(&mut self, n: u32) {
         self.spent = self.spent.saturating_add(n);
     }
 
     #[inline]
-    fn budget_left(&mut self) -> bool {
+    pub(crate) fn budget_left(&mut self) -> bool {
         if self.spent < self.budget.descs_per_pass {
             return true;
         }
@@ -309,7 +309,7 @@ impl<B: DirtyLog> Ring<B> {
     }
 
     /// One more bad chain; the ring breaks after too many in a row.
-    fn strike(&mut self) {
+    pub(crate) fn strike(&mut self) {
         self.strikes += 1;
         if self.strikes >= self.budget.strikes {
             self.break_ring("too many bad chains in a row");
@@ -317,7 +317,7 @@ impl<B: DirtyLog> Ring<B> {
     }
 
     /// A chain longer than the queue: returned, and the ring is broken.
-    fn too_long(&mut self, head: u16) {
+    pub(crate) fn too_long(&mut self, head: u16) {
         self.counters.long_chains.fetch_add(1, Relaxed);
         self.push_used(head, 0);
         self.break_ring("a chain longer than the queue");
@@ -599,7 +599,7 @@ impl<B: DirtyLog> Ring<B> {
     }
 
     /// Writes a used entry (not yet visible to the guest).
-    fn push_used(&mut self, head: u16, len: u32) {
+    pub(crate) fn push_used(&mut self, head: u16, len: u32) {
         let Some(mem) = self.mem.as_deref() else { return };
         let next = self.queue.next_used();
         let at = self.queue.used_ring() + 4 + u64::from(next % self.queue.size()) * 8;

@@ -16,6 +16,8 @@
 //! replaces anything but a stale socket, and makes its own mode 600 through
 //! a descriptor of the file it bound.
 
+mod vsock;
+
 use super::{Received, RxBuffers, RxFrame, VirtualNic};
 use crate::settings::IrqPolicy;
 use anyhow::{bail, Context, Result};
@@ -183,6 +185,8 @@ pub struct VhostUserNic {
     _listener: Option<UnixListener>,
     /// The device's state, for a successor that takes vnetd over.
     _offer: keep::Offer,
+    /// The VM's vsock device, if it has one (`vsock <cid>`).
+    vsock: Option<vsock::VsockChannel>,
 }
 
 /// Where a NIC's socket is: `--vhost-user-dir` and a plain name in it.
@@ -197,10 +201,11 @@ impl VhostUserNic {
     /// the VMM's socket there instead); `unsealed`: takes guest memory files
     /// that are not sealed against shrinking.
     /// The NIC reports its guest starting and stopping to `changes`.
-    pub fn new(name: &str, at: &Where, client: bool, unsealed: bool, changes: Arc<Changes>) -> Result<VhostUserNic> {
+    pub fn new(name: &str, at: &Where, client: bool, unsealed: bool, vsock: Option<u32>, changes: Arc<Changes>) -> Result<VhostUserNic> {
         let (dir, file) = resolve(at)?;
         let dir = Arc::new(SocketDir::open(&dir)?);
         let path = dir.path.join(&file);
+        let vsock = vsock.map(|cid| vsock::VsockChannel::new(name, dir.clone(), &file, cid, unsealed)).transpose()?;
         let shared = Arc::new(Device::new(MemoryPolicy { allow_unsealed: unsealed }).context("vhost-user device")?);
         let (role, listener, made) = if client {
             (Role::Client, None, None)
@@ -253,7 +258,7 @@ impl VhostUserNic {
             .context("cannot start the vhost-user thread")?;
         let (s, c) = (shared.clone(), control.clone());
         let offer = keep::offer_export(key, Arc::new(move || export(&s, &c)));
-        Ok(VhostUserNic { shared, control, path, role, made, _listener: listener, _offer: offer })
+        Ok(VhostUserNic { shared, control, path, role, made, _listener: listener, _offer: offer, vsock })
     }
 }
 
@@ -343,7 +348,7 @@ fn resolve(at: &Where) -> Result<(PathBuf, String)> {
 
 /// The directory vhost-user sockets live in, held open: every name is
 /// looked up in it, never through a link.
-pub struct SocketDir {
+pub(crate) struct SocketDir {
     fd: OwnedFd,
     path: PathBuf,
 }
@@ -355,7 +360,7 @@ fn cstr(s: &str) -> Result<CString> {
 impl SocketDir {
     /// Opens (making it, 0755, if missing) the directory; one others may
     /// write into, or owned by another user than vnetd's or root, is refused.
-    fn open(dir: &Path) -> Result<SocketDir> {
+    pub(super) fn open(dir: &Path) -> Result<SocketDir> {
         if !dir.exists() {
             std::fs::create_dir_all(dir).with_context(|| format!("cannot make {}", dir.display()))?;
             std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
@@ -405,7 +410,7 @@ impl SocketDir {
     /// only if it is a socket nobody listens on (left by a vnetd that
     /// died); never a link, never another file. Mode 600, set through a
     /// descriptor of the very file bound. (device, inode) of the socket.
-    fn bind(&self, name: &str) -> Result<(UnixListener, (u64, u64))> {
+    pub(super) fn bind(&self, name: &str) -> Result<(UnixListener, (u64, u64))> {
         let shown = self.path.join(name);
         if let Some(st) = self.stat(name)? {
             if st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
@@ -446,7 +451,7 @@ impl SocketDir {
     }
 
     /// Connects to the VMM's socket `name` (a socket, not a link).
-    fn connect(&self, name: &str) -> Result<UnixStream> {
+    pub(super) fn connect(&self, name: &str) -> Result<UnixStream> {
         match self.stat(name)? {
             Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFSOCK => {}
             Some(_) => bail!("{} is not a socket (a link or a file): not connected to", self.path.join(name).display()),
@@ -456,7 +461,7 @@ impl SocketDir {
     }
 
     /// Removes `name` if it is still the socket (device, inode) made.
-    fn remove_if(&self, name: &str, id: (u64, u64)) {
+    pub(super) fn remove_if(&self, name: &str, id: (u64, u64)) {
         if let Ok(Some(st)) = self.stat(name) {
             if (st.st_dev, st.st_ino) == id {
                 if let Ok(n) = cstr(name) {
@@ -671,6 +676,9 @@ impl VirtualNic for VhostUserNic {
     fn extra_stats(&self) -> String {
         let mut s = String::new();
         self.shared.render_stats(&mut s);
+        if let Some(v) = &self.vsock {
+            v.render_stats(&mut s);
+        }
         s
     }
 }
@@ -706,9 +714,9 @@ impl super::NicKind for Kind {
     }
 
     fn make(&self, spec: &super::NicSpec) -> std::result::Result<Box<dyn VirtualNic>, String> {
-        let vnet_core::command::Attach::VhostUser { client, unsealed } = spec.attach else { return Err("not a vhost-user interface".into()) };
+        let vnet_core::command::Attach::VhostUser { client, unsealed, vsock } = spec.attach else { return Err("not a vhost-user interface".into()) };
         let socket = spec.socket.ok_or("a vhost-user interface needs a socket")?;
         let at = Where { dir: spec.vhost_dir, socket };
-        VhostUserNic::new(spec.name, &at, client, unsealed, spec.changes.clone()).map(|n| Box::new(n) as Box<dyn VirtualNic>).map_err(|e| format!("{e:#}"))
+        VhostUserNic::new(spec.name, &at, client, unsealed, vsock, spec.changes.clone()).map(|n| Box::new(n) as Box<dyn VirtualNic>).map_err(|e| format!("{e:#}"))
     }
 }
