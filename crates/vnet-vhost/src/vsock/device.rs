@@ -172,28 +172,24 @@ pub fn host_iovecs(r: &Ring, segs: &[(GuestAddress, usize)], mut skip: usize, ma
 /// Copies the first `buf.len()` bytes of a chain (the header) out of the
 /// guest's memory; false if they are not all there.
 pub fn read_head(r: &Ring, segs: &[(GuestAddress, usize)], buf: &mut [u8]) -> bool {
-    scatter(r, segs, buf.len(), |mem, at, range| mem.read(&mut buf[range], at).is_ok())
+    copy_out(r, segs, 0, buf)
 }
 
 /// Writes `buf` at the start of a chain's buffers.
 pub fn write_head(r: &Ring, segs: &[(GuestAddress, usize)], buf: &[u8]) -> bool {
-    scatter(r, segs, buf.len(), |mem, at, range| mem.write(&buf[range], at).is_ok())
-}
-
-fn scatter(r: &Ring, segs: &[(GuestAddress, usize)], total: usize, mut each: impl FnMut(&crate::memory::GuestMemory, GuestAddress, std::ops::Range<usize>) -> bool) -> bool {
     let Some(mem) = r.mem.as_deref() else { return false };
     let mut done = 0;
     for &(addr, len) in segs {
-        if done == total {
+        if done == buf.len() {
             break;
         }
-        let n = len.min(total - done);
-        if !each(mem, addr, done..done + n) {
+        let n = len.min(buf.len() - done);
+        if mem.write(&buf[done..done + n], addr).is_err() {
             return false;
         }
         done += n;
     }
-    done == total
+    done == buf.len()
 }
 
 /// The payload room of a receive chain (its bytes after the header).
@@ -204,4 +200,26 @@ pub fn room(segs: &[(GuestAddress, usize)]) -> usize {
 /// Takes the next chain of ring `i`, holding at least a header.
 pub fn pop(r: &mut Ring, writable: bool, segs: &mut Vec<(GuestAddress, usize)>) -> Chained {
     r.pop_chain(writable, HDR_LEN, segs)
+}
+
+/// Copies a chain's bytes from offset `skip` into `out` (all of it).
+pub fn copy_out(r: &Ring, segs: &[(GuestAddress, usize)], mut skip: usize, out: &mut [u8]) -> bool {
+    let Some(mem) = r.mem.as_deref() else { return false };
+    let mut done = 0;
+    for &(addr, len) in segs {
+        if done == out.len() {
+            break;
+        }
+        if skip >= len {
+            skip -= len;
+            continue;
+        }
+        let n = (len - skip).min(out.len() - done);
+        if mem.read(&mut out[done..done + n], GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
+            return false;
+        }
+        done += n;
+        skip = 0;
+    }
+    done == out.len()
 }

@@ -13,7 +13,7 @@
 //! says so.
 
 use super::conn::{Credit, Owed, State};
-use super::device::{self, Device, RX, TOKEN_KICK, TOKEN_POKE, TX};
+use super::device::{self, Device, RX, TX};
 use super::packet::{Header, Op, Refusal, HDR_LEN, SHUTDOWN_RCV, SHUTDOWN_SEND};
 use crate::protocol::Virtio;
 use crate::chain::Chained;
@@ -193,11 +193,6 @@ impl Mux {
         Ok((mux, Opener { tx, wake }))
     }
 
-    /// Connections open now.
-    pub fn connections(&self) -> usize {
-        self.conns.len()
-    }
-
     /// Runs until `stop`.
     pub fn run(mut self, stop: &AtomicBool) {
         while !stop.load(Relaxed) {
@@ -245,7 +240,6 @@ impl Mux {
         if again {
             self.dev.poke();
         }
-        let _ = TOKEN_KICK + TOKEN_POKE;
     }
 
     fn drop_all(&mut self) {
@@ -552,7 +546,7 @@ impl Mux {
             // The rest waits in vnetd (bounded by the credit).
             let at = c.out.len();
             c.out.resize(at + len - sent, 0);
-            if !copy_out(r, &self.segs, HDR_LEN + sent, &mut c.out[at..]) {
+            if !device::copy_out(r, &self.segs, HDR_LEN + sent, &mut c.out[at..]) {
                 self.counters.vsock_bad_packets.fetch_add(1, Relaxed);
                 return self.reset(id);
             }
@@ -671,26 +665,4 @@ impl Mux {
             }
         }
     }
-}
-
-/// Copies a chain's bytes from offset `skip` into `out` (all of it).
-fn copy_out(r: &Ring, segs: &[(GuestAddress, usize)], mut skip: usize, out: &mut [u8]) -> bool {
-    let Some(mem) = r.mem.as_deref() else { return false };
-    let mut done = 0;
-    for &(addr, len) in segs {
-        if done == out.len() {
-            break;
-        }
-        if skip >= len {
-            skip -= len;
-            continue;
-        }
-        let n = (len - skip).min(out.len() - done);
-        if mem.read(&mut out[done..done + n], GuestAddress(addr.0.wrapping_add(skip as u64))).is_err() {
-            return false;
-        }
-        done += n;
-        skip = 0;
-    }
-    done == out.len()
 }

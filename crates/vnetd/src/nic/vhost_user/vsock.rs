@@ -118,19 +118,8 @@ impl Drop for VsockChannel {
 /// The vhost-user side: one frontend at a time, each served until it goes
 /// (its device reset then: the guest's connections are dropped).
 fn serve(shared: &Shared, dev: &Arc<vsock::Device>, listener: &UnixListener) {
-    while !shared.stop.load(Relaxed) {
-        let stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) => {
-                if shared.stop.load(Relaxed) {
-                    return;
-                }
-                tracing::warn!("vhost-user-vsock accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
-        let Ok(conn) = stream.try_clone() else { continue };
+    accepting(shared, listener, "vhost-user-vsock", |stream| {
+        let Ok(conn) = stream.try_clone() else { return };
         *shared.conn.lock().unwrap() = Some(conn);
         let fe = Arc::new(Mutex::new(Fe::new(dev.clone())));
         let mut handler = BackendReqHandler::from_stream(stream, fe.clone());
@@ -153,24 +142,30 @@ fn serve(shared: &Shared, dev: &Arc<vsock::Device>, listener: &UnixListener) {
         fe.lock().unwrap().reset();
         dev.poke();
         *shared.conn.lock().unwrap() = None;
+    });
+}
+
+/// Accepts on `listener` until vnetd stops the device, each connection
+/// handed to `each` in turn.
+fn accepting(shared: &Shared, listener: &UnixListener, what: &str, mut each: impl FnMut(UnixStream)) {
+    while !shared.stop.load(Relaxed) {
+        match listener.accept() {
+            Ok((s, _)) => each(s),
+            Err(e) => {
+                if shared.stop.load(Relaxed) {
+                    return;
+                }
+                tracing::warn!("{what} accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
     }
 }
 
 /// Host programs connecting to `<base>.vsock-host`: `CONNECT <port>\n`,
 /// then the guest is asked.
 fn accept_host(shared: &Shared, listener: &UnixListener, opener: &Opener) {
-    while !shared.stop.load(Relaxed) {
-        let mut s = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) => {
-                if shared.stop.load(Relaxed) {
-                    return;
-                }
-                tracing::warn!("vsock host socket accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
-                continue;
-            }
-        };
+    accepting(shared, listener, "vsock host socket", |mut s| {
         match read_connect(&mut s) {
             Ok(port) => {
                 if s.set_nonblocking(true).is_ok() {
@@ -182,7 +177,7 @@ fn accept_host(shared: &Shared, listener: &UnixListener, opener: &Opener) {
                 let _ = s.write_all(format!("ERR {why}\n").as_bytes());
             }
         }
-    }
+    });
 }
 
 /// Reads `CONNECT <port>\n` a byte at a time (nothing after it is taken:
