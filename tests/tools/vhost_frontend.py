@@ -54,7 +54,11 @@ class Frontend:
     ring's base is then the used index in guest memory, as QEMU sends).
     `sealed`: seal the memory file against shrinking and growing. `size`:
     both queues' size (at most 256, what the layout has room for).
-    `log_shmfd`: negotiate LOG_SHMFD too (with `reply_ack`), for `set_log`."""
+    `log_shmfd`: negotiate LOG_SHMFD too (with `reply_ack`), for `set_log`.
+    `rings`: the queues' layout (a subclass for a device with more)."""
+
+    rings = RINGS
+    protocol = 0  # vhost-user protocol features asked beyond REPLY_ACK (and LOG_SHMFD)
 
     def __init__(self, path, features=F_VERSION_1 | F_INDIRECT, mem_size=MEM, region_size=None, setup=True,
                  reply_ack=False, resume: "Frontend | None" = None, sealed=True, size=SIZE, log_shmfd=False):
@@ -76,11 +80,11 @@ class Frontend:
             if sealed:
                 fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
             self.mem = mmap.mmap(self.fd, mem_size)
-            self.avail_idx = {q: 0 for q in RINGS}
-            self.last_used = {q: 0 for q in RINGS}
+            self.avail_idx = {q: 0 for q in self.rings}
+            self.last_used = {q: 0 for q in self.rings}
             self.next_buf = 0
-        self.kick = {q: os.eventfd(0, os.EFD_NONBLOCK) for q in RINGS}
-        self.call = {q: os.eventfd(0, os.EFD_NONBLOCK) for q in RINGS}
+        self.kick = {q: os.eventfd(0, os.EFD_NONBLOCK) for q in self.rings}
+        self.call = {q: os.eventfd(0, os.EFD_NONBLOCK) for q in self.rings}
         if setup:
             self.setup(features, region_size or mem_size, resume=resume is not None)
 
@@ -131,7 +135,7 @@ class Frontend:
             self.send(GET_PROTOCOL_FEATURES)
             if not self.reply_u64() & PROTOCOL_F_REPLY_ACK:
                 raise RuntimeError("the backend does not offer REPLY_ACK")
-            self.send(SET_PROTOCOL_FEATURES, struct.pack("<Q", PROTOCOL_F_REPLY_ACK | (PROTOCOL_F_LOG_SHMFD if self.log_shmfd else 0)))
+            self.send(SET_PROTOCOL_FEATURES, struct.pack("<Q", PROTOCOL_F_REPLY_ACK | self.protocol | (PROTOCOL_F_LOG_SHMFD if self.log_shmfd else 0)))
         self._set(SET_OWNER)
         self._set(SET_FEATURES, struct.pack("<Q", features & offered))
         self._set(SET_MEM_TABLE, struct.pack("<II", 1, 0) + struct.pack("<QQQQ", 0, region_size, USER_BASE, 0),
@@ -172,7 +176,7 @@ class Frontend:
     def setup_rings(self, resume=False):
         """Both rings: size, base (0, or with `resume` the used index in
         guest memory), addresses, call and kick descriptors."""
-        for q, (desc, avail, used) in RINGS.items():
+        for q, (desc, avail, used) in self.rings.items():
             self._set(SET_VRING_NUM, struct.pack("<II", q, self.size))
             self._set(SET_VRING_BASE, struct.pack("<II", q, self.used_idx(q) if resume else 0))
             self._set(SET_VRING_ADDR, self.vring_addr_body(q, USER_BASE + desc, USER_BASE + used, USER_BASE + avail))
@@ -221,27 +225,27 @@ class Frontend:
     # ---- rings ----
 
     def desc(self, q, i, addr, length, flags=0, nxt=0):
-        at = RINGS[q][0] + 16 * i
+        at = self.rings[q][0] + 16 * i
         self.mem[at:at + 16] = struct.pack("<QIHH", addr, length, flags, nxt)
 
     def offer(self, q, head, kick=True):
-        avail = RINGS[q][1]
+        avail = self.rings[q][1]
         slot = self.avail_idx[q] % self.size
         self.mem[avail + 4 + 2 * slot:avail + 6 + 2 * slot] = struct.pack("<H", head)
         self.avail_idx[q] = (self.avail_idx[q] + 1) & 0xFFFF
         self.set_avail_idx(q, self.avail_idx[q], kick)
 
     def set_avail_idx(self, q, idx, kick=True):
-        self.mem[RINGS[q][1] + 2:RINGS[q][1] + 4] = struct.pack("<H", idx & 0xFFFF)
+        self.mem[self.rings[q][1] + 2:self.rings[q][1] + 4] = struct.pack("<H", idx & 0xFFFF)
         if kick:
             os.eventfd_write(self.kick[q], 1)
 
     def used_idx(self, q) -> int:
-        at = RINGS[q][2] + 2
+        at = self.rings[q][2] + 2
         return struct.unpack("<H", self.mem[at:at + 2])[0]
 
     def used(self, q, k) -> tuple[int, int]:
-        at = RINGS[q][2] + 4 + 8 * (k % self.size)
+        at = self.rings[q][2] + 4 + 8 * (k % self.size)
         return struct.unpack("<II", self.mem[at:at + 8])
 
     def buffer(self) -> int:

@@ -1,4 +1,5 @@
-//! What a panic does to a VNET program: it ends the whole process.
+//! What a panic does to a VNET program (it ends the whole process), and
+//! the descriptor limit a daemon raises.
 //!
 //! The release profile unwinds (so that `cargo test --release` shares the
 //! binaries' compiled dependencies instead of building them all again with
@@ -16,6 +17,27 @@ pub fn abort_on_panic() {
         report(info);
         std::process::abort();
     }));
+}
+
+/// Raises the soft limit on open descriptors to the hard one, and returns
+/// it. A daemon's descriptors are what its guests open (a VM's vsock
+/// connections, each a host socket): the 1024 many distributions start a
+/// process with would let one guest take them all.
+pub fn raise_fd_limit() -> u64 {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit on a struct this frame owns.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) != 0 {
+            return 0;
+        }
+        if l.rlim_cur < l.rlim_max {
+            let want = libc::rlimit { rlim_cur: l.rlim_max, rlim_max: l.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
+                l = want;
+            }
+        }
+    }
+    l.rlim_cur
 }
 
 #[cfg(test)]

@@ -194,6 +194,8 @@ pub fn run(args: Args) -> Result<()> {
         }
         return fast::destroy(dir);
     }
+    let fds = vnet_sys::process::raise_fd_limit();
+    tracing::debug!(fds, "descriptor limit");
     if !(vnet_core::command::MIN_MTU..=vnet_core::command::MAX_MTU).contains(&args.default_mtu) {
         bail!("--default-mtu {} is out of range", args.default_mtu);
     }

@@ -124,6 +124,53 @@ impl Owed {
     }
 }
 
+/// Bytes waiting for a socket that would not take them all: written from
+/// the front, added at the back, with no move of what is left for each
+/// partial write (the front is reclaimed once it is half the buffer).
+#[derive(Debug, Default)]
+pub struct Pending {
+    buf: Vec<u8>,
+    at: usize,
+}
+
+impl Pending {
+    pub fn is_empty(&self) -> bool {
+        self.at == self.buf.len()
+    }
+
+    /// What waits, in order.
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf[self.at..]
+    }
+
+    /// The first `n` bytes were written.
+    pub fn consumed(&mut self, n: usize) {
+        self.at = (self.at + n).min(self.buf.len());
+        if self.is_empty() {
+            self.buf.clear();
+            self.at = 0;
+        }
+    }
+
+    /// Room for `n` more bytes at the back, to be filled by the caller.
+    pub fn grow(&mut self, n: usize) -> &mut [u8] {
+        if self.at > 0 && self.at >= self.buf.len() / 2 {
+            self.buf.drain(..self.at);
+            self.at = 0;
+        }
+        let end = self.buf.len();
+        self.buf.resize(end + n, 0);
+        &mut self.buf[end..]
+    }
+
+    /// `bytes` first, ahead of anything else (an empty buffer only).
+    pub fn start_with(&mut self, bytes: Vec<u8>) {
+        debug_assert!(self.is_empty());
+        self.buf = bytes;
+        self.at = 0;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,6 +227,23 @@ mod tests {
         c.stamp(&mut h);
         assert_eq!((h.buf_alloc, h.fwd_cnt), (BUF_ALLOC, BUF_ALLOC / 4));
         assert!(!c.update_due());
+    }
+
+    #[test]
+    fn pending_bytes_come_out_in_order_across_partial_writes() {
+        let mut p = Pending::default();
+        assert!(p.is_empty());
+        p.start_with(b"OK 7\n".to_vec());
+        p.grow(3).copy_from_slice(b"abc");
+        p.consumed(2);
+        assert_eq!(p.bytes(), b" 7\nabc");
+        p.consumed(3);
+        // Over half written: the front is reclaimed as more comes.
+        p.grow(2).copy_from_slice(b"de");
+        assert_eq!(p.bytes(), b"abcde");
+        assert_eq!(p.at, 0);
+        p.consumed(5);
+        assert!(p.is_empty() && p.buf.is_empty());
     }
 
     #[test]

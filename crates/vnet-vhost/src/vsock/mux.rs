@@ -12,7 +12,7 @@
 //! dropped and counted (`Counters`), answered with a reset where virtio
 //! says so.
 
-use super::conn::{Credit, Owed, State};
+use super::conn::{Credit, Owed, Pending, State};
 use super::device::{self, Device, RX, TX};
 use super::packet::{Header, Op, Refusal, HDR_LEN, SHUTDOWN_RCV, SHUTDOWN_SEND};
 use crate::protocol::Virtio;
@@ -102,7 +102,7 @@ struct Conn {
     credit: Credit,
     owed: Owed,
     /// Bytes from the guest the socket has not taken yet.
-    out: Vec<u8>,
+    out: Pending,
     greeting: Vec<u8>,
     /// Bytes at the front of `out` that are the host side's (the greeting).
     ahead: usize,
@@ -260,7 +260,7 @@ impl Mux {
         if self.epoll.add(fd.as_raw_fd(), ev, TOKEN_CONN + id).is_err() {
             return None;
         }
-        let c = Conn { key, fd, state, credit: Credit::default(), owed: Owed::default(), out: Vec::new(), greeting, ahead: 0, readable: false, host_done: false, guest_shut: 0, write_shut: false, queued: false };
+        let c = Conn { key, fd, state, credit: Credit::default(), owed: Owed::default(), out: Pending::default(), greeting, ahead: 0, readable: false, host_done: false, guest_shut: 0, write_shut: false, queued: false };
         self.conns.insert(id, c);
         self.ids.insert(key, id);
         Some(id)
@@ -354,8 +354,9 @@ impl Mux {
             return true;
         }
         while !c.out.is_empty() {
+            let b = c.out.bytes();
             // SAFETY: writing bytes this thread owns.
-            let n = unsafe { libc::send(c.fd.as_raw_fd(), c.out.as_ptr().cast(), c.out.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            let n = unsafe { libc::send(c.fd.as_raw_fd(), b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
             if n < 0 {
                 let e = errno();
                 if e.kind() == io::ErrorKind::WouldBlock {
@@ -366,7 +367,7 @@ impl Mux {
                 return false;
             }
             let n = n as usize;
-            c.out.drain(..n);
+            c.out.consumed(n);
             // The greeting, ahead of the guest's bytes, took no credit.
             let g = n.min(c.ahead);
             c.ahead -= g;
@@ -469,8 +470,8 @@ impl Mux {
                 }
                 c.state = State::Established;
                 // The host side's greeting goes first; it takes no credit.
-                c.out = std::mem::take(&mut c.greeting);
-                c.ahead = c.out.len();
+                c.ahead = c.greeting.len();
+                c.out.start_with(std::mem::take(&mut c.greeting));
                 self.flush(id);
                 self.wake(id);
             }
@@ -544,9 +545,7 @@ impl Mux {
         }
         if sent < len {
             // The rest waits in vnetd (bounded by the credit).
-            let at = c.out.len();
-            c.out.resize(at + len - sent, 0);
-            if !device::copy_out(r, &self.segs, HDR_LEN + sent, &mut c.out[at..]) {
+            if !device::copy_out(r, &self.segs, HDR_LEN + sent, c.out.grow(len - sent)) {
                 self.counters.vsock_bad_packets.fetch_add(1, Relaxed);
                 return self.reset(id);
             }

@@ -460,6 +460,24 @@ impl SocketDir {
         Ok(UnixStream::connect(self.via_fd(name))?)
     }
 
+    /// `connect`, without waiting: a listener whose backlog is full
+    /// refuses at once (`EAGAIN`) rather than holding the caller until
+    /// its program accepts. The socket returned is non-blocking.
+    pub(super) fn connect_now(&self, name: &str) -> Result<OwnedFd> {
+        match self.stat(name)? {
+            Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFSOCK => {}
+            Some(_) => bail!("{} is not a socket (a link or a file): not connected to", self.path.join(name).display()),
+            None => bail!("{} does not exist", self.path.join(name).display()),
+        }
+        let s = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM.nonblocking().cloexec(), None)?;
+        let to = socket2::SockAddr::unix(self.via_fd(name))?;
+        match s.connect(&to) {
+            Ok(()) => Ok(s.into()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => bail!("{}: its backlog is full (nobody accepts)", self.path.join(name).display()),
+            Err(e) => Err(e).with_context(|| format!("cannot connect to {}", self.path.join(name).display())),
+        }
+    }
+
     /// Removes `name` if it is still the socket (device, inode) made.
     pub(super) fn remove_if(&self, name: &str, id: (u64, u64)) {
         if let Ok(Some(st)) = self.stat(name) {
@@ -701,6 +719,37 @@ mod tests {
         let link = base.join("link");
         std::os::unix::fs::symlink(base.join("700"), &link).unwrap();
         assert!(SocketDir::open(&link).is_err());
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn connecting_now_to_a_listener_nobody_accepts_on_is_refused_not_waited_for() {
+        let base = std::env::temp_dir().join(format!("vnet-vhost-now-{}", std::process::id()));
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::set_permissions(&base, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let dir = SocketDir::open(&base).unwrap();
+        assert!(dir.connect_now("absent").is_err());
+        let (l, _) = dir.bind("full").unwrap();
+        // A backlog of one: once it is full, the next connect would sleep.
+        // SAFETY: listen(2) on the socket just bound.
+        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 1) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            let refused = (0..8).find_map(|_| match dir.connect_now("full") {
+                Ok(s) => {
+                    held.push(s);
+                    None
+                }
+                Err(e) => Some(format!("{e:#}")),
+            });
+            tx.send((held.len(), refused)).unwrap();
+        });
+        let (made, refused) = rx.recv_timeout(Duration::from_secs(5)).expect("a connect waited for an accept");
+        d.join().unwrap();
+        assert!(made >= 1, "{made}");
+        assert!(refused.as_deref().is_some_and(|e| e.contains("backlog is full")), "{refused:?}");
+        drop(l);
         std::fs::remove_dir_all(&base).unwrap();
     }
 }

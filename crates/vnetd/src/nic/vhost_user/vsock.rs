@@ -54,9 +54,8 @@ struct Hybrid {
 
 impl HostSide for Hybrid {
     fn connect(&mut self, _from: u32, port: u32) -> io::Result<OwnedFd> {
-        let s = self.dir.connect(&format!("{}_{port}", self.host)).map_err(|e| io::Error::new(io::ErrorKind::ConnectionRefused, format!("{e:#}")))?;
-        s.set_nonblocking(true)?;
-        Ok(OwnedFd::from(s))
+        // Never waits: this is the VM's connection thread.
+        self.dir.connect_now(&format!("{}_{port}", self.host)).map_err(|e| io::Error::new(io::ErrorKind::ConnectionRefused, format!("{e:#}")))
     }
 }
 
@@ -93,7 +92,17 @@ impl VsockChannel {
 
     /// `STATS` lines of the device and its connections.
     pub fn render_stats(&self, out: &mut String) {
-        out.push_str(&format!(" vsock_cid={}", self.dev.cid()));
+        use std::fmt::Write;
+        let _ = write!(out, " vsock_cid={}", self.dev.cid());
+        // The device's rings, as the NIC's are counted (what the protocol
+        // refused, chains that could not be used, rings broken), named
+        // `vsock_vhost_*`; the NIC-only ones (frames, held frames) are not.
+        const RINGS: [&str; 8] = ["connects", "bad_chains", "long_chains", "broken_rings", "budget_stops", "refused_fds", "refused_memory", "memory_faults"];
+        for (name, v) in self.dev.counters.fields() {
+            if RINGS.iter().any(|r| name.strip_prefix("vhost_") == Some(r)) {
+                let _ = write!(out, " vsock_{name}={v}");
+            }
+        }
         self.counters.render_into(out);
     }
 }
