@@ -335,3 +335,59 @@ def test_a_chain_longer_than_the_queue_breaks_only_its_device_until_the_frontend
         t.alive()
     finally:
         t.close()
+
+
+def rss_kib(pid) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_guest_within_its_credit_cannot_make_vnetd_hold_more_than_the_devices_pool(lab):
+    """48 connections to a host program that reads nothing, the guest
+    sending on each as much as its credit allows (256 KiB held each, past
+    what the host socket took): vnetd holds at most 8 MiB for the device
+    (`HELD_MAX`), resetting the connections that need more
+    (`vsock_held_full`), never one for credit (the guest kept to it); its
+    resident memory grows by less than the pool and a margin, not by the
+    12 MiB the connections' credit adds up to; vm8 works meanwhile."""
+    t = VsockLab(lab)
+    try:
+        t.listen(9, 5002, read=False)
+        l8 = t.listen(8, 5000)
+        drv, drv8 = t.driver(9, 7), t.driver(8, 8)
+        before = rss_kib(t.d.proc.pid)
+        chunk = bytes(vf.BUF - vd.HDR)
+        sent_total, reset = 0, set()
+        for k in range(48):
+            port = 50000 + k
+            ans = drv.connect(port, 5002)
+            assert ans is not None and ans.op == vd.RESPONSE, ans
+            alloc, fwd, tx = ans.buf_alloc, ans.fwd_cnt, 0
+            stalls = 0
+            while stalls < 3 and port not in reset:
+                if tx - fwd + len(chunk) <= alloc:
+                    drv.packet(port, 5002, vd.RW, chunk)
+                    tx += len(chunk)
+                    sent_total += len(chunk)
+                    stalls = 0
+                else:
+                    drv.packet(port, 5002, vd.CREDIT_REQUEST)
+                    time.sleep(0.02)
+                    stalls += 1
+                for p in drv.poll():
+                    if p.op == vd.RST:
+                        reset.add(p.dst_port)
+                    elif p.dst_port == port:
+                        alloc, fwd = p.buf_alloc, p.fwd_cnt
+        st = t.st()
+        grew = rss_kib(t.d.proc.pid) - before
+        print(f"{sent_total / 1e6:.1f} MB sent on 48 connections, {len(reset)} reset, vnetd grew {grew} KiB", flush=True)
+        assert st["vsock_credit_violations"] == 0, st
+        assert st["vsock_held_full"] >= 1 and len(reset) >= st["vsock_held_full"], (st, reset)
+        assert grew < 8 * 1024 + 4 * 1024, f"vnetd grew {grew} KiB"
+        exchange(drv8, l8, 5000, 40000)
+        t.alive()
+    finally:
+        t.close()

@@ -30,6 +30,12 @@ use vnet_sys::epoll::{self, Epoll};
 
 /// Connections one VM may hold at once.
 pub const MAX_CONNS: usize = 1024;
+/// Bytes from the guest held for host sockets that would not take them,
+/// over all of a device's connections: each may hold its credit
+/// (`BUF_ALLOC`), but a guest with many connections to host programs that
+/// do not read holds no more than this of vnetd's memory; past it, the
+/// connection that needs more is reset (`vsock_held_full`).
+pub const HELD_MAX: usize = 8 << 20;
 /// Resets owed to the guest for connections already gone, at most.
 const MAX_OWED_RSTS: usize = 1024;
 /// Receive chains filled per pass (then the other connections' turn, and
@@ -66,6 +72,9 @@ vnet_core::counter_set! {
         /// gave it, or opened more than `MAX_CONNS`.
         vsock_credit_violations,
         vsock_over_limit,
+        /// Connections reset because the device's connections together
+        /// held `HELD_MAX` bytes their host sockets had not taken.
+        vsock_held_full,
         /// Resets not sent because too many were owed (the guest's side
         /// times out instead).
         vsock_rsts_dropped,
@@ -134,6 +143,8 @@ pub struct Mux {
     segs: Vec<(GuestAddress, usize)>,
     iov: Vec<libc::iovec>,
     was_running: bool,
+    /// Bytes held in the connections' `out`, together.
+    held: usize,
 }
 
 // SAFETY: the iovecs are scratch, rebuilt before each use by this thread.
@@ -189,6 +200,7 @@ impl Mux {
             segs: Vec::with_capacity(64),
             iov: Vec::with_capacity(64),
             was_running: false,
+            held: 0,
         };
         Ok((mux, Opener { tx, wake }))
     }
@@ -250,6 +262,7 @@ impl Mux {
         self.ids.clear();
         self.ready.clear();
         self.rsts.clear();
+        self.held = 0;
         self.counters.vsock_dropped_at_stop.fetch_add(n, Relaxed);
     }
 
@@ -270,6 +283,7 @@ impl Mux {
         if let Some(c) = self.conns.remove(&id) {
             self.epoll.delete(c.fd.as_raw_fd());
             self.ids.remove(&c.key);
+            self.held -= c.out.bytes().len();
         }
     }
 
@@ -368,6 +382,7 @@ impl Mux {
             }
             let n = n as usize;
             c.out.consumed(n);
+            self.held -= n;
             // The greeting, ahead of the guest's bytes, took no credit.
             let g = n.min(c.ahead);
             c.ahead -= g;
@@ -471,6 +486,7 @@ impl Mux {
                 c.state = State::Established;
                 // The host side's greeting goes first; it takes no credit.
                 c.ahead = c.greeting.len();
+                self.held += c.ahead;
                 c.out.start_with(std::mem::take(&mut c.greeting));
                 self.flush(id);
                 self.wake(id);
@@ -545,7 +561,13 @@ impl Mux {
         }
         if sent < len {
             // The rest waits in vnetd (bounded by the credit).
-            if !device::copy_out(r, &self.segs, HDR_LEN + sent, c.out.grow(len - sent)) {
+            let rest = len - sent;
+            if self.held + rest > HELD_MAX {
+                self.counters.vsock_held_full.fetch_add(1, Relaxed);
+                return self.reset(id);
+            }
+            self.held += rest;
+            if !device::copy_out(r, &self.segs, HDR_LEN + sent, c.out.grow(rest)) {
                 self.counters.vsock_bad_packets.fetch_add(1, Relaxed);
                 return self.reset(id);
             }
