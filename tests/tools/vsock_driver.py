@@ -146,3 +146,41 @@ class Driver(vf.Frontend):
         self.packet(src_port, dst_port, REQUEST)
         return self.wait_for(lambda p: p.dst_port == src_port and p.src_port == dst_port and p.op in (RESPONSE, RST),
                              timeout)
+
+
+def flood(path, cid, seconds):
+    """A hostile guest for `seconds`: every kind of packet no guest may send,
+    packets for no connection, and connections opened and dropped, as fast
+    as it can, its receive ring drained as it goes. Prints how many
+    packets it sent."""
+    d = Driver(path, cid)
+    bad = [
+        header(cid + 1, HOST_CID, 1, 5000, REQUEST),
+        header(cid, cid + 1, 2, 5000, REQUEST),
+        header(cid, HOST_CID, 3, 5000, REQUEST, kind=SEQPACKET),
+        header(cid, HOST_CID, 4, 5000, 99),
+        header(cid, HOST_CID, 5, 5000, RW, length=4000) + bytes(8),
+        header(cid, HOST_CID, 6, 5000, RW, length=8) + bytes(8),   # no such connection
+        bytes(20),
+    ]
+    sent, k = 0, 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for b in bad:
+            d.send_raw(b, kick=False)
+        port = 10000 + k % 50000
+        k += 1
+        d.send_raw(header(cid, HOST_CID, port, 5000, REQUEST), kick=False)
+        d.send_raw(header(cid, HOST_CID, port, 5000, RST))
+        sent += len(bad) + 2
+        d.poll()
+        d.got.clear()
+    print(sent, flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 5 or sys.argv[1] != "flood":
+        sys.exit("usage: vsock_driver.py flood <socket> <cid> <seconds>")
+    flood(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
