@@ -244,6 +244,15 @@ class Frontend:
         at = self.rings[q][2] + 2
         return struct.unpack("<H", self.mem[at:at + 2])[0]
 
+    def all_used(self, q, timeout=5.0) -> bool:
+        """True once the backend has used every chain offered on queue q."""
+        deadline = time.monotonic() + timeout
+        while self.used_idx(q) != self.avail_idx[q]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
     def used(self, q, k) -> tuple[int, int]:
         at = self.rings[q][2] + 4 + 8 * (k % self.size)
         return struct.unpack("<II", self.mem[at:at + 8])
@@ -398,11 +407,8 @@ def flip_frames(f: Frontend, frame: bytes, rounds: int, timeout=5.0) -> int:
         f.avail_idx[1] = (f.avail_idx[1] + f.size) & 0xFFFF
         f.set_avail_idx(1, f.avail_idx[1])
         queued += f.size
-        deadline = time.monotonic() + timeout
-        while f.used_idx(1) != f.avail_idx[1]:
-            if time.monotonic() > deadline:
-                return queued
-            time.sleep(0.0005)
+        if not f.all_used(1, timeout):
+            return queued
     return queued
 
 

@@ -103,12 +103,7 @@ class Driver(vf.Frontend):
 
     def sent_all(self, timeout=5.0) -> bool:
         """True once vnetd has taken every chain queued."""
-        deadline = time.monotonic() + timeout
-        while self.used_idx(1) != self.avail_idx[1]:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        return True
+        return self.all_used(1, timeout)
 
     # ---- receive ----
 
